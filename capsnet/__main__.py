@@ -1,0 +1,3 @@
+from capsnet.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,59 @@
+"""The `capsnet` command: one entry point, one subcommand per stage of the pipeline.
+
+Each stage owns its subcommands in its own `cli` module, which registers them with
+`register(subparsers)` and keeps heavy imports (torch, onnxruntime, grpc) inside the
+handlers, so `capsnet --help` and `capsnet predict` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from capsnet import __version__
+from capsnet.errors import CapsNetError
+
+# Modules that register subcommands, in pipeline order.
+_COMMAND_MODULES = (
+    "capsnet.training.cli",  # train, eval
+    "capsnet.export.cli",  # export
+    "capsnet.serving.cli",  # serve, predict
+    "capsnet.bench.cli",  # bench
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="capsnet",
+        description="Capsule Networks: train, export to ONNX/TensorRT, serve over gRPC.",
+    )
+    parser.add_argument("--version", action="version", version=f"capsnet-serve {__version__}")
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging verbosity"
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name == module_name:  # stage not built yet
+                continue
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.handler(args) or 0)
+    except CapsNetError as err:
+        print(f"capsnet {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"capsnet {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Command 2 of the README: set up everything the tests need, then run the whole suite.
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+# System tools the tests drive for real: Prometheus (scrapes the server), nginx (gRPC load balancer),
+# and Fashion-MNIST IDX files (the real IDX loader test).
+missing=()
+command -v prometheus >/dev/null || missing+=(prometheus)
+command -v nginx >/dev/null || missing+=(nginx-light)
+[ -d /usr/share/datasets/fashion-mnist ] || missing+=(dataset-fashion-mnist)
+if [ ${#missing[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ]; then
+        echo "==> apt-get install ${missing[*]}"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    else
+        echo "==> not root: tests needing ${missing[*]} will be skipped"
+    fi
+fi
+EXTRAS=dev source scripts/setup-env.sh
+exec python -m pytest -ra "$@"

@@ -1,0 +1,120 @@
+"""Checkpoints: one self-describing file, written atomically, with a format version.
+
+A checkpoint holds everything export and serving need (config, weights, class names, input
+normalisation via the config, routing settings, metrics) plus the optimiser state for `--resume`.
+It loads with `torch.load(weights_only=True)`: plain containers and tensors only, no pickled code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from capsnet import __version__
+from capsnet.errors import CapsNetError
+from capsnet.training.config import CapsNetConfig
+from capsnet.training.model import CapsNet
+
+FORMAT_NAME = "capsnet-checkpoint"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Checkpoint:
+    config: CapsNetConfig
+    state_dict: dict[str, torch.Tensor]
+    class_names: list[str]
+    metrics: dict[str, Any] = field(default_factory=dict)
+    # training state, for --resume
+    epoch: int = 0
+    optimizer_state: dict | None = None
+    scheduler_state: dict | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    dataset: str = ""
+
+    def build_model(self) -> CapsNet:
+        """The model in eval mode on the CPU with these weights."""
+        model = CapsNet(self.config)
+        model.load_state_dict(self.state_dict)
+        return model.eval()
+
+
+def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike) -> None:
+    """Write atomically: a temp file in the same directory, then rename over the target."""
+    path = Path(path)
+    payload = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "capsnet_version": __version__,
+        "config": checkpoint.config.to_dict(),
+        "state_dict": {k: v.detach().cpu() for k, v in checkpoint.state_dict.items()},
+        "class_names": list(checkpoint.class_names),
+        "metrics": checkpoint.metrics,
+        "epoch": checkpoint.epoch,
+        "optimizer_state": checkpoint.optimizer_state,
+        "scheduler_state": checkpoint.scheduler_state,
+        "history": checkpoint.history,
+        "dataset": checkpoint.dataset,
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise CapsNetError(f"cannot write checkpoint {path}: {err.strerror or err}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    path = Path(path)
+    if not path.is_file():
+        raise CapsNetError(f"checkpoint {path} does not exist" if not path.exists() else f"checkpoint {path} is not a file")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises many types for truncated/garbage files
+        raise CapsNetError(f"checkpoint {path} is damaged or not a capsnet checkpoint ({type(err).__name__})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT_NAME:
+        raise CapsNetError(f"{path} is not a capsnet checkpoint")
+    version = payload.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CapsNetError(
+            f"checkpoint {path} has format version {version}; this capsnet-serve reads version {FORMAT_VERSION}"
+        )
+    try:
+        config = CapsNetConfig.from_dict(payload["config"])
+        checkpoint = Checkpoint(
+            config=config,
+            state_dict=payload["state_dict"],
+            class_names=list(payload["class_names"]),
+            metrics=payload.get("metrics") or {},
+            epoch=int(payload.get("epoch", 0)),
+            optimizer_state=payload.get("optimizer_state"),
+            scheduler_state=payload.get("scheduler_state"),
+            history=payload.get("history") or [],
+            dataset=payload.get("dataset", ""),
+        )
+        CapsNet(config).load_state_dict(checkpoint.state_dict)
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise CapsNetError(f"checkpoint {path} is damaged: {str(err).splitlines()[0]}") from None
+    if len(checkpoint.class_names) != config.num_classes:
+        raise CapsNetError(f"checkpoint {path} is damaged: {len(checkpoint.class_names)} class names for {config.num_classes} classes")
+    return checkpoint
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

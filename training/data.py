@@ -1,0 +1,161 @@
+"""Datasets: MNIST-format IDX files from a directory, or the embedded 5,000 MNIST digits.
+
+Images stay uint8 (N, C, H, W) in memory; batches are converted to float32 in [0, 1] on the fly.
+"""
+
+from __future__ import annotations
+
+import gzip
+import struct
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from capsnet.errors import CapsNetError
+
+DIGIT_NAMES = tuple(str(d) for d in range(10))
+FASHION_MNIST_NAMES = (
+    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+)
+KMNIST_NAMES = ("o", "ki", "su", "tsu", "na", "ha", "ma", "ya", "re", "wo")
+
+IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+_IDX_DTYPES = {0x08: np.uint8}
+EMBEDDED_TRAIN_PER_CLASS = 400
+
+
+@dataclass
+class Split:
+    images: np.ndarray  # (N, C, H, W) uint8
+    labels: np.ndarray  # (N,) int64
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+@dataclass
+class Dataset:
+    name: str
+    train: Split
+    test: Split
+    class_names: tuple[str, ...]
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return tuple(self.train.images.shape[1:])  # (C, H, W)
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """Read one IDX file (optionally gzip-compressed) into an array of its declared shape."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as err:
+        raise CapsNetError(f"cannot read IDX file {path}: {err}") from None
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
+        raise CapsNetError(f"{path} is not an unsigned-byte IDX file (bad magic number)")
+    ndim = raw[3]
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise CapsNetError(f"{path} is truncated (header)")
+    shape = struct.unpack(f">{ndim}I", raw[4:header])
+    count = int(np.prod(shape))
+    if len(raw) - header != count:
+        raise CapsNetError(f"{path} holds {len(raw) - header} bytes of data; its header declares {shape} = {count}")
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def _find_idx(directory: Path, stem: str) -> Path:
+    for candidate in (directory / stem, directory / f"{stem}.gz", directory / stem.replace("-idx", ".idx")):
+        if candidate.is_file():
+            return candidate
+    raise CapsNetError(f"data directory {directory} has no {stem}[.gz]")
+
+
+def guess_class_names(directory: Path, num_classes: int) -> tuple[str, ...]:
+    """Class names travel with the data: a `classes.txt` (one per line) wins, then the folder name."""
+    names_file = directory / "classes.txt"
+    if names_file.is_file():
+        names = tuple(line.strip() for line in names_file.read_text().splitlines() if line.strip())
+        if len(names) != num_classes:
+            raise CapsNetError(f"{names_file} lists {len(names)} names for {num_classes} classes")
+        return names
+    lowered = str(directory).lower()
+    if "fashion" in lowered and num_classes == 10:
+        return FASHION_MNIST_NAMES
+    if "kmnist" in lowered and num_classes == 10:
+        return KMNIST_NAMES
+    return DIGIT_NAMES if num_classes == 10 else tuple(str(i) for i in range(num_classes))
+
+
+def load_idx_directory(directory: str | Path) -> Dataset:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CapsNetError(f"data directory {directory} does not exist" if not directory.exists() else f"{directory} is not a directory")
+    splits = {}
+    for split, (image_stem, label_stem) in IDX_FILES.items():
+        images = read_idx(_find_idx(directory, image_stem))
+        labels = read_idx(_find_idx(directory, label_stem))
+        if images.ndim == 3:
+            images = images[:, None]  # (N, 1, H, W)
+        elif images.ndim == 4:
+            images = images.transpose(0, 3, 1, 2)  # (N, H, W, C) -> (N, C, H, W)
+        else:
+            raise CapsNetError(f"{image_stem} in {directory} has {images.ndim} dimensions; expected 3 or 4")
+        if labels.ndim != 1 or len(labels) != len(images):
+            raise CapsNetError(f"{label_stem} in {directory} has {labels.shape} labels for {len(images)} images")
+        splits[split] = Split(np.ascontiguousarray(images), labels.astype(np.int64))
+    num_classes = int(max(splits["train"].labels.max(), splits["test"].labels.max())) + 1
+    return Dataset(directory.name, splits["train"], splits["test"], guess_class_names(directory, num_classes))
+
+
+def load_embedded() -> Dataset:
+    """The 5,000 MNIST digits shipped in the package, split 4,000/1,000 with a fixed seed."""
+    with resources.files("capsnet.training").joinpath("data/mnist_5k.npz").open("rb") as f:
+        archive = np.load(f)
+        images, labels = archive["images"][:, None], archive["labels"].astype(np.int64)  # (5000, 1, 28, 28)
+    rng = np.random.default_rng(0)
+    train_idx, test_idx = [], []
+    for digit in range(10):
+        members = rng.permutation(np.flatnonzero(labels == digit))
+        train_idx.append(members[:EMBEDDED_TRAIN_PER_CLASS])
+        test_idx.append(members[EMBEDDED_TRAIN_PER_CLASS:])
+    train_idx = rng.permutation(np.concatenate(train_idx))
+    test_idx = np.sort(np.concatenate(test_idx))
+    return Dataset(
+        "embedded-mnist-5k",
+        Split(images[train_idx], labels[train_idx]),
+        Split(images[test_idx], labels[test_idx]),
+        DIGIT_NAMES,
+    )
+
+
+def load_dataset(spec: str) -> Dataset:
+    """`embedded` or a directory of MNIST-format IDX files."""
+    return load_embedded() if spec == "embedded" else load_idx_directory(spec)
+
+
+def to_float(images: np.ndarray | Tensor) -> Tensor:
+    """uint8 (N, C, H, W) -> float32 in [0, 1]."""
+    return torch.as_tensor(images).float().div_(255.0)
+
+
+def random_shift(images: Tensor, max_shift: int, generator: torch.Generator | None = None) -> Tensor:
+    """Shift each image by up to `max_shift` pixels in x and y, zero-filled (the paper's augmentation)."""
+    if max_shift <= 0:
+        return images
+    batch, _, height, width = images.shape
+    padded = F.pad(images, (max_shift,) * 4)  # (B, C, H+2s, W+2s)
+    offsets = torch.randint(0, 2 * max_shift + 1, (batch, 2), generator=generator)
+    return torch.stack(
+        [padded[i, :, dy : dy + height, dx : dx + width] for i, (dy, dx) in enumerate(offsets.tolist())]
+    )  # (B, C, H, W)

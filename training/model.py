@@ -1,0 +1,189 @@
+"""CapsNet (Sabour, Frosst & Hinton 2017): Conv1 → PrimaryCaps → DigitCaps with routing by agreement.
+
+Everything is batch-agnostic and device-agnostic: no fixed-batch reshapes, no `.squeeze()`, no
+state shared across the batch, and routing is a fixed number of plain tensor ops, so it traces to
+ONNX with no Loop/If and an image's output does not depend on what it was batched with.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from capsnet.training.config import CapsNetConfig
+
+
+def squash(s: Tensor, constant: float = 1.0, dim: int = -1) -> Tensor:
+    """v = |s|² / (constant + |s|²) · s / |s|, written as s·|s| / (constant + |s|²).
+
+    That form has no division by |s|, so it is finite at s = 0 with a finite gradient there
+    (vector_norm's backward is 0 at 0), and it is computed in float32 so fp16/bf16 inputs
+    cannot overflow |s|².
+    """
+    s32 = s.float()
+    norm = torch.linalg.vector_norm(s32, dim=dim, keepdim=True)
+    return (s32 * (norm / (constant + norm * norm))).to(s.dtype)
+
+
+def capsule_lengths(v: Tensor) -> Tensor:
+    """Capsule lengths: the probability that each entity is present."""
+    return torch.linalg.vector_norm(v.float(), dim=-1)
+
+
+class RoutingResult(NamedTuple):
+    poses: Tensor  # (B, J, D) output capsules v_j
+    coupling: Tensor  # (B, I, J) coupling coefficients of the last iteration
+
+
+def route(u_hat: Tensor, iterations: int, variant: str = "sabour", squash_constant: float = 1.0,
+          detach_agreement: bool = False) -> RoutingResult:
+    """Routing by agreement over predictions u_hat (B, I, J, D), per sample.
+
+    b starts at 0, so the first coupling is uniform (1/J, or 1/(J+1) with the leaky extra logit)
+    and needs no softmax; the logits of every later iteration are each sample's own.
+    """
+    batch, num_in, num_out, _ = u_hat.shape
+    leaky = variant == "leaky"
+    logits = coupling = v = None
+    for iteration in range(iterations):
+        if logits is None:
+            s = u_hat.sum(dim=1) / (num_out + leaky)  # (B, J, D): uniform coupling
+        else:
+            if leaky:
+                # A zero logit for an extra "none of these" parent absorbs votes that fit no class.
+                padded = F.pad(logits, (0, 1))  # (B, I, J+1)
+                coupling = torch.softmax(padded, dim=-1)[..., :num_out]  # (B, I, J)
+            else:
+                coupling = torch.softmax(logits, dim=-1)  # (B, I, J)
+            s = (coupling.unsqueeze(-1) * u_hat).sum(dim=1)  # (B, J, D)
+        v = squash(s, squash_constant)  # (B, J, D)
+        if iteration < iterations - 1:
+            agreement = (u_hat * v.unsqueeze(1)).sum(dim=-1)  # (B, I, J)
+            if detach_agreement:
+                agreement = agreement.detach()
+            logits = agreement if (logits is None or variant == "su") else logits + agreement
+    if coupling is None:
+        coupling = u_hat.new_full((batch, num_in, num_out), 1.0 / (num_out + leaky))  # (B, I, J)
+    return RoutingResult(poses=v, coupling=coupling)
+
+
+class PrimaryCaps(nn.Module):
+    """A 9×9 stride-2 convolution whose channels are grouped into capsules, then squashed."""
+
+    def __init__(self, config: CapsNetConfig):
+        super().__init__()
+        self.num_caps_channels = config.primary_caps_channels
+        self.caps_dim = config.primary_caps_dim
+        self.squash_constant = config.squash_constant
+        self.conv = nn.Conv2d(
+            config.conv1_channels,
+            config.primary_caps_channels * config.primary_caps_dim,
+            kernel_size=config.primary_caps_kernel,
+            stride=config.primary_caps_stride,
+        )
+
+    def forward(self, features: Tensor) -> Tensor:
+        x = self.conv(features)  # (B, 32*8, 6, 6)
+        batch, _, grid_h, grid_w = x.shape
+        x = x.view(batch, self.num_caps_channels, self.caps_dim, grid_h, grid_w)  # (B, 32, 8, 6, 6)
+        x = x.permute(0, 1, 3, 4, 2)  # (B, 32, 6, 6, 8): capsules ordered (channel, y, x)
+        u = x.reshape(batch, -1, self.caps_dim)  # (B, 1152, 8)
+        return squash(u, self.squash_constant)
+
+
+class DigitCaps(nn.Module):
+    """One learned 8→16 matrix W_ij per (input capsule i, class j), then routing."""
+
+    def __init__(self, config: CapsNetConfig):
+        super().__init__()
+        self.config = config
+        num_in, num_out = config.num_primary_caps, config.num_classes
+        # Stored as (I, P, J*D) so û for the whole batch is one batched MatMul over i.
+        self.weight = nn.Parameter(
+            0.01 * torch.randn(num_in, config.primary_caps_dim, num_out * config.digit_caps_dim)
+        )
+
+    def predictions(self, u: Tensor) -> Tensor:
+        """û_j|i = W_ij · u_i for every pair, as one MatMul."""
+        cfg = self.config
+        batch = u.shape[0]
+        u_hat = torch.matmul(u.transpose(0, 1), self.weight)  # (I, B, P) @ (I, P, J*D) -> (I, B, J*D)
+        u_hat = u_hat.transpose(0, 1)  # (B, I, J*D)
+        return u_hat.reshape(batch, cfg.num_primary_caps, cfg.num_classes, cfg.digit_caps_dim)  # (B, 1152, 10, 16)
+
+    def forward(self, u: Tensor) -> RoutingResult:
+        cfg = self.config
+        return route(
+            self.predictions(u),
+            iterations=cfg.routing_iterations,
+            variant=cfg.routing,
+            squash_constant=cfg.squash_constant,
+            detach_agreement=cfg.detach_agreement,
+        )
+
+
+class Decoder(nn.Module):
+    """Reconstructs the image from the poses, all capsules but one masked to zero."""
+
+    def __init__(self, config: CapsNetConfig):
+        super().__init__()
+        widths = [config.num_classes * config.digit_caps_dim, *config.decoder_hidden]
+        layers: list[nn.Module] = []
+        for width_in, width_out in zip(widths[:-1], widths[1:]):
+            layers += [nn.Linear(width_in, width_out), nn.ReLU(inplace=True)]
+        layers += [nn.Linear(widths[-1], config.input_size), nn.Sigmoid()]
+        self.net = nn.Sequential(*layers)
+        self.num_classes = config.num_classes
+
+    def forward(self, poses: Tensor, target: Tensor) -> Tensor:
+        """poses (B, J, D), target (B,) class indices -> (B, C*H*W) in [0, 1]."""
+        # A comparison with arange (not one_hot of a traced value) keeps the mask a graph op.
+        classes = torch.arange(self.num_classes, device=poses.device)  # (J,)
+        mask = (classes.unsqueeze(0) == target.unsqueeze(1)).to(poses.dtype)  # (B, J)
+        masked = poses * mask.unsqueeze(-1)  # (B, J, D)
+        return self.net(masked.flatten(1))  # (B, J*D) -> (B, C*H*W)
+
+
+class CapsNetOutput(NamedTuple):
+    probabilities: Tensor  # (B, J) capsule lengths
+    poses: Tensor  # (B, J, D)
+    reconstruction: Tensor  # (B, C*H*W)
+    coupling: Tensor  # (B, I, J)
+
+
+class CapsNet(nn.Module):
+    def __init__(self, config: CapsNetConfig):
+        super().__init__()
+        self.config = config
+        channels = config.in_channels
+        mean = torch.tensor(config.input_mean, dtype=torch.float32).expand(channels)
+        std = torch.tensor(config.input_std, dtype=torch.float32).expand(channels)
+        self.register_buffer("input_mean", mean.reshape(1, channels, 1, 1).clone(), persistent=False)  # (1, C, 1, 1)
+        self.register_buffer("input_std", std.reshape(1, channels, 1, 1).clone(), persistent=False)  # (1, C, 1, 1)
+        self.conv1 = nn.Conv2d(channels, config.conv1_channels, kernel_size=config.conv1_kernel)
+        self.primary_caps = PrimaryCaps(config)
+        self.digit_caps = DigitCaps(config)
+        self.decoder = Decoder(config)
+
+    def normalised(self, images: Tensor) -> Tensor:
+        if self.config.input_mean == (0.0,) and self.config.input_std == (1.0,):
+            return images
+        return (images - self.input_mean) / self.input_std
+
+    def forward(self, images: Tensor, target: Tensor | None = None) -> CapsNetOutput:
+        """images (B, C, H, W) in [0, 1]; the decoder is masked by `target` if given, else by the prediction."""
+        features = F.relu(self.conv1(self.normalised(images)))  # (B, 256, 20, 20)
+        u = self.primary_caps(features)  # (B, 1152, 8)
+        poses, coupling = self.digit_caps(u)  # (B, 10, 16), (B, 1152, 10)
+        probabilities = capsule_lengths(poses)  # (B, 10)
+        if target is None:
+            target = probabilities.argmax(dim=1)  # (B,)
+        reconstruction = self.decoder(poses, target)  # (B, C*H*W)
+        return CapsNetOutput(probabilities, poses, reconstruction, coupling)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
