@@ -1,0 +1,71 @@
+"""Fixtures shared by every area's tests: checkpoints of the `tiny` preset and the GPU skip.
+
+Each area keeps its own tests (and any local conftest.py) in tests/<area>/.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from capsnet.training.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from capsnet.training.config import preset
+from capsnet.training.data import DIGIT_NAMES
+from capsnet.training.model import CapsNet
+
+
+def _gpu_skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _gpu_skip_reason()
+    if reason is None:
+        return
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def random_tiny_checkpoint(tmp_path_factory) -> Path:
+    """An untrained `tiny` checkpoint (seeded): for shape, format and error-path tests."""
+    torch.manual_seed(0)
+    config = preset("tiny")
+    model = CapsNet(config)
+    path = tmp_path_factory.mktemp("random-tiny") / "model.ckpt"
+    save_checkpoint(Checkpoint(config=config, state_dict=model.state_dict(), class_names=list(DIGIT_NAMES)), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_checkpoint(tmp_path_factory) -> Path:
+    """A `tiny` model trained briefly on the embedded MNIST digits, through the real CLI.
+
+    Decisive predictions (unlike random weights), so parity tests can demand identical argmax.
+    """
+    from capsnet.cli import main
+
+    path = tmp_path_factory.mktemp("trained-tiny") / "model.ckpt"
+    code = main(["train", "--data", "embedded", "--preset", "tiny", "--epochs", "2", "--batch-size", "64",
+                 "--seed", "0", "--out", str(path), "--no-progress"])
+    assert code == 0 and path.is_file()
+    load_checkpoint(path)
+    return path
+
+
+@pytest.fixture()
+def copy_of(tmp_path):
+    """Copy a file into this test's tmp dir (tests may damage it)."""
+
+    def _copy(path: Path) -> Path:
+        target = tmp_path / Path(path).name
+        shutil.copy(path, target)
+        return target
+
+    return _copy
