@@ -1,0 +1,91 @@
+"""`capsnet export CHECKPOINT --out DIR`: ONNX (+ INT8, FP16), TensorRT and a Triton repository."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from capsnet.export.config import DEFAULT_OPSET, PRECISIONS, ExportConfig
+
+DEFAULTS = ExportConfig()
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "export",
+        help="export a checkpoint to ONNX / TensorRT / a Triton model repository",
+        description="Write DIR/model.onnx (+ model.json sidecar, optional INT8/FP16 variants and TensorRT "
+        "engine), checked against PyTorch on real images. Written atomically: all or nothing.",
+    )
+    parser.add_argument("checkpoint", help="checkpoint written by `capsnet train`")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output directory (new, empty, or a previous export)")
+    parser.add_argument("--reconstruction", action="store_true", help="also output the decoder's reconstruction")
+    parser.add_argument("--data", default=DEFAULTS.data, metavar="embedded|DIR",
+                        help="real images for parity (test split), INT8 calibration (train) and accuracy (test); "
+                        "default: %(default)s")
+    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset, 18-24 (default: %(default)s)")
+
+    int8 = parser.add_argument_group("INT8 / FP16 (ONNX Runtime)")
+    int8.add_argument("--int8", action="store_true", help="also write model.int8.onnx (static QDQ, for CPUs)")
+    int8.add_argument("--int8-max-drop", type=float, default=DEFAULTS.int8_max_drop, metavar="POINTS",
+                      help="refuse the INT8 model if it loses more accuracy than this, in percentage points "
+                      "(default: %(default)s)")
+    int8.add_argument("--calibration-images", type=int, default=DEFAULTS.calibration_images, metavar="N",
+                      help="training images that calibrate the INT8 ranges (default: %(default)s)")
+    int8.add_argument("--fp16", action="store_true", help="also write model.fp16.onnx (for GPU execution providers)")
+
+    trt = parser.add_argument_group("TensorRT (needs a CUDA GPU and the tensorrt package)")
+    trt.add_argument("--tensorrt", action="store_true", help="also build model.plan + model.plan.json")
+    trt.add_argument("--tensorrt-precision", choices=PRECISIONS, default=DEFAULTS.tensorrt_precision,
+                     help="engine precision; fp16/int8 also write that ONNX variant (default: %(default)s)")
+    trt.add_argument("--min-batch", type=int, default=DEFAULTS.min_batch,
+                     help="optimisation profile: smallest batch (default: %(default)s)")
+    trt.add_argument("--opt-batch", type=int, default=DEFAULTS.opt_batch,
+                     help="optimisation profile: batch tuned for (default: %(default)s)")
+    trt.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch,
+                     help="optimisation profile: largest batch, also Triton's max_batch_size (default: %(default)s)")
+    trt.add_argument("--workspace-mib", type=int, default=DEFAULTS.workspace_mib,
+                     help="TensorRT workspace limit (default: %(default)s)")
+    trt.add_argument("--timing-cache", metavar="PATH", default=None,
+                     help="TensorRT timing cache reused across builds (default: ~/.cache/capsnet/tensorrt.timing-cache)")
+
+    triton = parser.add_argument_group("Triton Inference Server")
+    triton.add_argument("--triton", dest="triton_repo", metavar="REPO", default=None,
+                        help="also write the model repository REPO/capsnet (config.pbtxt + 1/model.onnx or model.plan)")
+    triton.add_argument("--max-queue-delay-us", type=int, default=DEFAULTS.max_queue_delay_us,
+                        help="Triton dynamic batching: longest wait to fill a batch (default: %(default)s)")
+    parser.set_defaults(handler=run_export)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import onnx
+
+    from capsnet.export.exporter import export_model
+    from capsnet.export.onnx_export import op_counts
+
+    options = {field.name: getattr(args, field.name) for field in dataclasses.fields(ExportConfig)}
+    sidecar = export_model(args.checkpoint, args.out, **options)
+
+    out = Path(args.out)
+    counts = op_counts(onnx.load(str(out / sidecar["artifacts"]["onnx"])))
+    parity = sidecar["parity"]
+    written = ", ".join(name for name in sidecar["artifacts"].values() if name)
+    print(f"wrote {out}: {written}, model.json, model.ckpt")
+    print(f"  ONNX opset {sidecar['opset']}, {sum(counts.values())} nodes "
+          f"({', '.join(f'{op} {n}' for op, n in counts.most_common())})")
+    diffs = ", ".join(f"{name} {diff:.1e}" for name, diff in parity["onnxruntime"]["max_abs_diff"].items())
+    print(f"  ONNX Runtime vs PyTorch, batches {'/'.join(map(str, parity['batch_sizes']))}: max |diff| {diffs}; "
+          f"same class {parity['onnxruntime']['argmax_agreement']:.0%}")
+    if sidecar["int8"]:
+        int8 = sidecar["int8"]
+        print(f"  INT8 accuracy {int8['accuracy_fp32']:.2%} -> {int8['accuracy_int8']:.2%} "
+              f"({int8['accuracy_change_points']:+.2f} points), {int8['calibration_images']} calibration images")
+    if "tensorrt" in parity:
+        engine = parity["tensorrt"]
+        print(f"  TensorRT {engine['precision']} vs ONNX Runtime: max |diff| "
+              f"{max(engine['max_abs_diff'].values()):.1e}, same class {engine['argmax_agreement']:.0%}")
+    if args.triton_repo:
+        print(f"  Triton model repository: {Path(args.triton_repo) / sidecar['name']}")
+    return 0

@@ -1,0 +1,119 @@
+"""Every export option in dataclasses, checked on construction; no heavy imports, so the CLI can
+show the defaults in `capsnet export --help` without loading onnx or torch."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from capsnet.errors import CapsNetError
+
+# The PyTorch (dynamo) exporter writes opset 18 at the lowest; 24 is the newest that both
+# ONNX Runtime and TensorRT's ONNX parser (10.15: opsets 9-24) read.
+MIN_OPSET, MAX_OPSET = 18, 24
+DEFAULT_OPSET = 18
+PRECISIONS = ("fp32", "fp16", "int8")
+
+
+def check_opset(opset: int) -> None:
+    if not MIN_OPSET <= opset <= MAX_OPSET:
+        raise CapsNetError(
+            f"unsupported opset {opset}: capsnet export writes ONNX opset {MIN_OPSET} to {MAX_OPSET} "
+            f"(the PyTorch exporter starts at {MIN_OPSET})"
+        )
+
+
+def default_timing_cache() -> Path:
+    """One TensorRT timing cache per user, reused by every build (TensorRT rejects a foreign GPU's)."""
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache_home / "capsnet" / "tensorrt.timing-cache"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    precision: str = "fp32"
+    min_batch: int = 1
+    opt_batch: int = 32
+    max_batch: int = 256
+    workspace_mib: int = 1024
+    timing_cache: Path | None = None  # None: default_timing_cache()
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise CapsNetError(f"TensorRT precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if not 1 <= self.min_batch <= self.opt_batch <= self.max_batch:
+            raise CapsNetError(
+                "batch sizes must satisfy 1 <= --min-batch <= --opt-batch <= --max-batch, got "
+                f"{self.min_batch}/{self.opt_batch}/{self.max_batch}"
+            )
+        if self.workspace_mib < 1:
+            raise CapsNetError(f"--workspace-mib must be at least 1, got {self.workspace_mib}")
+
+    @property
+    def timing_cache_path(self) -> Path:
+        return self.timing_cache or default_timing_cache()
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    max_batch_size: int = 256
+    preferred_batch_sizes: tuple[int, ...] = (32, 256)
+    max_queue_delay_us: int = 100
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """Every option of `capsnet export`; the field names are the CLI flags'."""
+
+    reconstruction: bool = False
+    int8: bool = False
+    fp16: bool = False
+    tensorrt: bool = False
+    triton_repo: str | Path | None = None
+    data: str = "embedded"  # real images: test split for parity and INT8 accuracy, train split for calibration
+    opset: int = DEFAULT_OPSET
+    int8_max_drop: float = 1.0  # accuracy points the INT8 model may lose
+    calibration_images: int = 200
+    tensorrt_precision: str = "fp32"
+    min_batch: int = 1
+    opt_batch: int = 32
+    max_batch: int = 256
+    workspace_mib: int = 1024
+    timing_cache: str | Path | None = None
+    max_queue_delay_us: int = 100
+
+    def __post_init__(self) -> None:
+        check_opset(self.opset)
+        if self.int8_max_drop < 0:
+            raise CapsNetError(f"--int8-max-drop must be >= 0 accuracy points, got {self.int8_max_drop}")
+        if self.calibration_images < 1:
+            raise CapsNetError(f"--calibration-images must be at least 1, got {self.calibration_images}")
+        if self.max_queue_delay_us < 0:
+            raise CapsNetError(f"--max-queue-delay-us must be >= 0, got {self.max_queue_delay_us}")
+        self.engine()  # checks the TensorRT options even when no engine is built
+
+    def engine(self) -> EngineConfig:
+        return EngineConfig(
+            precision=self.tensorrt_precision,
+            min_batch=self.min_batch,
+            opt_batch=self.opt_batch,
+            max_batch=self.max_batch,
+            workspace_mib=self.workspace_mib,
+            timing_cache=Path(self.timing_cache) if self.timing_cache else None,
+        )
+
+    def triton(self) -> TritonConfig:
+        return TritonConfig(
+            max_batch_size=self.max_batch,
+            preferred_batch_sizes=(self.opt_batch, self.max_batch),
+            max_queue_delay_us=self.max_queue_delay_us,
+        )
+
+    @property
+    def wants_int8(self) -> bool:
+        return self.int8 or (self.tensorrt and self.tensorrt_precision == "int8")
+
+    @property
+    def wants_fp16(self) -> bool:
+        return self.fp16 or (self.tensorrt and self.tensorrt_precision == "fp16")

@@ -1,0 +1,94 @@
+"""PyTorch → ONNX: the CapsNet as one straight-line graph with a dynamic batch axis.
+
+The model's routing is already a fixed number of plain tensor ops, so the exported graph has no
+Loop/If/Scan; `check_graph` proves that, and that every dimension but the batch is static.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import onnx
+
+from capsnet.errors import CapsNetError
+from capsnet.export.config import check_opset
+from capsnet.export.logs import quiet
+
+INPUT_NAME = "images"
+OUTPUT_NAMES = ("probabilities", "poses")
+RECONSTRUCTION_NAME = "reconstruction"
+BATCH_DIM = "batch"
+CONTROL_FLOW_OPS = frozenset({"Loop", "If", "Scan"})
+
+
+def output_names(reconstruction: bool) -> tuple[str, ...]:
+    return OUTPUT_NAMES + ((RECONSTRUCTION_NAME,) if reconstruction else ())
+
+
+def graph_opset(model: onnx.ModelProto) -> int:
+    """The opset of the default ONNX domain that the model really declares."""
+    return next(entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx"))
+
+
+def op_counts(model: onnx.ModelProto) -> Counter:
+    return Counter(node.op_type for node in model.graph.node)
+
+
+def export_onnx(model, path: Path, opset: int, reconstruction: bool) -> onnx.ModelProto:
+    """Write `model` (a CapsNet in eval mode) to `path` and return the checked ONNX model."""
+    import torch
+
+    check_opset(opset)
+    config = model.config
+    names = output_names(reconstruction)
+
+    class InferenceOutputs(torch.nn.Module):
+        """Only the outputs the graph declares; the decoder is masked by the predicted class."""
+
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, images):
+            outputs = self.model(images)
+            return tuple(getattr(outputs, name) for name in names)
+
+    # Batch 2, not 1: the exporter would specialise a size-1 axis to a constant.
+    example = torch.rand(2, config.in_channels, config.height, config.width)  # (2, C, H, W)
+    # torch warns about optional torchvision ops; onnxscript and onnx_ir narrate their passes
+    with quiet("torch.onnx", "onnxscript", "onnx_ir"):
+        torch.onnx.export(
+            InferenceOutputs().eval(),
+            (example,),
+            str(path),
+            input_names=[INPUT_NAME],
+            output_names=list(names),
+            dynamic_shapes={"images": {0: torch.export.Dim(BATCH_DIM)}},
+            opset_version=opset,
+            dynamo=True,
+            external_data=False,  # one self-contained file; the paper model is 33 MB
+            verbose=False,
+        )
+    exported = onnx.load(str(path))
+    written = graph_opset(exported)
+    if written != opset:
+        raise CapsNetError(f"asked for ONNX opset {opset} but the PyTorch exporter wrote opset {written}")
+    check_graph(exported)
+    return exported
+
+
+def check_graph(model: onnx.ModelProto) -> None:
+    """ONNX's full check and shape inference, no control flow, and static shapes but the batch."""
+    try:
+        onnx.checker.check_model(model, full_check=True)
+        onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
+        raise CapsNetError(f"the exported ONNX graph is invalid: {str(err).splitlines()[0]}") from None
+    control_flow = sorted(CONTROL_FLOW_OPS & set(op_counts(model)))
+    if control_flow:
+        raise CapsNetError(f"the exported ONNX graph has control flow ({', '.join(control_flow)}); routing must be unrolled")
+    for value in [*model.graph.input, *model.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        if not dims or any(not dim.HasField("dim_value") for dim in dims[1:]):
+            raise CapsNetError(f"the exported ONNX graph's {value.name!r} has a dynamic dimension besides the batch")

@@ -1,0 +1,85 @@
+"""Does an exported graph compute what the model computes? Outputs compared on real images.
+
+Every backend is run the same way: a list of batches in, a list of {output name: array} out, so
+PyTorch, ONNX Runtime and TensorRT results compare with one function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from capsnet.export.onnx_export import INPUT_NAME
+from capsnet.training.data import to_float
+
+PARITY_BATCH_SIZES = (1, 7, 64)
+FP32_TOLERANCE = 1e-4
+
+Batch = np.ndarray  # (N, C, H, W) float32 in [0, 1]
+Outputs = dict[str, np.ndarray]
+
+
+@dataclass
+class Parity:
+    max_abs_diff: dict[str, float]  # per output, over every image
+    argmax_agreement: float  # fraction of images with the same predicted class
+    images: int
+
+    def passes(self, tolerance: float, min_agreement: float = 1.0) -> bool:
+        return max(self.max_abs_diff.values()) <= tolerance and self.argmax_agreement >= min_agreement
+
+    def describe(self) -> str:
+        diffs = ", ".join(f"{name} {diff:.2e}" for name, diff in self.max_abs_diff.items())
+        return f"max |diff| {diffs}; same class for {self.argmax_agreement:.2%} of {self.images} images"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_abs_diff": self.max_abs_diff, "argmax_agreement": self.argmax_agreement, "images": self.images}
+
+
+def parity_batches(images_uint8: np.ndarray, batch_sizes=PARITY_BATCH_SIZES) -> list[Batch]:
+    """Different images for each batch size, spread evenly over the split (splits may be sorted by class)."""
+    total = sum(batch_sizes)
+    picked = to_float(images_uint8[np.arange(total) * len(images_uint8) // total]).numpy()  # (total, C, H, W)
+    bounds = np.cumsum((0, *batch_sizes))
+    return [picked[start:stop] for start, stop in zip(bounds[:-1], bounds[1:])]
+
+
+def torch_outputs(model, batches: list[Batch], names: tuple[str, ...]) -> list[Outputs]:
+    import torch
+
+    results = []
+    with torch.inference_mode():
+        for batch in batches:
+            outputs = model(torch.from_numpy(batch))
+            results.append({name: getattr(outputs, name).numpy() for name in names})
+    return results
+
+
+def onnxruntime_session(model_path_or_bytes):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model_path_or_bytes, providers=["CPUExecutionProvider"])
+
+
+def onnxruntime_outputs(session, batches: list[Batch], names: tuple[str, ...]) -> list[Outputs]:
+    results = []
+    for batch in batches:
+        values = session.run(list(names), {INPUT_NAME: batch})
+        results.append({name: value.astype(np.float32) for name, value in zip(names, values)})
+    return results
+
+
+def compare(reference: list[Outputs], candidate: list[Outputs]) -> Parity:
+    names = list(reference[0])
+    max_abs_diff = {
+        name: max(float(np.abs(ref[name] - cand[name]).max()) for ref, cand in zip(reference, candidate))
+        for name in names
+    }
+    same_class = [
+        ref["probabilities"].argmax(axis=1) == cand["probabilities"].argmax(axis=1)
+        for ref, cand in zip(reference, candidate)
+    ]
+    matches = np.concatenate(same_class)
+    return Parity(max_abs_diff, float(matches.mean()), int(matches.size))

@@ -1,0 +1,56 @@
+"""A Triton Inference Server model repository: REPO/<name>/config.pbtxt and REPO/<name>/1/model.*.
+
+config.pbtxt is protobuf text format of Triton's model_config.proto (ModelConfig). Shapes there
+exclude the batch axis, which Triton adds itself up to max_batch_size.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from capsnet.export.config import TritonConfig
+
+CONFIG_NAME = "config.pbtxt"
+MODEL_VERSION_DIR = "1"
+# platform and the file name Triton's backend looks for
+PLATFORMS = {"onnx": ("onnxruntime_onnx", "model.onnx"), "plan": ("tensorrt_plan", "model.plan")}
+TRITON_DATATYPES = {"FP32": "TYPE_FP32"}
+
+
+def _tensor_entry(name: str, datatype: str, dims: list[int]) -> str:
+    return (f'  {{\n    name: "{name}"\n    data_type: {TRITON_DATATYPES[datatype]}\n'
+            f'    dims: [ {", ".join(map(str, dims))} ]\n  }}')
+
+
+def config_pbtxt(sidecar: dict[str, Any], model_format: str, config: TritonConfig) -> str:
+    platform, _ = PLATFORMS[model_format]
+    model_input = sidecar["input"]
+    inputs = [_tensor_entry(model_input["name"], model_input["datatype"], model_input["shape"])]
+    outputs = [_tensor_entry(out["name"], out["datatype"], out["shape"]) for out in sidecar["outputs"]]
+    preferred = sorted({size for size in config.preferred_batch_sizes if size <= config.max_batch_size})
+    lines = [
+        f'name: "{sidecar["name"]}"',
+        f'platform: "{platform}"',
+        f"max_batch_size: {config.max_batch_size}",
+        "input [\n" + ",\n".join(inputs) + "\n]",
+        "output [\n" + ",\n".join(outputs) + "\n]",
+        "dynamic_batching {\n"
+        f"  preferred_batch_size: [ {', '.join(map(str, preferred))} ]\n"
+        f"  max_queue_delay_microseconds: {config.max_queue_delay_us}\n"
+        "}",
+    ]
+    if model_format == "plan":
+        lines.append("instance_group [\n  {\n    kind: KIND_GPU\n    count: 1\n  }\n]")  # engines run on GPUs only
+    return "\n".join(lines) + "\n"
+
+
+def write_model_directory(model_dir: Path, sidecar: dict[str, Any], model_file: Path, model_format: str,
+                          config: TritonConfig) -> None:
+    """Fill `model_dir` (REPO/<name>) with config.pbtxt and version 1 of the model."""
+    _, file_name = PLATFORMS[model_format]
+    version_dir = model_dir / MODEL_VERSION_DIR
+    version_dir.mkdir(parents=True)
+    shutil.copyfile(model_file, version_dir / file_name)
+    (model_dir / CONFIG_NAME).write_text(config_pbtxt(sidecar, model_format, config))

@@ -1,0 +1,68 @@
+"""User mistakes: one line on stderr, exit code 2, no traceback and nothing half-written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from capsnet.cli import main
+
+
+def _export_error(argv, capsys) -> str:
+    code = main(["export", *argv])
+    stderr = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in stderr
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith("capsnet export: error: ")
+    return line
+
+
+def test_export_missing_checkpoint(tmp_path, capsys):
+    line = _export_error([str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "out")], capsys)
+    assert "does not exist" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_damaged_checkpoint(tmp_path, capsys):
+    damaged = tmp_path / "damaged.ckpt"
+    damaged.write_bytes(b"\x80\x02 not a checkpoint" * 10)
+    assert "damaged" in _export_error([str(damaged), "--out", str(tmp_path / "out")], capsys)
+    assert [path.name for path in tmp_path.iterdir()] == ["damaged.ckpt"]
+
+
+def test_export_output_directory_is_a_file(random_tiny_checkpoint, tmp_path, capsys):
+    target = tmp_path / "model"
+    target.write_text("precious")
+    assert "is not a directory" in _export_error([str(random_tiny_checkpoint), "--out", str(target)], capsys)
+    assert target.read_text() == "precious"
+
+
+def test_export_refuses_a_foreign_non_empty_directory(random_tiny_checkpoint, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert "holds no previous export" in _export_error([str(random_tiny_checkpoint), "--out", str(tmp_path)], capsys)
+    assert [path.name for path in tmp_path.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize("opset", ["16", "25"])
+def test_export_unsupported_opset(random_tiny_checkpoint, tmp_path, capsys, opset):
+    line = _export_error([str(random_tiny_checkpoint), "--out", str(tmp_path / "out"), "--opset", opset], capsys)
+    assert f"unsupported opset {opset}" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_unwritable_path(random_tiny_checkpoint, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    line = _export_error([str(random_tiny_checkpoint), "--out", str(blocker / "sub" / "out")], capsys)
+    assert "cannot write to" in line
+    assert [path.name for path in tmp_path.iterdir()] == ["file"]
+
+
+def test_export_error_from_the_command_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "capsnet", "export", str(tmp_path / "missing.ckpt"),
+                             "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    expected = f"capsnet export: error: checkpoint {tmp_path / 'missing.ckpt'} does not exist"
+    assert result.stderr.strip().splitlines() == [expected]

@@ -1,0 +1,68 @@
+"""The exported graph: valid ONNX, the declared interface, routing unrolled, and a node budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from capsnet.export.onnx_export import CONTROL_FLOW_OPS, export_onnx, graph_opset, op_counts
+from capsnet.export.parity import onnxruntime_session
+from capsnet.training.config import preset
+from capsnet.training.model import CapsNet
+
+
+@pytest.fixture(scope="module")
+def graph(tiny_export) -> onnx.ModelProto:
+    return onnx.load(str(tiny_export.out / "model.onnx"))
+
+
+def _dims(value: onnx.ValueInfoProto) -> list:
+    return [dim.dim_value or dim.dim_param for dim in value.type.tensor_type.shape.dim]
+
+
+def test_export_graph_passes_full_check_and_shape_inference(graph):
+    onnx.checker.check_model(graph, full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(graph, check_type=True, strict_mode=True)
+    assert {value.name for value in inferred.graph.value_info} >= {"conv2d", "softmax"}
+
+
+def test_export_graph_interface(graph, tiny_export):
+    opset = graph_opset(graph)
+    assert opset >= 17 and opset == tiny_export.sidecar["opset"]
+    (images,) = graph.graph.input
+    assert images.name == "images" and images.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    batch = _dims(images)[0]
+    assert isinstance(batch, str) and batch  # symbolic: any batch size
+    assert _dims(images) == [batch, 1, 28, 28]
+    outputs = {value.name: _dims(value) for value in graph.graph.output}
+    assert outputs == {"probabilities": [batch, 10], "poses": [batch, 10, 16], "reconstruction": [batch, 784]}
+    assert all(value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT for value in graph.graph.output)
+
+
+def test_export_graph_is_small_and_straight(graph):
+    counts = op_counts(graph)
+    assert not CONTROL_FLOW_OPS & set(counts)
+    assert counts["MatMul"] == 1 and counts["Einsum"] == 0  # û for every (i, j) pair in one batched MatMul
+    assert counts["Conv"] == 2
+    assert counts["Softmax"] == 2  # 3 iterations; the first coupling is uniform, no softmax
+    assert counts["Transpose"] <= 3
+    assert not {"Gather", "Slice", "Split", "Concat"} & set(counts)  # no per-capsule ops
+    # 48 nodes for probabilities + poses, 13 more for the masked decoder (measured): a regression shows here.
+    assert sum(counts.values()) <= 61
+
+
+def test_export_graph_unrolls_the_checkpoints_iteration_count(tmp_path):
+    torch.manual_seed(0)
+    model = CapsNet(preset("tiny", routing_iterations=5)).eval()
+    exported = export_onnx(model, tmp_path / "model.onnx", opset=18, reconstruction=False)
+    counts = op_counts(exported)
+    assert not CONTROL_FLOW_OPS & set(counts)
+    assert counts["Softmax"] == 4  # iterations - 1
+    assert counts["ReduceL2"] == 7  # squash of PrimaryCaps and of each iteration, then the lengths
+    images = np.random.default_rng(0).random((3, 1, 28, 28), dtype=np.float32)
+    probabilities, _ = onnxruntime_session(str(tmp_path / "model.onnx")).run(None, {"images": images})
+    with torch.inference_mode():
+        expected = model(torch.from_numpy(images)).probabilities.numpy()
+    assert np.abs(probabilities - expected).max() <= 1e-5

@@ -1,0 +1,66 @@
+"""INT8: QDQ on the convolutions only, accuracy measured and stored, refused when it drops too far."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from capsnet.cli import main
+from capsnet.export.parity import onnxruntime_session
+from capsnet.export.quantize import accuracy
+
+
+def test_export_int8_quantises_only_the_convolutions_symmetrically(tiny_export):
+    model = onnx.load(str(tiny_export.out / "model.int8.onnx"))
+    producers = {output: node.op_type for node in model.graph.node for output in node.output}
+    initializers = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+    dequantized = {node.output[0] for node in model.graph.node if node.op_type == "DequantizeLinear"}
+    # int8 tensors: the convolutions' inputs, weights and outputs, read back by the Relu and Reshape after them
+    assert {node.op_type for node in model.graph.node if dequantized & set(node.input)} == {"Conv", "Relu", "Reshape"}
+    quantized = {producers.get(node.input[0], "graph input") for node in model.graph.node if node.op_type == "QuantizeLinear"}
+    assert quantized == {"graph input", "Conv", "Relu"}  # never squash, routing or the decoder
+    for conv in (node for node in model.graph.node if node.op_type == "Conv"):
+        assert producers[conv.input[0]] == producers[conv.input[1]] == "DequantizeLinear"
+    weight_scales = [initializers[node.input[1]] for node in model.graph.node
+                     if node.op_type == "DequantizeLinear" and node.input[0].endswith("weight_quantized")]
+    assert [scale.shape for scale in weight_scales] == [(16,), (16,)]  # per output channel
+    for node in model.graph.node:
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            assert not initializers[node.input[2]].any()  # zero point 0: what TensorRT accepts
+        if node.op_type == "QuantizeLinear":
+            assert initializers[node.input[2]].dtype == np.int8
+
+
+def test_export_int8_accuracy_is_measured_on_the_test_split(tiny_export, embedded):
+    int8 = tiny_export.sidecar["int8"]
+    test = embedded.test
+    accuracy_fp32 = accuracy(onnxruntime_session(str(tiny_export.out / "model.onnx")), test.images, test.labels)
+    accuracy_int8 = accuracy(onnxruntime_session(str(tiny_export.out / "model.int8.onnx")), test.images, test.labels)
+    assert accuracy_fp32 > 0.5  # the trained model, so a drop would show
+    assert int8["accuracy_fp32"] == accuracy_fp32 and int8["accuracy_int8"] == accuracy_int8
+    assert abs(int8["accuracy_change_points"] - 100 * (accuracy_int8 - accuracy_fp32)) < 1e-3
+    assert int8["accuracy_change_points"] >= -1.0  # the default --int8-max-drop
+    assert int8["calibration_images"] == 200
+
+
+def _write_idx(path, array: np.ndarray) -> None:
+    header = bytes([0, 0, 0x08, array.ndim]) + np.array(array.shape, dtype=">u4").tobytes()
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+def test_export_int8_is_refused_when_accuracy_drops_too_far(trained_tiny_checkpoint, embedded, tmp_path, capsys):
+    # Calibrating on black images gives activation ranges far too narrow for real digits.
+    data = tmp_path / "black-calibration"
+    data.mkdir()
+    _write_idx(data / "train-images-idx3-ubyte", np.zeros((64, 28, 28)))
+    _write_idx(data / "train-labels-idx1-ubyte", np.zeros(64))
+    _write_idx(data / "t10k-images-idx3-ubyte", embedded.test.images[:, 0])
+    _write_idx(data / "t10k-labels-idx1-ubyte", embedded.test.labels)
+    out = tmp_path / "model"
+    code = main(["export", str(trained_tiny_checkpoint), "--out", str(out), "--int8", "--data", str(data)])
+    stderr = capsys.readouterr().err
+    errors = [line for line in stderr.splitlines() if line.startswith("capsnet export: error:")]
+    assert code == 2 and "Traceback" not in stderr
+    assert len(errors) == 1 and "INT8 model refused" in errors[0] and "--int8-max-drop 1" in errors[0]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["black-calibration"]  # nothing half-written

@@ -1,0 +1,53 @@
+"""The Triton model repository, parsed with Triton's own model_config.proto schema.
+
+tritonclient registers Triton's `inference.*` protobuf messages process-wide, which clash with our
+KServe proto of the same package, so the parse runs in a child process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from capsnet.export.config import TritonConfig
+from capsnet.export.triton import config_pbtxt
+
+PARSE = """
+import json, sys
+from google.protobuf import json_format, text_format
+from tritonclient.grpc import model_config_pb2
+config = text_format.Parse(sys.stdin.read(), model_config_pb2.ModelConfig())
+print(json.dumps(json_format.MessageToDict(config, preserving_proto_field_name=True)))
+"""
+
+
+def _parse_model_config(text: str) -> dict:
+    result = subprocess.run([sys.executable, "-c", PARSE], input=text, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_export_triton_repository_for_onnxruntime(tiny_export):
+    model_dir = tiny_export.repo / "capsnet"
+    config = _parse_model_config((model_dir / "config.pbtxt").read_text())
+    assert config["name"] == "capsnet" and config["platform"] == "onnxruntime_onnx"
+    assert config["max_batch_size"] == 256
+    assert config["input"] == [{"name": "images", "data_type": "TYPE_FP32", "dims": ["1", "28", "28"]}]
+    assert config["output"] == [
+        {"name": "probabilities", "data_type": "TYPE_FP32", "dims": ["10"]},
+        {"name": "poses", "data_type": "TYPE_FP32", "dims": ["10", "16"]},
+        {"name": "reconstruction", "data_type": "TYPE_FP32", "dims": ["784"]},
+    ]
+    assert config["dynamic_batching"] == {"preferred_batch_size": [32, 256], "max_queue_delay_microseconds": "100"}
+    assert sorted(path.name for path in model_dir.iterdir()) == ["1", "config.pbtxt"]
+    assert (model_dir / "1" / "model.onnx").read_bytes() == (tiny_export.out / "model.onnx").read_bytes()
+
+
+def test_export_triton_config_for_a_tensorrt_plan(tiny_export):
+    text = config_pbtxt(tiny_export.sidecar, "plan", TritonConfig(max_batch_size=64, preferred_batch_sizes=(8, 64, 128),
+                                                                  max_queue_delay_us=250))
+    config = _parse_model_config(text)
+    assert config["platform"] == "tensorrt_plan" and config["max_batch_size"] == 64
+    assert config["dynamic_batching"] == {"preferred_batch_size": [8, 64], "max_queue_delay_microseconds": "250"}
+    assert config["instance_group"] == [{"kind": "KIND_GPU", "count": 1}]
