@@ -1,0 +1,27 @@
+"""The one interface every inference backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+import numpy as np
+
+
+class Backend(ABC):
+    name: str  # "onnxruntime" | "tensorrt" | "torch"
+    precision: str  # "fp32" | "fp16" | "int8"
+    description: str  # what it runs on, for the startup log, e.g. "CPUExecutionProvider, 2 threads"
+    output_names: tuple[str, ...]  # the outputs run() returns, as in model.json
+
+    @abstractmethod
+    def run(self, images: np.ndarray) -> dict[str, np.ndarray]:
+        """images float32 (N, C, H, W) in [0, 1] -> {output name: float32 (N, ...)}.
+
+        Called from one worker thread at a time; the arrays returned are the caller's to keep.
+        """
+
+    def warmup(self, batch_sizes: Iterable[int], input_shape: tuple[int, int, int]) -> None:
+        """Run each batch size once, so allocations, kernel choices and lazy inits happen before traffic."""
+        for batch_size in batch_sizes:
+            self.run(np.zeros((batch_size, *input_shape), dtype=np.float32))

@@ -1,0 +1,71 @@
+"""ONNX Runtime: the default backend. CPU everywhere; TensorRT and CUDA execution providers first
+when onnxruntime-gpu is installed and a GPU answers (ONNX Runtime falls back to the CPU otherwise)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnxruntime as ort
+
+from capsnet.errors import CapsNetError
+from capsnet.serving.artifacts import ModelArtifacts
+from capsnet.serving.backends.base import Backend
+
+log = logging.getLogger(__name__)
+
+GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+
+
+def gpu_providers_installed() -> list[str]:
+    return [p for p in GPU_PROVIDERS if p in ort.get_available_providers()]
+
+
+class OnnxRuntimeBackend(Backend):
+    name = "onnxruntime"
+
+    def __init__(self, artifacts: ModelArtifacts, precision: str, threads: int, max_batch_size: int):
+        path = artifacts.onnx.get(precision)
+        if path is None:
+            raise CapsNetError(f"{artifacts.directory} has no {precision} ONNX model; export it with --{precision}")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        # The batcher runs one batch at a time, so parallelism is within operators.
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=self._providers(artifacts, precision, max_batch_size))
+        except Exception as err:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail, ...)
+            raise CapsNetError(f"{path} is damaged or cannot be loaded: {str(err).splitlines()[0]}") from None
+        graph_outputs = {output.name for output in self.session.get_outputs()}
+        missing = [name for name in artifacts.output_names if name not in graph_outputs]
+        if missing:
+            raise CapsNetError(f"{path} is damaged: outputs {', '.join(missing)} listed in model.json are not in the graph")
+        self.input_name = artifacts.input_name
+        self.output_names = artifacts.output_names
+        self.precision = precision
+        self.description = f"{path.name} on {', '.join(self.session.get_providers())}, {threads} threads"
+
+    @staticmethod
+    def _providers(artifacts: ModelArtifacts, precision: str, max_batch_size: int) -> list:
+        providers: list = []
+        installed = gpu_providers_installed()
+        if "TensorrtExecutionProvider" in installed:
+            # One optimisation profile over the batch sizes the batcher produces, built once at startup.
+            shape = "x".join(map(str, artifacts.input_shape))
+            providers.append(("TensorrtExecutionProvider", {
+                "trt_fp16_enable": precision == "fp16",
+                "trt_int8_enable": precision == "int8",  # the int8 model carries its own Q/DQ scales
+                "trt_profile_min_shapes": f"{artifacts.input_name}:1x{shape}",
+                "trt_profile_opt_shapes": f"{artifacts.input_name}:{max_batch_size}x{shape}",
+                "trt_profile_max_shapes": f"{artifacts.input_name}:{max_batch_size}x{shape}",
+            }))
+        if "CUDAExecutionProvider" in installed:
+            providers.append("CUDAExecutionProvider")
+        providers.append("CPUExecutionProvider")
+        return providers
+
+    def run(self, images: np.ndarray) -> dict[str, np.ndarray]:
+        outputs = self.session.run(list(self.output_names), {self.input_name: images})
+        return dict(zip(self.output_names, outputs))

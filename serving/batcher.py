@@ -1,0 +1,201 @@
+"""Dynamic batching: concurrent requests share backend runs, the way Triton's dynamic batcher does.
+
+Requests wait in a bounded FIFO queue. A batch is cut when max_batch_size images are waiting or the
+oldest request has waited max_queue_delay; it takes images from the head of the queue and may split
+a request across two batches, so batches are full under load. One batch runs at a time, in a worker
+thread, so the event loop keeps accepting and queueing requests meanwhile (they form the next batch).
+Every image is computed independently of its batch-mates (the model has no cross-sample state), so
+the split and the grouping change nothing in the results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from capsnet.serving.backends.base import Backend
+from capsnet.serving.errors import ServingError
+from capsnet.serving.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatcherConfig:
+    max_batch_size: int
+    max_queue_delay_s: float
+    max_queue_size: int  # requests waiting (a request in the middle of a split counts until fully taken)
+
+
+@dataclass(eq=False)
+class _Request:
+    images: np.ndarray  # (N, C, H, W) float32
+    deadline: float | None  # time.monotonic()
+    future: asyncio.Future
+    arrival: float = field(default_factory=time.monotonic)
+    taken: int = 0  # images handed to batches so far
+    done: int = 0  # images computed so far
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (N, ...), filled batch by batch
+    queue_wait: float | None = None
+    compute: float = 0.0
+
+
+@dataclass
+class BatchOutput:
+    outputs: dict[str, np.ndarray]  # name -> (N, ...)
+    queue_wait: float  # seconds from arrival to the start of the first backend run that included it
+    compute: float  # seconds of the backend runs that included it
+
+
+class Batcher:
+    def __init__(self, backend: Backend, config: BatcherConfig, metrics: Metrics):
+        self.backend = backend
+        self.config = config
+        self.metrics = metrics
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._queued_images = 0  # images of the queue not yet handed to a batch
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()  # set while no batch is queued or running
+        self._idle.set()
+        # One thread: batches run one after another; the backend parallelises within a batch.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsnet-backend")
+        self._task = asyncio.get_running_loop().create_task(self._schedule(), name="capsnet-batcher")
+
+    async def submit(self, images: np.ndarray, deadline: float | None = None) -> BatchOutput:
+        """Queue validated images (N <= max_batch_size) and wait for their outputs."""
+        if len(self._queue) >= self.config.max_queue_size:
+            raise ServingError(grpc.StatusCode.UNAVAILABLE,
+                               f"queue full: {len(self._queue)} requests are waiting (--max-queue-size "
+                               f"{self.config.max_queue_size}); retry later or on another replica")
+        request = _Request(images, deadline, asyncio.get_running_loop().create_future())
+        self._queue.append(request)
+        self._queued_images += len(images)
+        self._changed()
+        try:
+            timeout = None if deadline is None else deadline - time.monotonic()
+            return await asyncio.wait_for(request.future, timeout)
+        except TimeoutError:
+            self._drop(request, "deadline")
+            raise ServingError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded while waiting for the model") from None
+        except asyncio.CancelledError:
+            self._drop(request, "cancelled")
+            raise
+
+    async def drain(self) -> None:
+        """Wait until every queued request has been computed, then stop."""
+        while self._queue or not self._idle.is_set():
+            await self._idle.wait()
+        self._task.cancel()
+        self._executor.shutdown(wait=True)
+
+    def _changed(self) -> None:
+        self.metrics.queue_depth.set(len(self._queue))
+        if self._queue:
+            self._idle.clear()
+        self._wakeup.set()
+
+    def _remove(self, request: _Request) -> bool:
+        """Take a request out of the queue (freeing its slot); False if it was not there."""
+        if request not in self._queue:
+            return False
+        self._queue.remove(request)
+        self._queued_images -= len(request.images) - request.taken
+        self._changed()
+        return True
+
+    def _drop(self, request: _Request, reason: str) -> None:
+        """A request that will not be answered (its caller gave up) leaves the queue uncomputed."""
+        if self._remove(request):
+            self.metrics.dropped.labels(reason).inc()
+
+    async def _schedule(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._queue:
+                self._idle.set()
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            await self._wait_for_batch()
+            parts = self._take_batch()
+            if parts:
+                await self._run(loop, parts)
+
+    async def _wait_for_batch(self) -> None:
+        """Until max_batch_size images wait or the oldest request has waited max_queue_delay."""
+        while self._queue and self._queued_images < self.config.max_batch_size:
+            remaining = self._queue[0].arrival + self.config.max_queue_delay_s - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except TimeoutError:
+                return
+
+    def _take_batch(self) -> list[tuple[_Request, int, int]]:
+        """Up to max_batch_size images from the head of the queue: (request, start, stop) slices."""
+        parts, count, now = [], 0, time.monotonic()
+        while self._queue and count < self.config.max_batch_size:
+            request = self._queue[0]
+            if request.taken == 0 and request.deadline is not None and request.deadline <= now:
+                # Its caller is about to hear DEADLINE_EXCEEDED: do not spend compute on it.
+                self._drop(request, "deadline")
+                continue
+            take = min(len(request.images) - request.taken, self.config.max_batch_size - count)
+            parts.append((request, request.taken, request.taken + take))
+            request.taken += take
+            count += take
+            self._queued_images -= take
+            if request.taken == len(request.images):
+                self._queue.popleft()
+        self.metrics.queue_depth.set(len(self._queue))
+        return parts
+
+    async def _run(self, loop: asyncio.AbstractEventLoop, parts: list[tuple[_Request, int, int]]) -> None:
+        images = np.concatenate([request.images[start:stop] for request, start, stop in parts])  # (B, C, H, W)
+        started = time.monotonic()
+        for request, start, _ in parts:
+            if start == 0:
+                request.queue_wait = started - request.arrival
+                self.metrics.queue_wait.observe(request.queue_wait)
+        try:
+            outputs = await loop.run_in_executor(self._executor, self.backend.run, images)
+            elapsed = time.monotonic() - started
+            self._deliver(parts, outputs, elapsed)
+        except Exception as err:  # the batch's requests fail; the scheduler, and the server, carry on
+            log.exception("backend %s failed on a batch of %d", self.backend.name, len(images))
+            error = ServingError(grpc.StatusCode.INTERNAL, f"the {self.backend.name} backend failed: {err}")
+            for request, _, _ in parts:
+                self._remove(request)  # the rest of a split request is not run either
+                if not request.future.done():
+                    request.future.set_exception(error)
+            return
+        self.metrics.compute.observe(elapsed)
+        self.metrics.batch_size.observe(len(images))
+        self.metrics.images.inc(len(images))
+
+    @staticmethod
+    def _deliver(parts: list[tuple[_Request, int, int]], outputs: dict[str, np.ndarray], elapsed: float) -> None:
+        """Copy each request's rows of the batch outputs into its own arrays; answer it once complete."""
+        offset = 0
+        for request, start, stop in parts:
+            rows = slice(offset, offset + stop - start)
+            offset += stop - start
+            if request.future.done():  # cancelled or timed out meanwhile
+                continue
+            for name, array in outputs.items():
+                if name not in request.outputs:
+                    request.outputs[name] = np.empty((len(request.images), *array.shape[1:]), dtype=array.dtype)
+                request.outputs[name][start:stop] = array[rows]
+            request.done += stop - start
+            request.compute += elapsed
+            if request.done == len(request.images):
+                request.future.set_result(BatchOutput(request.outputs, request.queue_wait, request.compute))

@@ -1,0 +1,124 @@
+"""`capsnet.v1.CapsNetService`: our API, a thin layer over the shared request path."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import numpy as np
+from google.protobuf.duration_pb2 import Duration
+
+from capsnet.serving.images import decode_images
+from capsnet.serving.service import InferenceResult, InferenceService, ServingError
+from capsnet.v1 import capsnet_pb2 as pb
+from capsnet.v1 import capsnet_pb2_grpc as pb_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CapsNetService"].full_name
+
+
+def add_to_server(server: grpc.aio.Server, service: InferenceService) -> None:
+    pb_grpc.add_CapsNetServiceServicer_to_server(CapsNetServicer(service), server)
+
+
+class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
+    def __init__(self, service: InferenceService):
+        self.service = service
+
+    async def Classify(self, request, context):
+        try:
+            return await self._classify(request, context)
+        except ServingError as err:
+            await context.abort(err.code, err.message)
+
+    async def ClassifyStream(self, request_iterator, context):
+        # Requests are classified concurrently (so they batch together) and answered in order; at most
+        # max_batch_size are in progress, which slows a client that sends faster than it is answered.
+        slots = asyncio.Semaphore(self.service.spec.max_batch_size)
+        pending: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    await slots.acquire()
+                    pending.put_nowait(asyncio.create_task(self._classify(request, context)))
+            finally:
+                pending.put_nowait(None)  # end of the requests
+
+        reader = asyncio.create_task(read())
+        try:
+            while (task := await pending.get()) is not None:
+                try:
+                    response = await task
+                except ServingError as err:
+                    await context.abort(err.code, err.message)
+                slots.release()
+                yield response
+        finally:
+            reader.cancel()
+            while not pending.empty():
+                if task := pending.get_nowait():
+                    task.cancel()
+
+    async def GetModelInfo(self, request, context):
+        spec = self.service.spec
+        return pb.GetModelInfoResponse(
+            name=spec.name,
+            version=spec.version,
+            input_name=spec.input_name,
+            input_shape=spec.input_shape,
+            class_names=spec.class_names,
+            pose_dim=spec.pose_dim,
+            output_names=spec.output_names,
+            max_batch_size=spec.max_batch_size,
+            backend=spec.backend,
+            precision=spec.precision,
+            routing=pb.Routing(variant=spec.routing.get("variant", ""), iterations=spec.routing.get("iterations", 0),
+                               squash_constant=spec.routing.get("squash_constant", 0.0)),
+        )
+
+    async def _classify(self, request: pb.ClassifyRequest, context) -> pb.ClassifyResponse:
+        started = time.monotonic()
+        spec = self.service.spec
+        if request.top_k > len(spec.class_names):
+            raise ServingError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"top_k: expected 0 to {len(spec.class_names)} (the number of classes), got {request.top_k}")
+        self.service.check_batch_size(len(request.images), "images")
+        if any(image.WhichOneof("data") == "encoded" for image in request.images):
+            # PNG/JPEG decoding can take milliseconds: off the event loop.
+            images = await asyncio.to_thread(decode_images, request.images, spec.input_shape)
+        else:
+            images = decode_images(request.images, spec.input_shape)
+        images = self.service.validate_images(images, "images")
+        remaining = context.time_remaining()
+        result = await self.service.infer(images, reconstruction=request.include_reconstruction,
+                                          deadline=None if remaining is None else time.monotonic() + remaining)
+        return self._response(request, result, started)
+
+    def _response(self, request: pb.ClassifyRequest, result: InferenceResult, started: float) -> pb.ClassifyResponse:
+        spec = self.service.spec
+        classes, pose_dim = len(spec.class_names), spec.pose_dim
+        predicted = result.probabilities.argmax(axis=1)  # (N,)
+        top = np.argsort(-result.probabilities, axis=1, kind="stable")[:, :request.top_k]  # (N, k)
+        response = pb.ClassifyResponse(model_name=spec.name, model_version=spec.version, request_id=request.request_id)
+        for index, probabilities in enumerate(result.probabilities):
+            item = response.results.add(probabilities=probabilities.tolist(), predicted_class=int(predicted[index]),
+                                        predicted_name=spec.class_names[predicted[index]])
+            if not request.exclude_poses:
+                item.poses.shape[:] = (classes, pose_dim)
+                item.poses.values[:] = result.poses[index].ravel().tolist()
+            if result.reconstruction is not None:
+                item.reconstruction.shape[:] = spec.input_shape
+                item.reconstruction.values[:] = result.reconstruction[index].tolist()
+            for label in top[index]:
+                item.top_classes.add(index=int(label), name=spec.class_names[label], probability=float(probabilities[label]))
+        response.timing.queue.CopyFrom(_duration(result.queue_seconds))
+        response.timing.compute.CopyFrom(_duration(result.compute_seconds))
+        response.timing.total.CopyFrom(_duration(time.monotonic() - started))
+        return response
+
+
+def _duration(seconds: float) -> Duration:
+    duration = Duration()
+    duration.FromNanoseconds(round(seconds * 1e9))
+    return duration

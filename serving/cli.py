@@ -1,0 +1,116 @@
+"""`capsnet serve` and `capsnet predict`. grpc, onnxruntime and torch are imported inside the handlers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from capsnet.errors import CapsNetError
+
+DEFAULT_SERVER = "127.0.0.1:8001"
+
+
+def register(subparsers) -> None:
+    from capsnet.serving.config import BACKENDS, ENV_VARS, PRECISIONS, ServerConfig
+
+    defaults = ServerConfig.defaults()
+    serve = subparsers.add_parser("serve", help="serve an exported model over gRPC (CapsNet API + KServe v2)",
+                                  description="Serve an export directory over gRPC: the CapsNet API, KServe v2, "
+                                              "health and reflection on one port; Prometheus /metrics on another.")
+    serve.add_argument("--model", dest="model_dir", required=True, metavar="DIR", help="export directory (capsnet export)")
+    serve.add_argument("--host", help=f"address to bind (default {defaults['host']}, loopback only; 0.0.0.0 for every "
+                                      f"interface; env {ENV_VARS['host']})")
+    serve.add_argument("--grpc-port", type=int, metavar="PORT",
+                       help=f"gRPC port (default {defaults['grpc_port']}; 0: any free port; env {ENV_VARS['grpc_port']})")
+    serve.add_argument("--metrics-port", type=int, metavar="PORT",
+                       help=f"Prometheus /metrics port (default {defaults['metrics_port']}; env {ENV_VARS['metrics_port']})")
+    serve.add_argument("--backend", choices=BACKENDS, help="inference backend (default auto: the fastest available)")
+    serve.add_argument("--precision", choices=PRECISIONS,
+                       help="model precision (default fp32; tensorrt: the plan's); fp16/int8 need those exports")
+    serve.add_argument("--max-batch-size", type=int, metavar="N",
+                       help=f"images per backend run and per request (default {defaults['max_batch_size']})")
+    serve.add_argument("--max-queue-delay-us", type=int, metavar="US",
+                       help=f"how long a request may wait for batch-mates, in µs (default {defaults['max_queue_delay_us']})")
+    serve.add_argument("--max-queue-size", type=int, metavar="N",
+                       help=f"requests that may wait; more get UNAVAILABLE 'queue full' (default {defaults['max_queue_size']})")
+    serve.add_argument("--threads", type=int, metavar="N", help="backend threads (default 0: one per CPU core available)")
+    serve.add_argument("--max-message-bytes", type=int, metavar="BYTES",
+                       help=f"largest request or response, bytes (default {defaults['max_message_bytes']})")
+    serve.add_argument("--tls-cert", metavar="PEM", help="server certificate (enables TLS; with --tls-key)")
+    serve.add_argument("--tls-key", metavar="PEM", help="server private key")
+    serve.add_argument("--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA (mutual TLS)")
+    serve.add_argument("--grace-period", dest="grace_period_s", type=float, metavar="SECONDS",
+                       help=f"seconds in-flight requests get on SIGTERM (default {defaults['grace_period_s']:g})")
+    serve.set_defaults(handler=run_serve)
+
+    predict = subparsers.add_parser("predict", help="classify image files with a running server",
+                                    description="Send PNG/JPEG files to a capsnet server and print each one's class.")
+    predict.add_argument("images", nargs="+", metavar="IMG", help="PNG or JPEG files")
+    predict.add_argument("--server", default=os.environ.get("CAPSNET_SERVER", DEFAULT_SERVER), metavar="HOST:PORT",
+                         help=f"server address (default $CAPSNET_SERVER or {DEFAULT_SERVER})")
+    predict.add_argument("--top-k", type=int, default=1, metavar="K", help="print the K most probable classes (default 1)")
+    predict.add_argument("--poses", action="store_true", help="also print every class capsule's pose vector")
+    predict.add_argument("--json", action="store_true", help="print JSON (one object per image, in a list)")
+    predict.add_argument("--tls-ca", metavar="PEM", help="CA certificate of the server (enables TLS)")
+    predict.add_argument("--tls-cert", metavar="PEM", help="client certificate, for mutual TLS")
+    predict.add_argument("--tls-key", metavar="PEM", help="client private key, for mutual TLS")
+    predict.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the answer (default 30)")
+    predict.set_defaults(handler=run_predict)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from capsnet.serving.config import ServerConfig
+    from capsnet.serving.server import serve
+
+    names = ("model_dir host grpc_port metrics_port backend precision max_batch_size max_queue_delay_us max_queue_size "
+             "threads max_message_bytes tls_cert tls_key tls_client_ca grace_period_s").split()
+    config = ServerConfig.from_sources({name: getattr(args, name) for name in names})
+    return asyncio.run(serve(config))
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    import grpc
+
+    from capsnet.serving.client import CapsNetClient
+
+    if args.top_k < 1:
+        raise CapsNetError(f"--top-k must be >= 1, got {args.top_k}")
+    for path in args.images:
+        if not os.path.isfile(path):
+            raise CapsNetError(f"{path} is not a file")
+    try:
+        with CapsNetClient(args.server, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                           timeout=args.timeout) as client:
+            predictions = client.classify(args.images, poses=args.poses, top_k=args.top_k)
+    except grpc.RpcError as err:
+        raise CapsNetError(f"{args.server}: {err.code().name}: {err.details()}") from None
+    except OSError as err:
+        raise CapsNetError(f"cannot read {err.filename}: {err.strerror}") from None
+    if args.json:
+        print(json.dumps([_as_json(path, p, args.poses) for path, p in zip(args.images, predictions)], indent=2))
+        return 0
+    for path, prediction in zip(args.images, predictions):
+        print(f"{path}: {prediction.class_index} {prediction.class_name!r} p={prediction.probability:.4f}")
+        for rank, (index, name, probability) in enumerate(prediction.top_classes[1:], start=2):
+            print(f"  #{rank}: {index} {name!r} p={probability:.4f}")
+        if args.poses:
+            for index, pose in enumerate(prediction.poses):
+                print(f"  pose {index}: " + " ".join(f"{v:+.4f}" for v in pose))
+    return 0
+
+
+def _as_json(path: str, prediction, poses: bool) -> dict:
+    item = {
+        "image": path,
+        "class": prediction.class_index,
+        "name": prediction.class_name,
+        "probability": prediction.probability,
+        "probabilities": prediction.probabilities.tolist(),
+        "top_classes": [{"class": i, "name": n, "probability": p} for i, n, p in prediction.top_classes],
+    }
+    if poses:
+        item["poses"] = prediction.poses.tolist()
+    return item

@@ -1,0 +1,102 @@
+"""A small Python client of the CapsNet API (`capsnet predict` uses it).
+
+    from capsnet.serving.client import CapsNetClient
+    with CapsNetClient("127.0.0.1:8001") as client:
+        for p in client.classify(["digit.png"], top_k=3):
+            print(p.class_name, p.probability)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from capsnet.v1 import capsnet_pb2 as pb
+from capsnet.v1 import capsnet_pb2_grpc as pb_grpc
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the server's default limit
+
+
+@dataclass
+class Prediction:
+    class_index: int
+    class_name: str
+    probability: float
+    probabilities: np.ndarray  # (J,)
+    poses: np.ndarray | None  # (J, D); None when not asked
+    reconstruction: np.ndarray | None  # (C, H, W); None when not asked
+    top_classes: list[tuple[int, str, float]]  # (index, name, probability), most probable first
+
+
+def image_message(image: bytes | str | os.PathLike | np.ndarray) -> pb.Image:
+    """PNG/JPEG bytes or a path to such a file -> encoded; a uint8 or float32 (C, H, W) array -> tensor."""
+    if isinstance(image, bytes):
+        return pb.Image(encoded=image)
+    if isinstance(image, (str, os.PathLike)):
+        return pb.Image(encoded=Path(image).read_bytes())
+    array = np.asarray(image)
+    dtype = pb.DATA_TYPE_UINT8 if array.dtype == np.uint8 else pb.DATA_TYPE_FLOAT32
+    data = np.ascontiguousarray(array, dtype="u1" if dtype == pb.DATA_TYPE_UINT8 else "<f4").tobytes()
+    return pb.Image(tensor=pb.Tensor(dtype=dtype, shape=array.shape, data=data))
+
+
+class CapsNetClient:
+    def __init__(self, target: str, *, tls_ca: str | os.PathLike | None = None, tls_cert: str | os.PathLike | None = None,
+                 tls_key: str | os.PathLike | None = None, timeout: float | None = 30.0,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        """target "host:port"; TLS with tls_ca (the server's CA; None: system roots when tls_cert is given),
+        mutual TLS adding tls_cert + tls_key; timeout in seconds per call."""
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        if tls_ca or tls_cert:
+            credentials = grpc.ssl_channel_credentials(root_certificates=_read(tls_ca), private_key=_read(tls_key),
+                                                       certificate_chain=_read(tls_cert))
+            self.channel = grpc.secure_channel(target, credentials, options)
+        else:
+            self.channel = grpc.insecure_channel(target, options)
+        self.stub = pb_grpc.CapsNetServiceStub(self.channel)
+        self.timeout = timeout
+
+    def classify(self, images, *, poses: bool = True, reconstruction: bool = False, top_k: int = 0) -> list[Prediction]:
+        request = pb.ClassifyRequest(images=[image_message(image) for image in images], exclude_poses=not poses,
+                                     include_reconstruction=reconstruction, top_k=top_k)
+        response = self.stub.Classify(request, timeout=self.timeout)
+        return [_prediction(result) for result in response.results]
+
+    def model_info(self) -> pb.GetModelInfoResponse:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "CapsNetClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _read(path: str | os.PathLike | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def _array(values: pb.FloatArray) -> np.ndarray | None:
+    if not values.shape:
+        return None
+    return np.array(values.values, dtype=np.float32).reshape(tuple(values.shape))
+
+
+def _prediction(result: pb.Classification) -> Prediction:
+    return Prediction(
+        class_index=result.predicted_class,
+        class_name=result.predicted_name,
+        probability=result.probabilities[result.predicted_class],
+        probabilities=np.array(result.probabilities, dtype=np.float32),
+        poses=_array(result.poses),
+        reconstruction=_array(result.reconstruction),
+        top_classes=[(score.index, score.name, score.probability) for score in result.top_classes],
+    )

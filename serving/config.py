@@ -1,0 +1,86 @@
+"""Every setting of `capsnet serve` in one dataclass, filled from flags, then environment, then defaults."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from capsnet.errors import CapsNetError
+
+BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
+PRECISIONS = ("fp32", "fp16", "int8")
+
+# Settings an operator may also give as environment variables (container images, Kubernetes).
+ENV_VARS = {"host": "CAPSNET_HOST", "grpc_port": "CAPSNET_GRPC_PORT", "metrics_port": "CAPSNET_METRICS_PORT"}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_dir: Path
+    # Loopback by default, so a server started for a try-out is not exposed; 0.0.0.0 only when asked.
+    host: str = "127.0.0.1"
+    grpc_port: int = 8001  # Triton's ports, so KServe tooling finds us where it looks
+    metrics_port: int = 8002
+    backend: str = "auto"
+    precision: str | None = None  # None: the backend's natural one (fp32, or the TensorRT plan's)
+    # dynamic batching
+    max_batch_size: int = 32  # images per backend run, and per request
+    # How long the oldest request waits for batch-mates. 0, as Triton: batches still form from the
+    # requests that queue while the previous batch computes, and a lone request never waits.
+    max_queue_delay_us: int = 0
+    max_queue_size: int = 256  # requests waiting; beyond it: UNAVAILABLE "queue full"
+    threads: int = 0  # backend intra-op threads; 0: one per CPU core available
+    # 16 MiB holds a full batch of 3x224x224 float32 tensors or of multi-megabyte JPEGs, while
+    # bounding the memory one request can take (the gRPC default, 4 MiB, is the only limit otherwise).
+    max_message_bytes: int = 16 * 1024 * 1024
+    # TLS: server certificate and key; with tls_client_ca, clients must present a certificate it signed.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    grace_period_s: float = 10.0  # on SIGTERM, how long in-flight requests may take to finish
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise CapsNetError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise CapsNetError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        for name in ("grpc_port", "metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise CapsNetError(f"{name.replace('_', '-')} must be in 0..65535 (0: any free port), got {getattr(self, name)}")
+        for name in ("max_batch_size", "max_queue_size", "max_message_bytes"):
+            if getattr(self, name) < 1:
+                raise CapsNetError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_queue_delay_us", "threads", "grace_period_s"):
+            if getattr(self, name) < 0:
+                raise CapsNetError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise CapsNetError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise CapsNetError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+
+    @property
+    def intra_op_threads(self) -> int:
+        return self.threads or len(os.sched_getaffinity(0))
+
+    @classmethod
+    def defaults(cls) -> dict:
+        return {f.name: f.default for f in fields(cls) if f.name != "model_dir"}
+
+    @classmethod
+    def from_sources(cls, flags: dict, env: dict[str, str] | None = None) -> "ServerConfig":
+        """Flags (None: not given) win over the environment variables of ENV_VARS, which win over defaults."""
+        env = os.environ if env is None else env
+        values = {name: value for name, value in flags.items() if value is not None}
+        for name, var in ENV_VARS.items():
+            if name not in values and env.get(var):
+                raw = env[var]
+                try:
+                    values[name] = raw if name == "host" else int(raw)
+                except ValueError:
+                    raise CapsNetError(f"{var} must be an integer, got {raw!r}") from None
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise CapsNetError(f"unknown server settings: {', '.join(unknown)}")
+        paths = {"model_dir", "tls_cert", "tls_key", "tls_client_ca"}
+        return cls(**{name: Path(value) if name in paths else value for name, value in values.items()})

@@ -1,0 +1,158 @@
+"""Closed-loop load on a running server, and the same images through the backend in-process.
+
+Each of `concurrency` clients sends a Classify request, waits for the answer, sends the next; a run
+stops after `max_requests` requests or `max_seconds`, whichever comes first. The in-process baseline
+calls the backend the server would use, at a given batch size, with no gRPC, queue or batcher:
+what the network and the server add is the difference.
+
+    capsnet serve --model DIR --grpc-port 8001 &
+    python -m capsnet.serving.loadgen --server 127.0.0.1:8001 --model DIR --concurrency 1 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from capsnet.serving.client import DEFAULT_MAX_MESSAGE_BYTES, image_message
+from capsnet.v1 import capsnet_pb2 as pb
+from capsnet.v1 import capsnet_pb2_grpc as pb_grpc
+
+
+@dataclass
+class LoadResult:
+    name: str
+    concurrency: int
+    batch_size: int  # images per request (or per backend run in-process)
+    elapsed_s: float
+    latencies_s: list[float] = field(default_factory=list)  # successful requests only
+    errors: dict[str, int] = field(default_factory=dict)  # gRPC status name -> count
+
+    def percentile_ms(self, q: float) -> float:
+        return float(np.percentile(self.latencies_s, q)) * 1e3 if self.latencies_s else float("nan")
+
+    def summary(self) -> dict:
+        done = len(self.latencies_s)
+        return {
+            "name": self.name,
+            "concurrency": self.concurrency,
+            "batch_size": self.batch_size,
+            "requests": done,
+            "errors": self.errors,
+            "requests_per_s": done / self.elapsed_s,
+            "images_per_s": done * self.batch_size / self.elapsed_s,
+            "p50_ms": self.percentile_ms(50),
+            "p99_ms": self.percentile_ms(99),
+        }
+
+
+def random_images(count: int, shape: tuple[int, int, int], seed: int = 0) -> np.ndarray:
+    """uint8-like pixels as float32 in [0, 1]: CapsNet's cost does not depend on the content."""
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, 256, (count, *shape)) / 255).astype(np.float32)  # (count, C, H, W)
+
+
+async def run_load(target: str, images: np.ndarray, *, concurrency: int, batch_size: int = 1,
+                   max_requests: int = 1000, max_seconds: float = 30.0, warmup_requests: int = 20,
+                   credentials: grpc.ChannelCredentials | None = None) -> LoadResult:
+    """Closed-loop Classify load from `concurrency` clients sharing one channel."""
+    requests = [pb.ClassifyRequest(images=[image_message(image) for image in images[start:start + batch_size]])
+                for start in range(0, len(images) - batch_size + 1, batch_size)]
+    options = [("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+               ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES)]
+    channel = (grpc.aio.secure_channel(target, credentials, options) if credentials
+               else grpc.aio.insecure_channel(target, options))
+    async with channel:
+        stub = pb_grpc.CapsNetServiceStub(channel)
+        for index in range(warmup_requests):
+            await stub.Classify(requests[index % len(requests)], timeout=30)
+        latencies: list[float] = []
+        errors: collections.Counter = collections.Counter()
+        issued = 0
+        started = time.perf_counter()
+        stop_at = started + max_seconds
+
+        async def client() -> None:
+            nonlocal issued
+            while issued < max_requests and time.perf_counter() < stop_at:
+                request = requests[issued % len(requests)]
+                issued += 1
+                sent = time.perf_counter()
+                try:
+                    await stub.Classify(request, timeout=30)
+                    latencies.append(time.perf_counter() - sent)
+                except grpc.aio.AioRpcError as err:
+                    errors[err.code().name] += 1
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    return LoadResult("grpc", concurrency, batch_size, elapsed, latencies, dict(errors))
+
+
+def run_inprocess(backend, images: np.ndarray, *, batch_size: int, max_runs: int = 1000,
+                  max_seconds: float = 30.0, warmup_runs: int = 5) -> LoadResult:
+    """The backend called back to back on batches of `batch_size`, in this thread."""
+    batches = [np.ascontiguousarray(images[start:start + batch_size])  # (batch_size, C, H, W)
+               for start in range(0, len(images) - batch_size + 1, batch_size)]
+    for index in range(warmup_runs):
+        backend.run(batches[index % len(batches)].copy())
+    latencies = []
+    started = time.perf_counter()
+    while len(latencies) < max_runs and time.perf_counter() - started < max_seconds:
+        batch = batches[len(latencies) % len(batches)].copy()
+        sent = time.perf_counter()
+        backend.run(batch)
+        latencies.append(time.perf_counter() - sent)
+    return LoadResult(f"in-process {backend.name}", 1, batch_size, time.perf_counter() - started, latencies)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="closed-loop gRPC load vs the in-process backend")
+    parser.add_argument("--server", required=True, metavar="HOST:PORT")
+    parser.add_argument("--model", metavar="DIR", help="export directory: also time its backend in-process")
+    parser.add_argument("--backend", default="onnxruntime", help="in-process backend (default onnxruntime)")
+    parser.add_argument("--threads", type=int, default=0, help="in-process backend threads (0: one per core)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--batch-size", type=int, default=1, help="images per request")
+    parser.add_argument("--requests", type=int, default=2000, help="most requests per run")
+    parser.add_argument("--seconds", type=float, default=20.0, help="longest run")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per run")
+    args = parser.parse_args(argv)
+
+    info = pb_grpc.CapsNetServiceStub(grpc.insecure_channel(args.server)).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    images = random_images(256, tuple(info.input_shape))
+    results = [asyncio.run(run_load(args.server, images, concurrency=c, batch_size=args.batch_size,
+                                    max_requests=args.requests, max_seconds=args.seconds))
+               for c in args.concurrency]
+    if args.model:
+        from capsnet.serving.artifacts import load_artifacts
+        from capsnet.serving.backends import load_backend
+        from capsnet.serving.config import ServerConfig
+
+        config = ServerConfig(model_dir=Path(args.model), backend=args.backend, threads=args.threads)
+        backend = load_backend(load_artifacts(args.model), config)
+        # The in-process batch sizes a server can reach: the request's, and what c clients can fill.
+        for size in sorted({args.batch_size * c for c in args.concurrency}):
+            results.append(run_inprocess(backend, images, batch_size=size, max_runs=args.requests,
+                                         max_seconds=args.seconds))
+    for result in results:
+        row = result.summary()
+        if args.json:
+            print(json.dumps(row))
+        else:
+            print(f"{row['name']:>24}  c={row['concurrency']:<3} batch={row['batch_size']:<3} "
+                  f"{row['images_per_s']:9.1f} images/s  {row['requests_per_s']:9.1f} req/s  "
+                  f"p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms  errors {row['errors'] or 0}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""The one request path both APIs share (docs/artifacts.md): validate images, infer through the batcher.
+
+Servicers stay thin: they parse their protocol's message into a float32 (N, C, H, W) array, call
+`validate_images` and `await infer`, and answer a `ServingError` with its status and message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from capsnet.serving.artifacts import load_artifacts
+from capsnet.serving.backends import load_backend
+from capsnet.serving.backends.base import Backend
+from capsnet.serving.batcher import Batcher, BatcherConfig
+from capsnet.serving.config import ServerConfig
+from capsnet.serving.errors import ServingError
+from capsnet.serving.metrics import Metrics
+
+__all__ = ["InferenceResult", "InferenceService", "ModelSpec", "ServingError"]
+
+log = logging.getLogger(__name__)
+
+# KServe ModelMetadata platform of each backend, named as Triton names them
+PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "torch": "pytorch_libtorch"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    version: str
+    input_name: str
+    input_shape: tuple[int, int, int]  # (C, H, W)
+    class_names: tuple[str, ...]
+    pose_dim: int
+    output_names: tuple[str, ...]  # as served: probabilities, poses[, reconstruction]
+    max_batch_size: int  # per backend run and per request
+    backend: str
+    precision: str
+    routing: dict  # variant, iterations, squash_constant
+    platform: str
+
+
+@dataclass
+class InferenceResult:
+    probabilities: np.ndarray  # (N, J) float32
+    poses: np.ndarray  # (N, J, D) float32
+    reconstruction: np.ndarray | None  # (N, C*H*W) float32, only when asked
+    queue_seconds: float  # waiting for a batch
+    compute_seconds: float  # backend runs that included these images
+
+
+class InferenceService:
+    def __init__(self, spec: ModelSpec, backend: Backend, batcher: Batcher):
+        self.spec = spec
+        self.backend = backend
+        self.batcher = batcher
+        self.ready = False  # True once warmed up; False again while draining
+
+    @classmethod
+    def load(cls, config: ServerConfig, metrics: Metrics) -> "InferenceService":
+        """Model directory -> backend -> service; CapsNetError if the directory or backend is unusable.
+
+        Called inside the server's event loop (the batcher's scheduler is a task of it).
+        """
+        artifacts = load_artifacts(config.model_dir)
+        backend = load_backend(artifacts, config)
+        log.info("loaded %s %s with %s: %s", artifacts.name, artifacts.version, backend.name, backend.description)
+        spec = ModelSpec(
+            name=artifacts.name,
+            version=artifacts.version,
+            input_name=artifacts.input_name,
+            input_shape=artifacts.input_shape,
+            class_names=artifacts.class_names,
+            pose_dim=artifacts.pose_dim,
+            output_names=artifacts.output_names,
+            max_batch_size=config.max_batch_size,
+            backend=backend.name,
+            precision=backend.precision,
+            routing=artifacts.routing,
+            platform=PLATFORMS[backend.name],
+        )
+        batcher = Batcher(backend, BatcherConfig(config.max_batch_size, config.max_queue_delay_us / 1e6,
+                                                 config.max_queue_size), metrics)
+        metrics.model_info.labels(spec.name, spec.version, spec.backend, spec.precision,
+                                  str(spec.routing.get("iterations", ""))).set(1)
+        return cls(spec, backend, batcher)
+
+    async def warmup(self) -> None:
+        """Run the batch sizes dynamic batching makes most: powers of two up to the max, and the max."""
+        started = time.monotonic()
+        limit = self.spec.max_batch_size
+        sizes = sorted({2 ** i for i in range(limit.bit_length())} | {limit})
+        await asyncio.to_thread(self.backend.warmup, sizes, self.spec.input_shape)
+        log.info("warmed up batch sizes %s in %.2f s", sizes, time.monotonic() - started)
+        self.ready = True
+
+    async def close(self) -> None:
+        """Refuse new requests, finish the queued ones."""
+        self.ready = False
+        await self.batcher.drain()
+
+    def check_batch_size(self, count: int, field: str) -> None:
+        """Servicers call it before decoding anything, so an oversized batch costs no decoding."""
+        if count == 0:
+            raise _invalid(f"{field}: empty batch; expected 1 to {self.spec.max_batch_size} images")
+        if count > self.spec.max_batch_size:
+            raise _invalid(f"{field}: {count} images exceed the maximum of {self.spec.max_batch_size} per request; "
+                           "split them over several requests")
+
+    def validate_images(self, images: np.ndarray, field: str) -> np.ndarray:
+        spec = self.spec
+        expected = f"[N, {', '.join(map(str, spec.input_shape))}]"
+        if images.dtype != np.float32:
+            raise _invalid(f"{field}: expected float32 values, got {images.dtype}")
+        if images.ndim != 4:
+            raise _invalid(f"{field}: expected shape {expected}, got {list(images.shape)}")
+        count = images.shape[0]
+        self.check_batch_size(count, field)
+        if images.shape[1:] != spec.input_shape:
+            raise _invalid(f"{field}: expected shape {expected}, got {list(images.shape)}")
+        if 0 <= images.min() and images.max() <= 1:  # the common case, in two reductions (False with NaN)
+            return images
+        rows = images.reshape(count, -1)  # (N, C*H*W)
+        finite = np.isfinite(rows).all(axis=1)  # (N,)
+        if not finite.all():
+            raise _invalid(f"{field}: image {int(np.argmin(finite))} contains NaN or Inf; expected finite values in [0, 1]")
+        in_range = ((rows >= 0) & (rows <= 1)).all(axis=1)  # (N,)
+        if not in_range.all():
+            index = int(np.argmin(in_range))
+            raise _invalid(f"{field}: image {index} has values in [{rows[index].min():g}, {rows[index].max():g}]; "
+                           "expected [0, 1] (divide 8-bit pixels by 255, or send them as uint8)")
+        return images
+
+    async def infer(self, images: np.ndarray, *, reconstruction: bool = False,
+                    deadline: float | None = None) -> InferenceResult:
+        if not self.ready:
+            raise ServingError(grpc.StatusCode.UNAVAILABLE, "the model is not ready (warming up or shutting down)")
+        if reconstruction and "reconstruction" not in self.spec.output_names:
+            raise _invalid("reconstruction: this model was exported without the reconstruction output "
+                           "(re-export with `capsnet export --reconstruction`)")
+        output = await self.batcher.submit(images, deadline)
+        return InferenceResult(
+            probabilities=output.outputs["probabilities"],
+            poses=output.outputs["poses"],
+            reconstruction=output.outputs["reconstruction"] if reconstruction else None,
+            queue_seconds=output.queue_wait,
+            compute_seconds=output.compute,
+        )
+
+
+def _invalid(message: str) -> ServingError:
+    return ServingError(grpc.StatusCode.INVALID_ARGUMENT, message)

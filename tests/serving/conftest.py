@@ -1,0 +1,39 @@
+"""Serving test fixtures: one exported tiny model and an in-process server shared by the session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+
+from capsnet.v1 import capsnet_pb2_grpc
+from serving_helpers import ServerThread, server_config
+
+
+@pytest.fixture(scope="session")
+def model_dir(random_tiny_checkpoint, tmp_path_factory) -> Path:
+    """The tiny model exported with its reconstruction output, shared by every serving test."""
+    from capsnet.export.exporter import export_model
+
+    out = tmp_path_factory.mktemp("served") / "model"
+    export_model(random_tiny_checkpoint, out, reconstruction=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def server(model_dir):
+    running = ServerThread(server_config(model_dir))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def channel(server):
+    with grpc.insecure_channel(server.target) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="session")
+def stub(channel):
+    return capsnet_pb2_grpc.CapsNetServiceStub(channel)

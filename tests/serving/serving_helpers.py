@@ -1,0 +1,100 @@
+"""Helpers of the serving tests: an in-process server on a thread, `capsnet serve` as a subprocess,
+and reading the Prometheus exposition. (A uniquely named module: every test folder has a conftest.)"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from capsnet.serving.config import ServerConfig
+from capsnet.serving.server import CapsNetServer
+
+READY_LINE = re.compile(r"ready: .* grpcs?://[^:]+:(\d+) metrics http://[^:]+:(\d+)/metrics")
+
+
+class ServerThread:
+    """A CapsNetServer on its own event loop in a background thread, so tests use blocking clients."""
+
+    def __init__(self, config: ServerConfig):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="test-server")
+        self.thread.start()
+        self.server = CapsNetServer(config)
+        self.call(self.server.start())
+        self.target = f"127.0.0.1:{self.server.grpc_port}"
+        self.metrics_url = f"http://127.0.0.1:{self.server.metrics_port}/metrics"
+
+    def call(self, coroutine, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.call(self.server.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def server_config(model_dir: Path, **overrides) -> ServerConfig:
+    values = dict(model_dir=model_dir, grpc_port=0, metrics_port=0, max_batch_size=8, max_queue_delay_us=2000,
+                  threads=1, grace_period_s=5.0)
+    return ServerConfig(**{**values, **overrides})
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """The exposition at `url` as {(sample name, sorted label items): value}."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    """Sum of the samples called `name` whose labels include `labels` (0 if none)."""
+    wanted = set(labels.items())
+    return sum(value for (sample, items), value in samples.items() if sample == name and wanted <= set(items))
+
+
+class ServeProcess:
+    """`capsnet serve` as a subprocess, on free ports, ready once its ready line is printed."""
+
+    def __init__(self, *args: str, timeout: float = 120):
+        command = [sys.executable, "-m", "capsnet", "serve", "--grpc-port", "0", "--metrics-port", "0", *args]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        reader = threading.Thread(target=self._read_stdout, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.process.poll() is None:
+            match = next((READY_LINE.search(line) for line in self.lines if READY_LINE.search(line)), None)
+            if match:
+                self.grpc_port, self.metrics_port = int(match[1]), int(match[2])
+                self.target = f"127.0.0.1:{self.grpc_port}"
+                return
+            time.sleep(0.05)
+        self.process.kill()
+        _, stderr = self.process.communicate(timeout=10)
+        raise AssertionError(f"capsnet serve did not become ready (exit {self.process.returncode}):\n{stderr[-3000:]}")
+
+    def _read_stdout(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def wait_until(condition, timeout: float = 10.0, interval: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)

@@ -1,0 +1,127 @@
+"""Every kind of bad request gets INVALID_ARGUMENT (or RESOURCE_EXHAUSTED) with a message naming the
+field and what was expected, and the server answers the next good request correctly."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import grpc
+import numpy as np
+import pytest
+from PIL import Image
+
+from capsnet.serving.client import image_message
+from capsnet.v1 import capsnet_pb2 as pb
+from capsnet.v1 import capsnet_pb2_grpc
+from serving_helpers import ServerThread, server_config
+
+GOOD = np.random.default_rng(1).random((1, 28, 28), dtype=np.float32)  # (1, 28, 28)
+
+
+def tensor(dtype=pb.DATA_TYPE_FLOAT32, shape=(1, 28, 28), data=None) -> pb.Image:
+    data = GOOD.tobytes() if data is None else data
+    return pb.Image(tensor=pb.Tensor(dtype=dtype, shape=shape, data=data))
+
+
+def with_value(value: float, index: int = 300) -> pb.Image:
+    image = GOOD.copy()
+    image.flat[index] = value
+    return image_message(image)
+
+
+def png(width: int, height: int, mode: str = "L") -> bytes:
+    buffer = io.BytesIO()
+    Image.new(mode, (width, height)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+CASES = {
+    "wrong shape": ([tensor(shape=(1, 27, 28))], "images[0].tensor.shape: expected [1, 28, 28] (the model's C, H, W), got [1, 27, 28]"),
+    "wrong rank": ([tensor(shape=(28, 28))], "images[0].tensor.shape: expected [1, 28, 28]"),
+    "unset dtype": ([tensor(dtype=pb.DATA_TYPE_UNSPECIFIED)],
+                    "images[0].tensor.dtype: expected DATA_TYPE_UINT8 or DATA_TYPE_FLOAT32, got DATA_TYPE_UNSPECIFIED"),
+    "unknown dtype": ([tensor(dtype=7)], "images[0].tensor.dtype: expected DATA_TYPE_UINT8 or DATA_TYPE_FLOAT32, got 7"),
+    "byte count": ([image_message(GOOD), tensor(data=b"\0" * 100)],
+                   "images[1].tensor.data: expected 3136 bytes for DATA_TYPE_FLOAT32 shape [1, 28, 28], got 100"),
+    "uint8 byte count": ([tensor(dtype=pb.DATA_TYPE_UINT8)],
+                         "images[0].tensor.data: expected 784 bytes for DATA_TYPE_UINT8 shape [1, 28, 28], got 3136"),
+    "undecodable": ([pb.Image(encoded=b"certainly not a PNG")], "images[0].encoded: cannot decode (19 bytes): expected a PNG or JPEG"),
+    "truncated png": ([pb.Image(encoded=png(28, 28)[:40])], "images[0].encoded: cannot decode (40 bytes)"),
+    "decompression bomb": ([pb.Image(encoded=png(5000, 5000))], "images[0].encoded: a 5000x5000 image is too large"),
+    "16-bit png": ([pb.Image(encoded=png(28, 28, "I;16"))], "images[0].encoded: I;16 pixels (16-bit or float PNG); expected 8-bit"),
+    "no data": ([pb.Image()], "images[0]: no data; expected encoded (PNG/JPEG bytes) or tensor"),
+    "empty batch": ([], "images: empty batch; expected 1 to 8 images"),
+    "batch over limit": ([image_message(GOOD)] * 9, "images: 9 images exceed the maximum of 8 per request"),
+    "nan": ([image_message(GOOD), with_value(np.nan)], "images: image 1 contains NaN or Inf; expected finite values in [0, 1]"),
+    "inf": ([with_value(np.inf)], "images: image 0 contains NaN or Inf"),
+    "out of range": ([with_value(1.5)], "images: image 0 has values in [0"),
+    "negative": ([with_value(-0.25)], "images: image 0 has values in [-0.25"),
+}
+
+
+def assert_still_answers(server, stub) -> None:
+    response = stub.Classify(pb.ClassifyRequest(images=[image_message(GOOD)]), timeout=30)
+    expected = server.server.service.backend.run(GOOD[None].copy())["probabilities"][0]
+    np.testing.assert_allclose(response.results[0].probabilities, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_request_is_invalid_argument(server, stub, case):
+    images, message = CASES[case]
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Classify(pb.ClassifyRequest(images=images), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    assert message in caught.value.details()
+    assert_still_answers(server, stub)
+
+
+def test_top_k_over_classes(server, stub):
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Classify(pb.ClassifyRequest(images=[image_message(GOOD)], top_k=11), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == "top_k: expected 0 to 10 (the number of classes), got 11"
+    assert_still_answers(server, stub)
+
+
+def test_oversized_message_is_rejected_cleanly(server, stub):
+    too_big = pb.Image(encoded=b"\0" * (16 * 1024 * 1024 + 1))
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Classify(pb.ClassifyRequest(images=[too_big]), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in caught.value.details()
+    assert_still_answers(server, stub)
+
+
+def test_bad_request_in_a_stream_ends_it_with_its_status(server, stub):
+    good = pb.ClassifyRequest(images=[image_message(GOOD)], request_id="good")
+    bad = pb.ClassifyRequest(images=[tensor(shape=(3, 28, 28))], request_id="bad")
+    call = stub.ClassifyStream(iter([good, bad, good]), timeout=30)
+    assert next(call).request_id == "good"
+    with pytest.raises(grpc.RpcError) as caught:
+        next(call)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "images[0].tensor.shape: expected [1, 28, 28]" in caught.value.details()
+    assert_still_answers(server, stub)
+
+
+def test_reconstruction_of_a_model_exported_without_it(model_dir, tmp_path):
+    # The same graph, but model.json serves only probabilities and poses, as an export without --reconstruction.
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    sidecar = json.loads((copy / "model.json").read_text())
+    sidecar["outputs"] = [o for o in sidecar["outputs"] if o["name"] != "reconstruction"]
+    (copy / "model.json").write_text(json.dumps(sidecar))
+    running = ServerThread(server_config(copy))
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            stub = capsnet_pb2_grpc.CapsNetServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Classify(pb.ClassifyRequest(images=[image_message(GOOD)], include_reconstruction=True), timeout=30)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert caught.value.details().startswith("reconstruction: this model was exported without the reconstruction output")
+            result = stub.Classify(pb.ClassifyRequest(images=[image_message(GOOD)]), timeout=30).results[0]
+            assert len(result.poses.values) == 160 and not result.reconstruction.values
+    finally:
+        running.stop()

@@ -1,0 +1,39 @@
+"""Server settings: flags win over environment variables, which win over the defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from capsnet.errors import CapsNetError
+from capsnet.serving.config import ServerConfig
+
+
+def test_defaults_are_loopback_and_triton_ports():
+    config = ServerConfig.from_sources({"model_dir": "m"}, env={})
+    assert (config.host, config.grpc_port, config.metrics_port) == ("127.0.0.1", 8001, 8002)
+    assert config.model_dir == Path("m") and config.intra_op_threads >= 1
+
+
+def test_environment_then_flags():
+    env = {"CAPSNET_HOST": "0.0.0.0", "CAPSNET_GRPC_PORT": "9001", "CAPSNET_METRICS_PORT": "9002"}
+    from_env = ServerConfig.from_sources({"model_dir": "m", "grpc_port": None}, env=env)
+    assert (from_env.host, from_env.grpc_port, from_env.metrics_port) == ("0.0.0.0", 9001, 9002)
+    from_flags = ServerConfig.from_sources({"model_dir": "m", "grpc_port": 7001, "host": "127.0.0.2"}, env=env)
+    assert (from_flags.host, from_flags.grpc_port, from_flags.metrics_port) == ("127.0.0.2", 7001, 9002)
+
+
+@pytest.mark.parametrize("values, env, message", [
+    ({}, {"CAPSNET_GRPC_PORT": "eighty"}, "CAPSNET_GRPC_PORT must be an integer, got 'eighty'"),
+    ({"metrics_port": 70000}, {}, "metrics-port must be in 0..65535"),
+    ({"max_batch_size": 0}, {}, "--max-batch-size must be >= 1, got 0"),
+    ({"max_queue_delay_us": -1}, {}, "--max-queue-delay-us must be >= 0, got -1"),
+    ({"tls_cert": "cert.pem"}, {}, "--tls-cert and --tls-key go together"),
+    ({"tls_client_ca": "ca.pem"}, {}, "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key"),
+    ({"backend": "tpu"}, {}, "--backend must be one of auto, onnxruntime, tensorrt, torch, got 'tpu'"),
+])
+def test_bad_settings_are_user_errors(values, env, message):
+    with pytest.raises(CapsNetError) as caught:
+        ServerConfig.from_sources({"model_dir": "m", **values}, env=env)
+    assert message in str(caught.value)

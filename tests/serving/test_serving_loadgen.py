@@ -1,0 +1,25 @@
+"""The load generator that the benchmark numbers come from (and `capsnet bench` reuses)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from capsnet.serving.loadgen import random_images, run_inprocess, run_load
+
+
+def test_closed_loop_load_is_bounded_by_count_and_answered(server):
+    images = random_images(16, (1, 28, 28))
+    result = asyncio.run(run_load(server.target, images, concurrency=4, batch_size=2, max_requests=40,
+                                  max_seconds=60, warmup_requests=2))
+    summary = result.summary()
+    assert summary["requests"] == 40 and summary["errors"] == {}
+    assert summary["images_per_s"] == 2 * summary["requests_per_s"] > 0
+    assert 0 < summary["p50_ms"] <= summary["p99_ms"]
+    short = asyncio.run(run_load(server.target, images, concurrency=2, max_requests=10_000, max_seconds=0.5,
+                                 warmup_requests=0))
+    assert 0 < len(short.latencies_s) < 10_000 and short.elapsed_s < 5
+
+
+def test_inprocess_baseline(server):
+    result = run_inprocess(server.server.service.backend, random_images(16, (1, 28, 28)), batch_size=4, max_runs=10)
+    assert result.summary()["requests"] == 10 and result.name == "in-process onnxruntime"

@@ -1,0 +1,175 @@
+"""`capsnet serve` and `capsnet predict` as real processes: startup errors, graceful shutdown, the CLI
+client, and a real Prometheus scraping the server."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from PIL import Image
+
+from capsnet.cli import main
+from capsnet.serving.client import image_message
+from capsnet.v1 import capsnet_pb2 as pb
+from capsnet.v1 import capsnet_pb2_grpc
+from serving_helpers import ServeProcess, metric, scrape, wait_until
+
+IMAGE = np.random.default_rng(5).random((1, 28, 28), dtype=np.float32)  # (1, 28, 28)
+
+
+def test_missing_model_directory_exits_non_zero(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "capsnet", "serve", "--model", str(tmp_path / "nowhere"),
+                             "--grpc-port", "0", "--metrics-port", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == f"capsnet serve: error: model directory {tmp_path / 'nowhere'} does not exist"
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "model.json").write_text("{not json"), "model.json is damaged: not valid JSON"),
+    (lambda d: (d / "model.json").unlink(), "is not a capsnet model directory (no model.json)"),
+    (lambda d: (d / "model.onnx").unlink(), "it lists artifacts.onnx 'model.onnx', which is missing"),
+    (lambda d: (d / "model.onnx").write_bytes((d / "model.onnx").read_bytes()[:1000]), "model.onnx is damaged or cannot be loaded"),
+    (lambda d: (d / "model.json").write_text(json.dumps({**json.loads((d / "model.json").read_text()), "class_names": []})),
+     "model.json is damaged: class_names must be a non-empty list of strings"),
+])
+def test_damaged_model_directory_is_a_clear_startup_error(model_dir, tmp_path, capsys, damage, message):
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    damage(copy)
+    code = main(["serve", "--model", str(copy), "--grpc-port", "0", "--metrics-port", "0"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet serve: error: ")]
+    assert code == 2 and len(errors) == 1 and message in errors[0], errors
+
+
+def test_sigterm_finishes_the_in_flight_request_and_exits_zero(model_dir):
+    # Batches wait 1.5 s for batch-mates, so the request is still in flight when SIGTERM arrives.
+    served = ServeProcess("--model", str(model_dir), "--max-queue-delay-us", "1500000", "--grace-period", "10")
+    try:
+        with grpc.insecure_channel(served.target) as channel:
+            stub = capsnet_pb2_grpc.CapsNetServiceStub(channel)
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            request = pb.ClassifyRequest(images=[image_message(IMAGE)])
+            in_flight = stub.Classify.future(request, timeout=60)
+            metrics_url = f"http://127.0.0.1:{served.metrics_port}/metrics"
+            wait_until(lambda: metric(scrape(metrics_url), "capsnet_queue_depth") == 1, timeout=1.0)
+
+            served.process.send_signal(signal.SIGTERM)
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            watch.cancel()
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Classify(request, timeout=10)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert len(in_flight.result(timeout=30).results) == 1
+        assert served.process.wait(timeout=30) == 0
+        assert "capsnet serve: stopped" in served.process.stderr.read()
+    finally:
+        served.stop()
+
+
+def write_pngs(directory, count: int) -> list[str]:
+    paths = []
+    for index in range(count):
+        path = directory / f"digit{index}.png"
+        Image.fromarray((np.random.default_rng(index).random((28, 28)) * 255).astype(np.uint8)).save(path)
+        paths.append(str(path))
+    return paths
+
+
+def test_predict_prints_classes_without_importing_torch(server, tmp_path):
+    paths = write_pngs(tmp_path, 2)
+    script = ("import sys; from capsnet.cli import main; code = main(sys.argv[1:]); "
+              "print('torch imported' if 'torch' in sys.modules else 'torch not imported'); sys.exit(code)")
+    run = lambda *args: subprocess.run([sys.executable, "-c", script, "predict", *paths, "--server", server.target, *args],  # noqa: E731
+                                       capture_output=True, text=True, timeout=120)
+    plain = run("--top-k", "2", "--poses")
+    assert plain.returncode == 0, plain.stderr
+    lines = plain.stdout.splitlines()
+    assert lines[-1] == "torch not imported"
+    assert lines[0].startswith(f"{paths[0]}: ") and " p=" in lines[0]
+    assert lines[1].startswith("  #2: ") and sum(line.startswith("  pose ") for line in lines) == 20
+
+    as_json = run("--json")
+    assert as_json.returncode == 0, as_json.stderr
+    items = json.loads(as_json.stdout[:as_json.stdout.rindex("]") + 1])
+    assert [item["image"] for item in items] == paths
+    for item, path in zip(items, paths):
+        pixels = np.asarray(Image.open(path), dtype=np.float32)[None, None] / 255  # (1, 1, 28, 28)
+        expected = server.server.service.backend.run(pixels)["probabilities"][0]
+        assert item["class"] == int(np.argmax(expected)) and item["name"] == str(item["class"])
+        assert item["probability"] == pytest.approx(float(expected.max()), abs=1e-6)
+
+
+def test_predict_against_no_server_is_a_one_line_error(tmp_path, capsys):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = main(["predict", *write_pngs(tmp_path, 1), "--server", f"127.0.0.1:{port}", "--timeout", "5"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet predict: error: ")]
+    assert code == 2 and len(errors) == 1 and errors[0].startswith(f"capsnet predict: error: 127.0.0.1:{port}: UNAVAILABLE: ")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus (Debian package) is not installed")
+def test_prometheus_scrapes_the_server_and_computes_a_latency_quantile(model_dir, tmp_path):
+    served = ServeProcess("--model", str(model_dir))
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        f"scrape_configs:\n  - job_name: capsnet\n    static_configs:\n      - targets: ['127.0.0.1:{served.metrics_port}']\n")
+    prometheus = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                   f"--web.listen-address=127.0.0.1:{port}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stop_load = threading.Event()
+
+    def load() -> None:  # steady traffic, so rate() over the scrapes is non-zero
+        with grpc.insecure_channel(served.target) as channel:
+            stub = capsnet_pb2_grpc.CapsNetServiceStub(channel)
+            while not stop_load.is_set():
+                stub.Classify(pb.ClassifyRequest(images=[image_message(IMAGE)]), timeout=10)
+                time.sleep(0.02)
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    query = 'histogram_quantile(0.9, sum by (le) (rate(capsnet_request_duration_seconds_bucket{method="Classify"}[1m])))'
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    value = None
+    try:
+        deadline = time.monotonic() + 90
+        while value is None and time.monotonic() < deadline:
+            time.sleep(1)
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    answer = json.load(response)
+            except OSError:  # Prometheus still starting
+                continue
+            results = answer["data"]["result"]
+            if answer["status"] == "success" and results and math.isfinite(float(results[0]["value"][1])):
+                value = float(results[0]["value"][1])
+    finally:
+        stop_load.set()
+        loader.join(15)
+        prometheus.terminate()
+        prometheus.wait(30)
+        served.stop()
+    assert value is not None, "Prometheus never returned the quantile"
+    assert 0 < value < 10
