@@ -70,10 +70,17 @@ def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
+        os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes 0600; give the usual mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:

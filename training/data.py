@@ -149,13 +149,24 @@ def to_float(images: np.ndarray | Tensor) -> Tensor:
     return torch.as_tensor(images).float().div_(255.0)
 
 
+def channel_mean_std(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std of uint8 (N, C, H, W) images on the [0, 1] scale (for input normalisation)."""
+    scaled = images.astype(np.float64) / 255.0  # (N, C, H, W)
+    mean = scaled.mean(axis=(0, 2, 3))  # (C,)
+    std = np.maximum(scaled.std(axis=(0, 2, 3)), 1e-6)  # (C,): a blank channel must not divide by 0
+    return tuple(float(m) for m in mean), tuple(float(s) for s in std)
+
+
 def random_shift(images: Tensor, max_shift: int, generator: torch.Generator | None = None) -> Tensor:
     """Shift each image by up to `max_shift` pixels in x and y, zero-filled (the paper's augmentation)."""
     if max_shift <= 0:
         return images
     batch, _, height, width = images.shape
     padded = F.pad(images, (max_shift,) * 4)  # (B, C, H+2s, W+2s)
-    offsets = torch.randint(0, 2 * max_shift + 1, (batch, 2), generator=generator)
-    return torch.stack(
-        [padded[i, :, dy : dy + height, dx : dx + width] for i, (dy, dx) in enumerate(offsets.tolist())]
-    )  # (B, C, H, W)
+    offsets = torch.randint(0, 2 * max_shift + 1, (batch, 2), generator=generator)  # (B, 2): dy, dx
+    rows = offsets[:, :1] + torch.arange(height)  # (B, H)
+    cols = offsets[:, 1:] + torch.arange(width)  # (B, W)
+    samples = torch.arange(batch)[:, None, None]  # (B, 1, 1)
+    # One gather for the whole batch; advanced indices around the channel slice put it last.
+    shifted = padded[samples, :, rows[:, :, None], cols[:, None, :]]  # (B, H, W, C)
+    return shifted.permute(0, 3, 1, 2).contiguous()  # (B, C, H, W)

@@ -20,17 +20,22 @@ def squash(s: Tensor, constant: float = 1.0, dim: int = -1) -> Tensor:
     """v = |s|² / (constant + |s|²) · s / |s|, written as s·|s| / (constant + |s|²).
 
     That form has no division by |s|, so it is finite at s = 0 with a finite gradient there
-    (vector_norm's backward is 0 at 0), and it is computed in float32 so fp16/bf16 inputs
-    cannot overflow |s|².
+    (vector_norm's backward is 0 at 0), and it is computed in at least float32 so fp16/bf16
+    inputs cannot overflow |s|².
     """
-    s32 = s.float()
-    norm = torch.linalg.vector_norm(s32, dim=dim, keepdim=True)
-    return (s32 * (norm / (constant + norm * norm))).to(s.dtype)
+    wide = at_least_float32(s)
+    norm = torch.linalg.vector_norm(wide, dim=dim, keepdim=True)
+    return (wide * (norm / (constant + norm * norm))).to(s.dtype)
+
+
+def at_least_float32(x: Tensor) -> Tensor:
+    """fp16/bf16 -> float32; float32 and float64 stay as they are."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def capsule_lengths(v: Tensor) -> Tensor:
     """Capsule lengths: the probability that each entity is present."""
-    return torch.linalg.vector_norm(v.float(), dim=-1)
+    return torch.linalg.vector_norm(at_least_float32(v), dim=-1)
 
 
 class RoutingResult(NamedTuple):

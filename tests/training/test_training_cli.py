@@ -1,0 +1,108 @@
+"""User mistakes in `capsnet train` / `capsnet eval`: one line on stderr, exit 2, no traceback, no training."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from capsnet.cli import main
+
+# Every run that gets past validation would train tiny for one epoch: the errors below must come first.
+TRAIN = ["train", "--preset", "tiny", "--epochs", "1", "--no-progress"]
+
+
+def assert_one_line_error(capsys, argv, message):
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 2
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"capsnet {argv[0]}: error: ") and message in lines[0], lines[0]
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--data", "/nonexistent/mnist"], "data directory /nonexistent/mnist does not exist"),
+    (["--preset", "huge"], "unknown preset 'huge'; choose one of paper, tiny"),
+    (["--epochs", "0"], "--epochs must be at least 1"),
+    (["--batch-size", "-4"], "--batch-size must be at least 1"),
+    (["--lr", "0"], "--lr must be a positive number"),
+    (["--lr", "nan"], "--lr must be a positive number"),
+    (["--lr-decay", "1.5"], "--lr-decay must be in (0, 1]"),
+    (["--max-shift", "-1"], "--max-shift must be 0 or more"),
+    (["--max-shift", "28"], "--max-shift 28 is not smaller than the 28x28 images"),
+    (["--routing", "dynamic"], "routing must be one of sabour, leaky, su"),
+    (["--routing-iterations", "0"], "--routing-iterations must be at least 1"),
+    (["--squash-constant", "-1"], "--squash-constant must be a positive number"),
+    (["--threads", "0"], "--threads must be at least 1"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--device", "meta"], "unsupported device 'meta'"),
+])
+def test_bad_train_flags(capsys, tmp_path, flags, message):
+    assert_one_line_error(capsys, [*TRAIN, "--out", str(tmp_path / "m.ckpt"), *flags], message)
+    assert not (tmp_path / "m.ckpt").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_requested_without_a_gpu(capsys, tmp_path):
+    assert_one_line_error(capsys, [*TRAIN, "--out", str(tmp_path / "m.ckpt"), "--device", "cuda"], "no usable CUDA GPU")
+
+
+def test_malformed_data_directories(capsys, tmp_path, idx_dataset):
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(capsys, [*TRAIN, "--data", str(tmp_path / "empty")], "has no train-images-idx3-ubyte[.gz]")
+    images = torch.zeros(10, 28, 28, dtype=torch.uint8).numpy()
+    directory = idx_dataset(images, torch.arange(10).numpy(), images, torch.arange(10).numpy())
+    (directory / "t10k-images-idx3-ubyte").write_bytes(b"PK\x03\x04 a zip file, not IDX")
+    assert_one_line_error(capsys, [*TRAIN, "--data", str(directory)],
+                          "not an unsigned-byte IDX file (bad magic number)")
+
+
+def test_unwritable_out(capsys, tmp_path):
+    assert_one_line_error(capsys, [*TRAIN, "--out", str(tmp_path)], "is a directory")
+    (tmp_path / "file").write_text("")
+    assert_one_line_error(capsys, [*TRAIN, "--out", str(tmp_path / "file" / "m.ckpt")], "cannot create the folder")
+
+
+def test_bad_resume(capsys, tmp_path, random_tiny_checkpoint, copy_of):
+    out = tmp_path / "m.ckpt"
+    assert_one_line_error(capsys, [*TRAIN, "--out", str(out), "--resume"],
+                          f"checkpoint {tmp_path}/m.last.ckpt does not exist")
+    assert_one_line_error(capsys, [*TRAIN, "--out", str(out), "--resume", str(random_tiny_checkpoint)],
+                          "holds no optimizer state")
+    assert_one_line_error(capsys, [*TRAIN, "--preset", "paper", "--out", str(out),
+                                   "--resume", str(random_tiny_checkpoint)],
+                          "--resume continues the checkpoint's model; these flags change it: conv1_channels=256")
+    damaged = copy_of(random_tiny_checkpoint)
+    damaged.write_bytes(damaged.read_bytes()[:1000])
+    assert_one_line_error(capsys, [*TRAIN, "--out", str(out), "--resume", str(damaged)], "is damaged")
+
+
+def test_resume_of_a_finished_run(capsys, trained_tiny_checkpoint, tmp_path):
+    finished = [*TRAIN, "--epochs", "2", "--out", str(tmp_path / "m.ckpt"), "--resume", str(trained_tiny_checkpoint)]
+    assert_one_line_error(capsys, finished, "has already trained 2 epochs; pass --epochs above that")
+
+
+def test_bad_eval_inputs(capsys, tmp_path, random_tiny_checkpoint, copy_of, random_colour_dataset):
+    assert_one_line_error(capsys, ["eval", str(tmp_path / "absent.ckpt")], "does not exist")
+    damaged = copy_of(random_tiny_checkpoint)
+    damaged.write_bytes(b"\x00" * 64)
+    assert_one_line_error(capsys, ["eval", str(damaged)], "is damaged or not a capsnet checkpoint")
+    assert_one_line_error(capsys, ["eval", str(random_tiny_checkpoint), "--data", str(random_colour_dataset)],
+                          "takes 1x28x28 images; data 'colour-32' has 3x32x32")
+    assert_one_line_error(capsys, ["eval", str(random_tiny_checkpoint), "--batch-size", "0"],
+                          "--batch-size must be at least 1")
+
+
+def test_the_installed_command_reports_errors_without_a_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "capsnet", *TRAIN, "--data", str(tmp_path / "absent")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr == f"capsnet train: error: data directory {tmp_path / 'absent'} does not exist\n"
+    result = subprocess.run([sys.executable, "-m", "capsnet", *TRAIN, "--epochs", "three"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "argument --epochs: invalid int value: 'three'" in result.stderr.splitlines()[-1]

@@ -1,0 +1,128 @@
+"""Data: the IDX loader (files written here and the real Fashion-MNIST), the embedded split, augmentation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from capsnet.errors import CapsNetError
+from capsnet.training.data import (FASHION_MNIST_NAMES, channel_mean_std, load_dataset, load_embedded,
+                                   random_shift)
+
+FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+
+
+def small_digits(count: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, size=(count, 28, 28), dtype=np.uint8), rng.integers(0, 10, size=count).astype(np.uint8)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_idx_round_trip(idx_dataset, gz):
+    train_images, train_labels = small_digits(30, 0)
+    test_images, test_labels = small_digits(12, 1)
+    directory = idx_dataset(train_images, train_labels, test_images, test_labels, gz=gz)
+    dataset = load_dataset(str(directory))
+    assert dataset.image_shape == (1, 28, 28)
+    np.testing.assert_array_equal(dataset.train.images[:, 0], train_images)
+    np.testing.assert_array_equal(dataset.train.labels, train_labels)
+    np.testing.assert_array_equal(dataset.test.images[:, 0], test_images)
+    assert dataset.train.labels.dtype == np.int64 and dataset.class_names == tuple("0123456789")
+
+
+def test_idx_channels_last_and_class_names_file(idx_dataset):
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(6, 32, 30, 3), dtype=np.uint8)  # (N, H, W, C) as IDX stores colour
+    labels = np.array([0, 1, 2, 0, 1, 2], dtype=np.uint8)
+    directory = idx_dataset(images, labels, images, labels)
+    (directory / "classes.txt").write_text("cat\ndog\nbird\n")
+    dataset = load_dataset(str(directory))
+    assert dataset.image_shape == (3, 32, 30)
+    np.testing.assert_array_equal(dataset.train.images, images.transpose(0, 3, 1, 2))
+    assert dataset.class_names == ("cat", "dog", "bird")
+
+
+def corrupt(directory: Path, name: str, data: bytes) -> None:
+    (directory / name).write_bytes(data)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "t10k-labels-idx1-ubyte").unlink(), "has no t10k-labels-idx1-ubyte"),
+    (lambda d: corrupt(d, "train-images-idx3-ubyte", b"\x00\x00\x0d\x03" + bytes(16)), "bad magic number"),
+    (lambda d: corrupt(d, "train-images-idx3-ubyte", b"\x00\x00\x08\x03\x00\x00"), "truncated"),
+    (lambda d: corrupt(d, "train-labels-idx1-ubyte", (d / "train-labels-idx1-ubyte").read_bytes()[:-3]),
+     "its header declares"),
+    (lambda d: corrupt(d, "train-labels-idx1-ubyte", b"\x00\x00\x08\x01\x00\x00\x00\x02\x01\x02"),
+     "labels for 30 images"),
+    (lambda d: (d / "classes.txt").write_text("a\nb\n"), "lists 2 names for 10 classes"),
+])
+def test_malformed_idx_directory_is_a_clear_error(idx_dataset, damage, message):
+    train_images, train_labels = small_digits(30, 0)
+    train_labels[:10] = np.arange(10)
+    directory = idx_dataset(train_images, train_labels, *small_digits(12, 1))
+    damage(directory)
+    with pytest.raises(CapsNetError, match=message):
+        load_dataset(str(directory))
+
+
+def test_missing_data_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(CapsNetError, match="does not exist"):
+        load_dataset(str(tmp_path / "nowhere"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CapsNetError, match="is not a directory"):
+        load_dataset(str(tmp_path / "file"))
+
+
+@pytest.mark.skipif(not FASHION_MNIST.is_dir(), reason="Debian package dataset-fashion-mnist is not installed")
+def test_real_fashion_mnist():
+    dataset = load_dataset(str(FASHION_MNIST))
+    assert (len(dataset.train), len(dataset.test)) == (60_000, 10_000)
+    assert dataset.image_shape == (1, 28, 28) and dataset.train.images.dtype == np.uint8
+    assert dataset.class_names == FASHION_MNIST_NAMES
+    assert np.bincount(dataset.train.labels).tolist() == [6000] * 10
+    assert np.bincount(dataset.test.labels).tolist() == [1000] * 10
+
+
+def test_embedded_split_is_fixed_balanced_and_disjoint():
+    first, second = load_embedded(), load_embedded()
+    np.testing.assert_array_equal(first.train.labels, second.train.labels)
+    np.testing.assert_array_equal(first.test.images, second.test.images)
+    assert (len(first.train), len(first.test)) == (4000, 1000)
+    assert np.bincount(first.train.labels).tolist() == [400] * 10
+    assert np.bincount(first.test.labels).tolist() == [100] * 10
+    train_rows = {image.tobytes() for image in first.train.images}
+    assert not any(image.tobytes() in train_rows for image in first.test.images)
+    assert len(set(first.train.labels[:20].tolist())) > 3, "the training split must be shuffled across classes"
+
+
+def test_random_shift_moves_each_image_by_at_most_max_shift():
+    images = torch.zeros(256, 1, 28, 28)
+    images[:, 0, 14, 14] = 1.0
+    shifted = random_shift(images, 2, torch.Generator().manual_seed(0))
+    positions = shifted[:, 0].flatten(1).argmax(dim=1)  # (B,)
+    dy, dx = positions // 28 - 14, positions % 28 - 14
+    assert shifted.sum().item() == 256  # content kept
+    assert dy.abs().max() == 2 and dx.abs().max() == 2
+    assert len(set(zip(dy.tolist(), dx.tolist()))) == 25  # every offset in [-2, 2]² occurs
+    assert torch.equal(random_shift(images, 0), images)
+
+
+def test_random_shift_equals_padding_and_cropping():
+    images = torch.rand(16, 3, 28, 30)
+    shifted = random_shift(images, 3, torch.Generator().manual_seed(1))
+    offsets = torch.randint(0, 7, (16, 2), generator=torch.Generator().manual_seed(1))
+    padded = F.pad(images, (3, 3, 3, 3))
+    expected = torch.stack([padded[i, :, dy : dy + 28, dx : dx + 30] for i, (dy, dx) in enumerate(offsets.tolist())])
+    assert torch.equal(shifted, expected)
+
+
+def test_channel_mean_std():
+    images = np.zeros((4, 2, 3, 3), dtype=np.uint8)
+    images[:2, 0] = 255  # channel 0: half black, half white
+    images[:, 1] = 51  # channel 1: constant 0.2
+    mean, std = channel_mean_std(images)
+    assert mean == pytest.approx((0.5, 0.2)) and std == pytest.approx((0.5, 1e-6))

@@ -1,0 +1,115 @@
+"""`capsnet train` and `capsnet eval`. torch is imported inside the handlers so `capsnet --help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+# shared by train and eval
+DATA_HELP = "'embedded' (5,000 MNIST digits shipped in the package) or a folder of MNIST-format IDX files"
+DEVICE_HELP = "auto (CUDA if present, else CPU), cpu, cuda or cuda:N"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    train = subparsers.add_parser(
+        "train",
+        help="train a CapsNet and write checkpoints",
+        description="Train a CapsNet (Adam, per-epoch learning-rate decay, random shifts), validate after each "
+                    "epoch, keep the best checkpoint at --out and the last at <out stem>.last.ckpt. "
+                    "Under torchrun every process runs this command (DistributedDataParallel).",
+    )
+    train.add_argument("--data", default="embedded", metavar="embedded|DIR", help=DATA_HELP)
+    train.add_argument("--preset", metavar="paper|tiny",
+                       help="model size: paper (Sabour et al., 8.2M parameters) or tiny; "
+                            "default paper, or the resumed checkpoint's")
+    train.add_argument("--epochs", type=int, default=10, metavar="N",
+                       help="total epochs, counting resumed ones (default 10)")
+    train.add_argument("--batch-size", type=int, default=64, metavar="B",
+                       help="global batch size, split across torchrun processes (default 64)")
+    train.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 0.001)")
+    train.add_argument("--lr-decay", type=float, default=0.9, metavar="FACTOR",
+                       help="learning-rate factor per epoch (default 0.9)")
+    train.add_argument("--max-shift", type=int, default=2, metavar="PIXELS",
+                       help="random shift augmentation in pixels (default 2)")
+    train.add_argument("--seed", type=int, default=0, metavar="N",
+                       help="seed for weights, shuffling and shifts (default 0)")
+    train.add_argument("--out", type=Path, default=Path("model.ckpt"), metavar="CKPT",
+                       help="best checkpoint (default model.ckpt)")
+    train.add_argument("--resume", nargs="?", const="", metavar="CKPT",
+                       help="continue a run from CKPT (default: <out stem>.last.ckpt) up to --epochs")
+    model = train.add_argument_group("model (default: the preset's, or the resumed checkpoint's)")
+    model.add_argument("--routing", metavar="sabour|leaky|su", help="routing variant: sabour (paper), leaky or su")
+    model.add_argument("--routing-iterations", type=int, metavar="N", help="routing iterations (paper: 3)")
+    model.add_argument("--squash-constant", type=float, metavar="C", help="c in |s|²/(c+|s|²): 1 (paper) or 0.5")
+    model.add_argument("--detach-agreement", action="store_true", default=None,
+                       help="stop the gradient through the routing agreement update (default: it flows)")
+    model.add_argument("--normalize", action="store_true",
+                       help="standardise inputs with the training split's per-channel mean/std "
+                            "(default: mean 0, std 1)")
+    execution = train.add_argument_group("execution")
+    execution.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
+    execution.add_argument("--amp", action="store_true", help="mixed precision: fp16 on CUDA, bf16 on CPU")
+    execution.add_argument("--compile", action="store_true", help="torch.compile the training step")
+    execution.add_argument("--threads", type=int, metavar="N",
+                           help="CPU threads per process (default: torch's; under torchrun the cores shared out)")
+    execution.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(handler=run_train)
+
+    evaluate = subparsers.add_parser(
+        "eval",
+        help="accuracy, per-class accuracy and confusion matrix of a checkpoint",
+        description="Evaluate a checkpoint on a data split: accuracy, per-class accuracy, confusion matrix.",
+    )
+    evaluate.add_argument("checkpoint", type=Path, help="a checkpoint written by capsnet train")
+    evaluate.add_argument("--data", default="embedded", metavar="embedded|DIR", help=DATA_HELP)
+    evaluate.add_argument("--split", choices=["test", "train"], default="test", help="which split (default test)")
+    evaluate.add_argument("--batch-size", type=int, default=256, metavar="B",
+                          help="images per forward pass (default 256)")
+    evaluate.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
+    evaluate.set_defaults(handler=run_eval)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from capsnet.training.train import TrainOptions, last_checkpoint_path, train
+
+    if args.resume is None:
+        resume = None
+    else:
+        resume = Path(args.resume) if args.resume else last_checkpoint_path(args.out)
+    train(TrainOptions(
+        data=args.data, out=args.out, preset=args.preset, routing=args.routing,
+        routing_iterations=args.routing_iterations, squash_constant=args.squash_constant,
+        detach_agreement=args.detach_agreement, normalize=args.normalize,
+        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, lr_decay=args.lr_decay, max_shift=args.max_shift,
+        seed=args.seed, device=args.device, amp=args.amp, compile=args.compile, threads=args.threads,
+        resume=resume, progress=not args.no_progress,
+    ))
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from capsnet.errors import CapsNetError
+    from capsnet.training.checkpoint import load_checkpoint
+    from capsnet.training.data import load_dataset
+    from capsnet.training.distributed import DistributedContext, resolve_device
+    from capsnet.training.evaluate import check_dataset_fits, evaluate
+
+    if args.batch_size < 1:
+        raise CapsNetError("--batch-size must be at least 1")
+    device = resolve_device(args.device, DistributedContext())
+    checkpoint = load_checkpoint(args.checkpoint)
+    dataset = load_dataset(args.data)
+    check_dataset_fits(checkpoint.config, dataset, f"checkpoint {args.checkpoint}")
+    split = dataset.test if args.split == "test" else dataset.train
+    model = checkpoint.build_model().to(device)
+    result = evaluate(model, split, tuple(checkpoint.class_names), args.batch_size, device)
+    if args.json:
+        print(json.dumps({"checkpoint": str(args.checkpoint), "data": dataset.name, "split": args.split,
+                          **result.to_dict()}))
+    else:
+        print(f"checkpoint {args.checkpoint} (epoch {checkpoint.epoch}) on {dataset.name}, {args.split} split")
+        print(result.format_report())
+    return 0

@@ -1,0 +1,104 @@
+"""One code path for one process or many: torchrun describes the process group in the environment.
+
+Under `torchrun --nproc_per_node=N`, every process runs the same `capsnet train`; this module reads
+its rank, picks its device, joins the process group (NCCL on CUDA, gloo on CPU) and sums statistics
+across ranks. Alone, the context is rank 0 of 1 and every collective is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from capsnet.errors import CapsNetError
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Only the main process prints and writes checkpoints."""
+        return self.rank == 0
+
+
+def _environment_int(variable: str, default: int) -> int:
+    raw = os.environ.get(variable)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise CapsNetError(f"environment variable {variable}={raw!r} is not an integer") from None
+
+
+def context_from_environment() -> DistributedContext:
+    """The variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); absent: a single process."""
+    context = DistributedContext(
+        rank=_environment_int("RANK", 0),
+        local_rank=_environment_int("LOCAL_RANK", 0),
+        world_size=_environment_int("WORLD_SIZE", 1),
+        local_world_size=_environment_int("LOCAL_WORLD_SIZE", 1),
+    )
+    if not 0 <= context.rank < context.world_size:
+        raise CapsNetError(f"RANK={context.rank} is outside WORLD_SIZE={context.world_size}")
+    return context
+
+
+def resolve_device(spec: str, context: DistributedContext) -> torch.device:
+    """`auto` (CUDA if present, else CPU), `cpu`, `cuda` or `cuda:N`; under torchrun, `cuda` means cuda:LOCAL_RANK."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise CapsNetError(f"unknown device {spec!r}; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise CapsNetError(f"unsupported device {spec!r}; use auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise CapsNetError(f"device {spec!r} requested but this machine has no usable CUDA GPU")
+    if device.index is not None and context.local_world_size > 1:
+        raise CapsNetError("under torchrun each process uses cuda:LOCAL_RANK; pass --device cuda or auto")
+    index = context.local_rank if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise CapsNetError(f"device cuda:{index} requested but only {torch.cuda.device_count()} GPU(s) are visible")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+@contextmanager
+def process_group(context: DistributedContext, device: torch.device) -> Iterator[None]:
+    """Join the torchrun process group for the duration (MASTER_ADDR/MASTER_PORT come from the environment)."""
+    if not context.is_distributed:
+        yield
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=context.rank, world_size=context.world_size,
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: Tensor, context: DistributedContext) -> Tensor:
+    """Sum `values` over all ranks, in place (NCCL needs them on the rank's GPU)."""
+    if context.is_distributed:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values

@@ -1,0 +1,40 @@
+"""The CapsNet loss: margin loss on capsule lengths plus a small reconstruction term (Sabour et al. 2017)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from capsnet.training.config import CapsNetConfig
+from capsnet.training.model import CapsNetOutput, at_least_float32
+
+
+class LossParts(NamedTuple):
+    total: Tensor  # () batch mean of margin + weighted reconstruction: what is optimised
+    margin: Tensor  # (B,) margin loss of each sample
+    reconstruction: Tensor  # (B,) sum of squared reconstruction errors of each sample
+
+
+def margin_loss(lengths: Tensor, labels: Tensor, m_plus: float = 0.9, m_minus: float = 0.1,
+                lambda_absent: float = 0.5) -> Tensor:
+    """Σ_k T_k max(0, m+ − |v_k|)² + λ (1 − T_k) max(0, |v_k| − m−)², per sample: (B, J) -> (B,)."""
+    lengths = at_least_float32(lengths)  # the squares underflow in fp16/bf16
+    present = F.one_hot(labels, lengths.shape[1]).to(lengths.dtype)  # (B, J)
+    present_term = present * F.relu(m_plus - lengths).square()  # (B, J)
+    absent_term = lambda_absent * (1.0 - present) * F.relu(lengths - m_minus).square()  # (B, J)
+    return (present_term + absent_term).sum(dim=1)  # (B,)
+
+
+def reconstruction_error(reconstruction: Tensor, images: Tensor) -> Tensor:
+    """Sum of squared errors against the [0, 1] input image, per sample: -> (B,)."""
+    target = at_least_float32(images.flatten(1))  # (B, C*H*W)
+    return (at_least_float32(reconstruction) - target).square().sum(dim=1)  # (B,)
+
+
+def capsnet_loss(output: CapsNetOutput, images: Tensor, labels: Tensor, config: CapsNetConfig) -> LossParts:
+    margin = margin_loss(output.probabilities, labels, config.m_plus, config.m_minus, config.lambda_absent)
+    reconstruction = reconstruction_error(output.reconstruction, images)
+    total = (margin + config.reconstruction_weight * reconstruction).mean()
+    return LossParts(total, margin, reconstruction)

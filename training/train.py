@@ -1,0 +1,290 @@
+"""`capsnet train`: Adam with per-epoch exponential learning-rate decay, random-shift augmentation,
+validation after every epoch, and the best and the last checkpoints.
+
+The same code runs as one process or as N under torchrun: the model is wrapped in
+DistributedDataParallel, a DistributedSampler gives each rank its share of every epoch, and only
+rank 0 prints and writes files. `--batch-size` is the global batch, split evenly across ranks.
+Every random choice derives from `--seed` and the epoch, so `--resume` continues the same run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
+from tqdm import tqdm
+
+from capsnet.errors import CapsNetError
+from capsnet.training import distributed
+from capsnet.training.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from capsnet.training.config import CapsNetConfig, preset
+from capsnet.training.data import Dataset, Split, channel_mean_std, load_dataset, random_shift, to_float
+from capsnet.training.distributed import DistributedContext
+from capsnet.training.evaluate import check_dataset_fits, evaluate
+from capsnet.training.loss import capsnet_loss
+from capsnet.training.model import CapsNet, count_parameters
+
+
+# TrainOptions fields that set the CapsNetConfig field of the same name
+MODEL_FLAGS = ("routing", "routing_iterations", "squash_constant", "detach_agreement")
+
+
+@dataclass
+class TrainOptions:
+    data: str = "embedded"
+    out: Path = Path("model.ckpt")
+    # model: None keeps the preset's value (or, with --resume, the checkpoint's)
+    preset: str | None = None  # `paper` for a new run
+    routing: str | None = None
+    routing_iterations: int | None = None
+    squash_constant: float | None = None
+    detach_agreement: bool | None = None
+    normalize: bool = False  # standardise inputs with the training split's per-channel mean/std
+    # optimisation
+    epochs: int = 10
+    batch_size: int = 64
+    lr: float = 1e-3
+    lr_decay: float = 0.9  # multiplies the learning rate after every epoch
+    max_shift: int = 2
+    seed: int = 0
+    # execution
+    device: str = "auto"
+    amp: bool = False  # fp16 autocast + gradient scaling on CUDA, bf16 autocast on CPU
+    compile: bool = False
+    threads: int | None = None
+    resume: Path | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        self.resume = None if self.resume is None else Path(self.resume)
+        checks = {
+            "--epochs must be at least 1": self.epochs >= 1,
+            "--batch-size must be at least 1": self.batch_size >= 1,
+            "--lr must be a positive number": self.lr > 0 and np.isfinite(self.lr),
+            "--lr-decay must be in (0, 1]": 0 < self.lr_decay <= 1,
+            "--max-shift must be 0 or more": self.max_shift >= 0,
+            "--threads must be at least 1": self.threads is None or self.threads >= 1,
+            "--routing-iterations must be at least 1": self.routing_iterations is None or self.routing_iterations >= 1,
+            "--squash-constant must be a positive number": self.squash_constant is None or self.squash_constant > 0,
+        }
+        for message, ok in checks.items():
+            if not ok:
+                raise CapsNetError(message)
+
+    @property
+    def last_path(self) -> Path:
+        return last_checkpoint_path(self.out)
+
+
+def last_checkpoint_path(out: Path) -> Path:
+    """The last epoch's checkpoint, next to the best one: model.ckpt -> model.last.ckpt."""
+    return out.with_name(f"{out.stem}.last.ckpt")
+
+
+def model_config(options: TrainOptions, dataset: Dataset, base: CapsNetConfig | None) -> CapsNetConfig:
+    """The preset sized for the data, with the model flags applied; `base` (a resumed model) replaces the preset."""
+    channels, height, width = dataset.image_shape
+    if options.preset is not None or base is None:
+        base = preset(options.preset or "paper", in_channels=channels, height=height, width=width,
+                      num_classes=len(dataset.class_names))
+    changes = {name: getattr(options, name) for name in MODEL_FLAGS
+               if getattr(options, name) is not None}
+    if options.normalize:
+        changes["input_mean"], changes["input_std"] = channel_mean_std(dataset.train.images)
+    return base.replace(**changes)
+
+
+def epoch_batches(num_images: int, batch_size: int, context: DistributedContext, seed: int,
+                  epoch: int) -> list[np.ndarray]:
+    """This rank's shuffled share of the epoch, cut into batches; every rank gets the same number of batches."""
+    sampler = DistributedSampler(range(num_images), num_replicas=context.world_size, rank=context.rank,
+                                 shuffle=True, seed=seed, drop_last=True)
+    sampler.set_epoch(epoch)
+    indices = np.fromiter(sampler, dtype=np.int64)
+    return np.array_split(indices, range(batch_size, len(indices), batch_size))
+
+
+def augmentation_generator(seed: int, epoch: int, rank: int) -> torch.Generator:
+    """Shifts differ across epochs and ranks, and repeat exactly on --resume."""
+    generator = torch.Generator()
+    generator.manual_seed(int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0]))
+    return generator
+
+
+def autocast_context(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager:
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.float16 if device.type == "cuda" else torch.bfloat16)
+
+
+@dataclass
+class EpochResult:
+    loss: float
+    accuracy: float
+    images: int
+    seconds: float
+
+
+def train_one_epoch(step_model: torch.nn.Module, config: CapsNetConfig, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler, split: Split, epoch: int, options: TrainOptions,
+                    context: DistributedContext, device: torch.device) -> EpochResult:
+    """One pass over this rank's share of `split`; the loss and accuracy returned are summed over ranks."""
+    batches = epoch_batches(len(split), options.batch_size // context.world_size, context, options.seed, epoch)
+    generator = augmentation_generator(options.seed, epoch, context.rank)
+    step_model.train()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, images on this rank
+    started = time.perf_counter()
+    bar = tqdm(batches, desc=f"epoch {epoch + 1}/{options.epochs}", unit="batch", leave=False, dynamic_ncols=True,
+               disable=not (options.progress and context.is_main))
+    for indices in bar:
+        images = random_shift(to_float(split.images[indices]), options.max_shift, generator).to(device)  # (B, C, H, W)
+        labels = torch.as_tensor(split.labels[indices]).to(device)  # (B,)
+        with autocast_context(device, options.amp):
+            output = step_model(images, labels)
+        loss = capsnet_loss(output, images, labels, config).total
+        if not torch.isfinite(loss):
+            raise CapsNetError(f"the loss became {loss.item()}; try a lower --lr or drop --amp")
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        correct = (output.probabilities.argmax(dim=1) == labels).sum()
+        totals += torch.stack([loss.detach().double() * len(indices), correct.double(),
+                               totals.new_tensor(len(indices))])
+        if not bar.disable:
+            bar.set_postfix(loss=f"{totals[0].item() / totals[2].item():.4f}",
+                            acc=f"{100 * totals[1].item() / totals[2].item():.1f}%")
+    distributed.all_reduce_sum(totals, context)
+    loss_sum, correct, images = totals.tolist()
+    return EpochResult(loss_sum / images, correct / images, int(images), time.perf_counter() - started)
+
+
+def announce(context: DistributedContext, message: str) -> None:
+    """Progress lines come from rank 0 only."""
+    if context.is_main:
+        print(message, flush=True)
+
+
+def prepare_output(out: Path) -> None:
+    """Fail before training, not after the first epoch, if the checkpoint cannot be written."""
+    if out.is_dir():
+        raise CapsNetError(f"--out {out} is a directory; give a file name such as {out / 'model.ckpt'}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CapsNetError(f"cannot create the folder for --out {out}: {err.strerror or err}") from None
+    if not os.access(out.parent, os.W_OK):
+        raise CapsNetError(f"cannot write to {out.parent}")
+
+
+def train(options: TrainOptions) -> Checkpoint:
+    """Train, validate after each epoch, write the best (`options.out`) and last checkpoints; return the last."""
+    context = distributed.context_from_environment()
+    device = distributed.resolve_device(options.device, context)
+    if options.batch_size % context.world_size:
+        raise CapsNetError(f"--batch-size {options.batch_size} is not divisible by the {context.world_size} processes")
+    if device.type == "cpu" and (options.threads or context.local_world_size > 1):
+        # The processes on one machine share its cores.
+        torch.set_num_threads(options.threads or max(1, (os.cpu_count() or 1) // context.local_world_size))
+    prepare_output(options.out)
+    dataset = load_dataset(options.data)
+    if options.max_shift >= min(dataset.image_shape[1:]):
+        raise CapsNetError(f"--max-shift {options.max_shift} is not smaller than the {dataset.image_shape[1]}x"
+                           f"{dataset.image_shape[2]} images")
+    resumed = load_checkpoint(options.resume) if options.resume is not None else None
+    config = model_config(options, dataset, resumed.config if resumed else None)
+    if resumed is not None:
+        check_resumable(resumed, config, options)
+    check_dataset_fits(config, dataset, "the model")
+    with distributed.process_group(context, device):
+        return run_epochs(options, config, dataset, resumed, context, device)
+
+
+def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOptions) -> None:
+    """Resuming continues the same model; flags given again must agree with the checkpoint."""
+    recorded = resumed.config.to_dict()
+    changed = {name: value for name, value in config.to_dict().items() if recorded[name] != value}
+    if changed:
+        listed = ", ".join(f"{name}={value!r} (checkpoint: {recorded[name]!r})" for name, value in changed.items())
+        raise CapsNetError(f"--resume continues the checkpoint's model; these flags change it: {listed}")
+    if resumed.optimizer_state is None or resumed.scheduler_state is None:
+        raise CapsNetError(f"{options.resume} holds no optimizer state to resume from")
+    if resumed.epoch >= options.epochs:
+        raise CapsNetError(f"{options.resume} has already trained {resumed.epoch} epochs; pass --epochs above that")
+
+
+def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, resumed: Checkpoint | None,
+               context: DistributedContext, device: torch.device) -> Checkpoint:
+    torch.manual_seed(options.seed)
+    model = CapsNet(config).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=options.lr)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=options.lr_decay)
+    history: list[dict] = []
+    if resumed is not None:
+        model.load_state_dict(resumed.state_dict)
+        optimizer.load_state_dict(resumed.optimizer_state)
+        scheduler.load_state_dict(resumed.scheduler_state)
+        history = list(resumed.history)
+    if context.is_distributed:
+        # A 1-channel Conv1 weight (256, 1, 9, 9) gets its gradient with another (equivalent) stride for the
+        # size-1 axis; DDP warns about it on every backward though nothing is wrong.
+        warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
+    step_model = DistributedDataParallel(model) if context.is_distributed else model
+    if options.compile:
+        step_model = torch.compile(step_model)
+    scaler = torch.amp.GradScaler(device.type, enabled=options.amp and device.type == "cuda")
+    per_rank_batch = options.batch_size // context.world_size
+    run_info = {
+        "dataset": dataset.name, "train_images": len(dataset.train), "test_images": len(dataset.test),
+        "parameters": count_parameters(model), "batch_size": options.batch_size, "initial_lr": options.lr,
+        "lr_decay": options.lr_decay, "max_shift": options.max_shift, "seed": options.seed,
+        "device": device.type, "world_size": context.world_size, "amp": options.amp, "compile": options.compile,
+    }
+    best_accuracy = max((record["test_accuracy"] for record in history), default=-1.0)
+    processes = f"{context.world_size} process{'es' if context.is_distributed else ''}"
+    announce(context, f"training {run_info['parameters']:,} parameters on {len(dataset.train):,} images of "
+                      f"{dataset.name} ({device}, {processes})")
+    checkpoint = resumed
+    for epoch in range(resumed.epoch if resumed else 0, options.epochs):
+        lr = optimizer.param_groups[0]["lr"]
+        trained = train_one_epoch(step_model, config, optimizer, scaler, dataset.train, epoch, options, context, device)
+        scheduler.step()
+        started = time.perf_counter()
+        validation = evaluate(model, dataset.test, dataset.class_names, per_rank_batch, device, context,
+                              autocast_context(device, options.amp))
+        record = {
+            "epoch": epoch + 1, "lr": lr,
+            "train_loss": trained.loss, "train_accuracy": trained.accuracy,
+            "test_loss": validation.loss, "test_accuracy": validation.accuracy,
+            "train_seconds": trained.seconds, "train_images_per_second": trained.images / trained.seconds,
+            "eval_seconds": time.perf_counter() - started,
+        }
+        history.append(record)
+        is_best = validation.accuracy > best_accuracy or not options.out.exists()
+        best_accuracy = max(best_accuracy, validation.accuracy)
+        checkpoint = Checkpoint(
+            config=config, state_dict=model.state_dict(), class_names=list(dataset.class_names),
+            metrics={**record, **run_info, "per_class_accuracy": validation.per_class_accuracy},
+            epoch=epoch + 1, optimizer_state=optimizer.state_dict(), scheduler_state=scheduler.state_dict(),
+            history=list(history), dataset=dataset.name,
+        )
+        if context.is_main:
+            save_checkpoint(checkpoint, options.last_path)
+            if is_best:
+                save_checkpoint(checkpoint, options.out)
+        announce(context, f"epoch {epoch + 1}/{options.epochs}: "
+                          f"train loss {trained.loss:.4f} acc {100 * trained.accuracy:.2f}% | "
+                          f"test loss {validation.loss:.4f} acc {100 * validation.accuracy:.2f}% | "
+                          f"{record['train_images_per_second']:.0f} images/s, {trained.seconds:.1f}s"
+                          + (f" | best -> {options.out}" if is_best else ""))
+    announce(context, f"best test accuracy {100 * best_accuracy:.2f}%: {options.out}; last epoch: {options.last_path}")
+    return checkpoint
