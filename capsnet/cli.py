@@ -18,6 +18,8 @@ from capsnet.errors import CapsNetError
 # Modules that register subcommands, in pipeline order.
 _COMMAND_MODULES = (
     "capsnet.training.cli",  # train, eval
+    "capsnet.training.visualize",  # visualize
+    "capsnet.training.robustness",  # robustness
     "capsnet.export.cli",  # export
     "capsnet.serving.cli",  # serve, predict
     "capsnet.bench.cli",  # bench

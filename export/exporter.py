@@ -69,6 +69,9 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
     config = ExportConfig(**options)
     checkpoint_path, out_dir = Path(checkpoint_path), Path(out_dir)
     checkpoint = load_checkpoint(checkpoint_path)
+    if checkpoint.config.arch != "capsnet":
+        # The artifacts promise capsule poses; a baseline without capsules has none to serve.
+        raise CapsNetError(f"{checkpoint_path} is a {checkpoint.config.arch} checkpoint; export takes CapsNet checkpoints")
     _check_target(out_dir, SIDECAR_NAME)
     triton_model_dir = Path(config.triton_repo) / MODEL_NAME if config.triton_repo else None
     if triton_model_dir is not None:

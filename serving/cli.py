@@ -52,6 +52,10 @@ def register(subparsers) -> None:
     predict.add_argument("--top-k", type=int, default=1, metavar="K", help="print the K most probable classes (default 1)")
     predict.add_argument("--poses", action="store_true", help="also print every class capsule's pose vector")
     predict.add_argument("--json", action="store_true", help="print JSON (one object per image, in a list)")
+    predict.add_argument("--reconstruction", metavar="PNG",
+                         help="write the reconstruction from each image's predicted capsule as PNG: to PNG for one "
+                              "image, to <stem>-0.png, <stem>-1.png, ... (in argument order) for several; "
+                              "the model must be exported with --reconstruction")
     predict.add_argument("--tls-ca", metavar="PEM", help="CA certificate of the server (enables TLS)")
     predict.add_argument("--tls-cert", metavar="PEM", help="client certificate, for mutual TLS")
     predict.add_argument("--tls-key", metavar="PEM", help="client private key, for mutual TLS")
@@ -84,16 +88,25 @@ def run_predict(args: argparse.Namespace) -> int:
     try:
         with CapsNetClient(args.server, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                            timeout=args.timeout) as client:
-            predictions = client.classify(args.images, poses=args.poses, top_k=args.top_k)
+            predictions = client.classify(args.images, poses=args.poses, top_k=args.top_k,
+                                          reconstruction=args.reconstruction is not None)
     except grpc.RpcError as err:
         raise CapsNetError(f"{args.server}: {err.code().name}: {err.details()}") from None
     except OSError as err:
         raise CapsNetError(f"cannot read {err.filename}: {err.strerror}") from None
+    written = [None] * len(predictions)
+    if args.reconstruction is not None:
+        written = reconstruction_paths(args.reconstruction, len(predictions))
+        for target, prediction in zip(written, predictions):
+            write_png(prediction.reconstruction, target)
     if args.json:
-        print(json.dumps([_as_json(path, p, args.poses) for path, p in zip(args.images, predictions)], indent=2))
+        print(json.dumps([_as_json(path, p, args.poses, png) for path, p, png in zip(args.images, predictions, written)],
+                         indent=2))
         return 0
-    for path, prediction in zip(args.images, predictions):
+    for path, prediction, png in zip(args.images, predictions, written):
         print(f"{path}: {prediction.class_index} {prediction.class_name!r} p={prediction.probability:.4f}")
+        if png:
+            print(f"  reconstruction: {png}")
         for rank, (index, name, probability) in enumerate(prediction.top_classes[1:], start=2):
             print(f"  #{rank}: {index} {name!r} p={probability:.4f}")
         if args.poses:
@@ -102,7 +115,30 @@ def run_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-def _as_json(path: str, prediction, poses: bool) -> dict:
+def reconstruction_paths(target: str, count: int) -> list[str]:
+    """out.png for one image; out-0.png, out-1.png, ... for several."""
+    if count == 1:
+        return [target]
+    stem, suffix = os.path.splitext(target)
+    return [f"{stem}-{index}{suffix}" for index in range(count)]
+
+
+def write_png(reconstruction, path: str) -> None:
+    """A (C, H, W) [0, 1] reconstruction -> an 8-bit grey (C = 1) or RGB (C = 3) PNG."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.rint(np.clip(reconstruction, 0, 1) * 255).astype(np.uint8)  # (C, H, W)
+    if pixels.shape[0] not in (1, 3):
+        raise CapsNetError(f"cannot write a {pixels.shape[0]}-channel reconstruction as PNG")
+    image = Image.fromarray(pixels[0]) if pixels.shape[0] == 1 else Image.fromarray(pixels.transpose(1, 2, 0))  # (H, W[, 3])
+    try:
+        image.save(path, format="PNG")
+    except OSError as err:
+        raise CapsNetError(f"cannot write {path}: {err.strerror or err}") from None
+
+
+def _as_json(path: str, prediction, poses: bool, reconstruction: str | None) -> dict:
     item = {
         "image": path,
         "class": prediction.class_index,
@@ -113,4 +149,6 @@ def _as_json(path: str, prediction, poses: bool) -> dict:
     }
     if poses:
         item["poses"] = prediction.poses.tolist()
+    if reconstruction:
+        item["reconstruction"] = reconstruction
     return item

@@ -15,14 +15,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from capsnet import __version__
 from capsnet.errors import CapsNetError
+from capsnet.training.cnn_baseline import CnnBaseline
 from capsnet.training.config import CapsNetConfig
 from capsnet.training.model import CapsNet
 
 FORMAT_NAME = "capsnet-checkpoint"
 FORMAT_VERSION = 1
+
+
+def create_model(config: CapsNetConfig) -> nn.Module:
+    """A freshly initialised model of the config's architecture."""
+    return CnnBaseline(config) if config.arch == "cnn-baseline" else CapsNet(config)
 
 
 @dataclass
@@ -38,9 +45,9 @@ class Checkpoint:
     history: list[dict[str, Any]] = field(default_factory=list)
     dataset: str = ""
 
-    def build_model(self) -> CapsNet:
-        """The model in eval mode on the CPU with these weights."""
-        model = CapsNet(self.config)
+    def build_model(self) -> nn.Module:
+        """The model (CapsNet or CnnBaseline, by `config.arch`) in eval mode on the CPU with these weights."""
+        model = create_model(self.config)
         model.load_state_dict(self.state_dict)
         return model.eval()
 
@@ -111,7 +118,7 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
             history=payload.get("history") or [],
             dataset=payload.get("dataset", ""),
         )
-        CapsNet(config).load_state_dict(checkpoint.state_dict)
+        create_model(config).load_state_dict(checkpoint.state_dict)
     except (KeyError, TypeError, ValueError, RuntimeError) as err:
         raise CapsNetError(f"checkpoint {path} is damaged: {str(err).splitlines()[0]}") from None
     if len(checkpoint.class_names) != config.num_classes:

@@ -13,6 +13,8 @@ DEVICE_HELP = "auto (CUDA if present, else CPU), cpu, cuda or cuda:N"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from capsnet.training.config import ARCHITECTURES
+
     train = subparsers.add_parser(
         "train",
         help="train a CapsNet and write checkpoints",
@@ -40,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--resume", nargs="?", const="", metavar="CKPT",
                        help="continue a run from CKPT (default: <out stem>.last.ckpt) up to --epochs")
     model = train.add_argument_group("model (default: the preset's, or the resumed checkpoint's)")
+    model.add_argument("--arch", choices=ARCHITECTURES,
+                       help="capsnet (default) or cnn-baseline: a plain CNN of the paper CapsNet's size, "
+                            "trained with the same margin loss")
     model.add_argument("--routing", metavar="sabour|leaky|su", help="routing variant: sabour (paper), leaky or su")
     model.add_argument("--routing-iterations", type=int, metavar="N", help="routing iterations (paper: 3)")
     model.add_argument("--squash-constant", type=float, metavar="C", help="c in |s|²/(c+|s|²): 1 (paper) or 0.5")
@@ -80,7 +85,7 @@ def run_train(args: argparse.Namespace) -> int:
     else:
         resume = Path(args.resume) if args.resume else last_checkpoint_path(args.out)
     train(TrainOptions(
-        data=args.data, out=args.out, preset=args.preset, routing=args.routing,
+        data=args.data, out=args.out, preset=args.preset, arch=args.arch, routing=args.routing,
         routing_iterations=args.routing_iterations, squash_constant=args.squash_constant,
         detach_agreement=args.detach_agreement, normalize=args.normalize,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, lr_decay=args.lr_decay, max_shift=args.max_shift,

@@ -8,10 +8,12 @@ from dataclasses import dataclass, field
 from capsnet.errors import CapsNetError
 
 ROUTING_VARIANTS = ("sabour", "leaky", "su")
+ARCHITECTURES = ("capsnet", "cnn-baseline")  # cnn-baseline: training/cnn_baseline.py
 
 
 @dataclass(frozen=True)
 class CapsNetConfig:
+    arch: str = "capsnet"  # checkpoints written before this field existed load as capsnet
     # input
     in_channels: int = 1
     height: int = 28
@@ -51,6 +53,8 @@ class CapsNetConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise CapsNetError(f"config: {name} must be a positive integer, got {value!r}")
+        if self.arch not in ARCHITECTURES:
+            raise CapsNetError(f"config: arch must be one of {', '.join(ARCHITECTURES)}, got {self.arch!r}")
         if self.routing not in ROUTING_VARIANTS:
             raise CapsNetError(f"config: routing must be one of {', '.join(ROUTING_VARIANTS)}, got {self.routing!r}")
         if self.squash_constant <= 0:

@@ -24,17 +24,17 @@ from tqdm import tqdm
 
 from capsnet.errors import CapsNetError
 from capsnet.training import distributed
-from capsnet.training.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from capsnet.training.checkpoint import Checkpoint, create_model, load_checkpoint, save_checkpoint
 from capsnet.training.config import CapsNetConfig, preset
 from capsnet.training.data import Dataset, Split, channel_mean_std, load_dataset, random_shift, to_float
 from capsnet.training.distributed import DistributedContext
 from capsnet.training.evaluate import check_dataset_fits, evaluate
 from capsnet.training.loss import capsnet_loss
-from capsnet.training.model import CapsNet, count_parameters
+from capsnet.training.model import count_parameters
 
 
 # TrainOptions fields that set the CapsNetConfig field of the same name
-MODEL_FLAGS = ("routing", "routing_iterations", "squash_constant", "detach_agreement")
+MODEL_FLAGS = ("arch", "routing", "routing_iterations", "squash_constant", "detach_agreement")
 
 
 @dataclass
@@ -43,6 +43,7 @@ class TrainOptions:
     out: Path = Path("model.ckpt")
     # model: None keeps the preset's value (or, with --resume, the checkpoint's)
     preset: str | None = None  # `paper` for a new run
+    arch: str | None = None  # `capsnet` for a new run
     routing: str | None = None
     routing_iterations: int | None = None
     squash_constant: float | None = None
@@ -98,6 +99,8 @@ def model_config(options: TrainOptions, dataset: Dataset, base: CapsNetConfig | 
                       num_classes=len(dataset.class_names))
     changes = {name: getattr(options, name) for name in MODEL_FLAGS
                if getattr(options, name) is not None}
+    if changes.get("arch") == "cnn-baseline":
+        changes["reconstruction_weight"] = 0.0  # the baseline has no decoder: margin loss only
     if options.normalize:
         changes["input_mean"], changes["input_std"] = channel_mean_std(dataset.train.images)
     return base.replace(**changes)
@@ -225,7 +228,7 @@ def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOp
 def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, resumed: Checkpoint | None,
                context: DistributedContext, device: torch.device) -> Checkpoint:
     torch.manual_seed(options.seed)
-    model = CapsNet(config).to(device)
+    model = create_model(config).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=options.lr)
     scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=options.lr_decay)
     history: list[dict] = []

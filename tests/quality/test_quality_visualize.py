@@ -1,0 +1,80 @@
+"""`capsnet visualize` on a briefly trained tiny model: the files, and the figures' contents computed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from capsnet.errors import CapsNetError
+from capsnet.training import visualize
+from capsnet.training.checkpoint import load_checkpoint
+from capsnet.training.data import load_embedded, to_float
+
+PICTURES = ["confusion.png", "pose-perturbation-0.png", "pose-perturbation-1.png", "pose-perturbation-2.png",
+            "reconstructions.png", "routing.png", "training-curves.png"]
+
+
+@pytest.fixture(scope="module")
+def model(trained_tiny_checkpoint):
+    return load_checkpoint(trained_tiny_checkpoint).build_model()
+
+
+@pytest.fixture(scope="module")
+def images():
+    return to_float(load_embedded().test.images[::100])  # (10, 1, 28, 28): one of each class
+
+
+def test_writes_every_picture_as_a_png(trained_tiny_checkpoint, tmp_path, run_command, capsys):
+    code = run_command(visualize, "visualize", str(trained_tiny_checkpoint), "--out", str(tmp_path / "pictures"),
+                       "--images", "300")
+    assert code == 0
+    out = tmp_path / "pictures"
+    assert sorted(p.name for p in out.iterdir()) == PICTURES
+    assert sorted(capsys.readouterr().out.splitlines()) == sorted(f"wrote {out / name}" for name in PICTURES)
+    for name in PICTURES:
+        with Image.open(out / name) as image:
+            assert image.format == "PNG"
+            width, height = image.size
+            assert 300 <= width <= 2000 and 250 <= height <= 2000, (name, image.size)
+            assert (out / name).stat().st_size < 400_000
+    with Image.open(out / "pose-perturbation-0.png") as image:
+        # room for the 16 × 11 panels of 28 × 28 pixels at least at their own size
+        assert image.size[0] >= 11 * 28 and image.size[1] >= 16 * 28
+
+
+def test_pose_perturbation_moves_one_dimension_of_the_predicted_capsule(model, images):
+    with torch.no_grad():
+        grid = visualize.pose_perturbations(model, images[:1])
+        output = model(images[:1])
+        assert grid.shape == (16, 11, 1, 28, 28)
+        deltas = visualize.perturbation_deltas()
+        assert torch.allclose(deltas, torch.linspace(-0.25, 0.25, 11))
+        # offset 0: the model's own reconstruction
+        for dim in range(16):
+            torch.testing.assert_close(grid[dim, 5].reshape(1, -1), output.reconstruction)
+        # one panel against the decoder on a pose changed by hand
+        target = output.probabilities.argmax(dim=1)  # (1,)
+        poses = output.poses.clone()  # (1, J, D)
+        poses[0, target[0], 7] += deltas[2]
+        torch.testing.assert_close(grid[7, 2].reshape(1, -1), model.decoder(poses, target))
+    assert all((grid[d, 0] - grid[d, -1]).abs().max() > 1e-4 for d in range(16))
+
+
+def test_coupling_maps_are_the_coupling_on_the_primary_grid(model, images):
+    config = model.config
+    grid_h, grid_w = config.primary_grid
+    with torch.no_grad():
+        coupling = model(images).coupling  # (10, I, J)
+    maps = visualize.coupling_maps(coupling, config)
+    assert maps.shape == (10, 10, grid_h, grid_w)
+    # capsule i = (channel, y, x) in PrimaryCaps order
+    image, klass, y, x = 3, 4, 1, 2
+    members = [channel * grid_h * grid_w + y * grid_w + x for channel in range(config.primary_caps_channels)]
+    assert maps[image, klass, y, x].item() == pytest.approx(coupling[image, members, klass].mean().item(), rel=1e-5)
+    torch.testing.assert_close(maps.sum(dim=1), torch.ones(10, grid_h, grid_w))  # sabour: softmax over classes
+
+
+def test_bad_counts_are_refused(trained_tiny_checkpoint, tmp_path, run_command):
+    with pytest.raises(CapsNetError, match="--examples must be at least 1"):
+        run_command(visualize, "visualize", str(trained_tiny_checkpoint), "--out", str(tmp_path), "--examples", "0")

@@ -1,0 +1,259 @@
+"""`capsnet visualize`: PNG pictures of what a trained CapsNet learned, written to --out:
+
+- reconstructions.png: test digits above the decoder's reconstruction from their predicted capsule,
+  for correct and for wrong predictions;
+- pose-perturbation-<k>.png (3 digits): each of the 16 dimensions of the predicted capsule moved from
+  -0.25 to +0.25 in steps of 0.05 and decoded, one row per dimension (Sabour et al. 2017, figure 4);
+- routing.png: the last routing iteration's coupling coefficients c_ij of 4 digits, averaged over the
+  primary capsule channels at each grid position: which primary capsules sent their votes to which class;
+- confusion.png: the confusion matrix on the scored test digits;
+- training-curves.png: loss and accuracy per epoch, from the checkpoint's history.
+
+A cnn-baseline checkpoint has no capsules: it gets the confusion matrix and the training curves.
+torch and matplotlib are imported inside the functions, so `capsnet --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from capsnet.training.cli import DATA_HELP, DEVICE_HELP
+
+PERTURBATION_STEP = 0.05
+PERTURBATION_STEPS = 11  # -0.25 ... +0.25
+PERTURBED_DIGITS = 3
+ROUTED_CORRECT, ROUTED_WRONG = 3, 1  # digits in the routing picture
+DPI = 100
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "visualize",
+        help="draw reconstructions, pose perturbations, routing, confusion matrix and training curves (PNG)",
+        description="Write PNG pictures of a checkpoint on the test split of --data: reconstructions from the "
+                    "predicted capsule (correct and wrong predictions), pose perturbations of 3 digits, routing "
+                    "coupling heat maps, the confusion matrix and the training curves.",
+    )
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint written by capsnet train")
+    parser.add_argument("--data", default="embedded", metavar="embedded|DIR", help=DATA_HELP)
+    parser.add_argument("--out", type=Path, default=Path("pictures"), metavar="DIR",
+                        help="folder for the PNG files (default pictures)")
+    parser.add_argument("--images", type=int, default=1000, metavar="N",
+                        help="score the first N test images for the confusion matrix and examples (default 1000)")
+    parser.add_argument("--examples", type=int, default=8, metavar="K",
+                        help="correct and wrong predictions shown in reconstructions.png (default 8 each)")
+    parser.add_argument("--batch-size", type=int, default=256, metavar="B", help="images per forward pass (default 256)")
+    parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
+    parser.set_defaults(handler=run_visualize)
+
+
+def run_visualize(args: argparse.Namespace) -> int:
+    for path in visualize(args.checkpoint, args.data, args.out, args.images, args.examples, args.batch_size,
+                          args.device):
+        print(f"wrote {path}")
+    return 0
+
+
+def visualize(checkpoint_path: Path, data: str, out: Path, images: int, examples: int, batch_size: int,
+              device_name: str) -> list[Path]:
+    import numpy as np
+    import torch
+
+    from capsnet.errors import CapsNetError
+    from capsnet.training.checkpoint import load_checkpoint
+    from capsnet.training.data import Split, load_dataset, to_float
+    from capsnet.training.distributed import DistributedContext, resolve_device
+    from capsnet.training.evaluate import check_dataset_fits, evaluate
+    from capsnet.training.model import CapsNet
+    from capsnet.training.robustness import class_probabilities
+
+    for flag, value in (("--images", images), ("--examples", examples), ("--batch-size", batch_size)):
+        if value < 1:
+            raise CapsNetError(f"{flag} must be at least 1")
+    device = resolve_device(device_name, DistributedContext())
+    checkpoint = load_checkpoint(checkpoint_path)
+    dataset = load_dataset(data)
+    check_dataset_fits(checkpoint.config, dataset, f"checkpoint {checkpoint_path}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CapsNetError(f"cannot create --out {out}: {err.strerror or err}") from None
+    split = Split(dataset.test.images[:images], dataset.test.labels[:images])
+    names = tuple(checkpoint.class_names)
+    model = checkpoint.build_model().to(device)
+
+    written = [draw_confusion(evaluate(model, split, names, batch_size, device), out / "confusion.png")]
+    if checkpoint.history:
+        written.append(draw_training_curves(checkpoint.history, out / "training-curves.png"))
+    if not isinstance(model, CapsNet):
+        return written
+
+    predicted = class_probabilities(model, split.images, batch_size, device).argmax(axis=1)  # (N,)
+    # Examples in a fixed shuffled order: test splits are often sorted by class.
+    order = np.random.default_rng(0).permutation(len(split))
+    correct = order[predicted[order] == split.labels[order]]
+    wrong = order[predicted[order] != split.labels[order]]
+    with torch.no_grad():
+        shown = np.concatenate([correct[:examples], wrong[:examples]])
+        pixels = to_float(split.images[shown])  # (K, C, H, W)
+        reconstructions = model(pixels.to(device)).reconstruction.cpu().reshape(pixels.shape)  # (K, C*H*W) -> (K, C, H, W)
+        written.append(draw_reconstructions(pixels.numpy(), reconstructions.numpy(), split.labels[shown],
+                                            predicted[shown], min(examples, len(correct)), names,
+                                            out / "reconstructions.png"))
+        for k, index in enumerate(correct[:PERTURBED_DIGITS]):
+            grid = pose_perturbations(model, to_float(split.images[index : index + 1]).to(device))  # (D, S, C, H, W)
+            written.append(draw_perturbations(grid.cpu().numpy(), names[predicted[index]],
+                                              out / f"pose-perturbation-{k}.png"))
+        routed = np.concatenate([correct[:ROUTED_CORRECT], wrong[:ROUTED_WRONG]])
+        pixels = to_float(split.images[routed])  # (B, C, H, W)
+        maps = coupling_maps(model(pixels.to(device)).coupling, model.config)  # (B, J, grid_h, grid_w)
+        written.append(draw_routing(pixels.numpy(), maps.cpu().numpy(), split.labels[routed], predicted[routed],
+                                    names, out / "routing.png"))
+    return written
+
+
+def perturbation_deltas():
+    """(S,) offsets -0.25, -0.20, ..., +0.25."""
+    import torch
+
+    return (torch.arange(PERTURBATION_STEPS) - PERTURBATION_STEPS // 2) * PERTURBATION_STEP
+
+
+def pose_perturbations(model, image):
+    """image (1, C, H, W) -> (D, S, C, H, W): the decoder's reconstruction from the predicted capsule's pose
+    with dimension d moved by delta s, every other capsule masked as in training."""
+    import torch
+
+    output = model(image)
+    target = output.probabilities.argmax(dim=1)  # (1,)
+    _, num_classes, dim = output.poses.shape
+    deltas = perturbation_deltas().to(image.device)  # (S,)
+    change = torch.eye(dim, device=image.device)[:, None, :] * deltas[None, :, None]  # (D, S, D)
+    poses = output.poses.expand(dim, len(deltas), num_classes, dim).clone()  # (D, S, J, D)
+    poses[:, :, target[0]] += change
+    flat = poses.reshape(dim * len(deltas), num_classes, dim)  # (D*S, J, D)
+    reconstruction = model.decoder(flat, target.expand(len(flat)))  # (D*S, C*H*W)
+    return reconstruction.reshape(dim, len(deltas), *image.shape[1:])  # (D, S, C, H, W)
+
+
+def coupling_maps(coupling, config):
+    """coupling (B, I, J) -> (B, J, grid_h, grid_w): each class's coupling coefficient averaged over the
+    primary capsule channels at each grid position."""
+    grid_h, grid_w = config.primary_grid
+    batch, _, num_classes = coupling.shape
+    per_channel = coupling.reshape(batch, config.primary_caps_channels, grid_h, grid_w, num_classes)  # (B, 32, 6, 6, J)
+    return per_channel.mean(dim=1).permute(0, 3, 1, 2)  # (B, J, 6, 6)
+
+
+def _figure(width: float, height: float):
+    from matplotlib.figure import Figure  # a bare Figure saves PNG through the Agg backend, no pyplot state
+
+    return Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+
+
+def _show(axes, image, title: str = "") -> None:
+    """One (C, H, W) [0, 1] image, grey for one channel."""
+    pixels = image[0] if image.shape[0] == 1 else image.transpose(1, 2, 0)  # (H, W) or (H, W, C)
+    axes.imshow(pixels.clip(0, 1), cmap="gray", vmin=0, vmax=1, interpolation="nearest")
+    axes.set_axis_off()
+    axes.set_title(title, fontsize=8)
+
+
+def draw_reconstructions(images, reconstructions, labels, predicted, num_correct: int, names, path: Path) -> Path:
+    """images and reconstructions (K, C, H, W): the first `num_correct` correctly classified, then the wrong ones."""
+    columns = max(num_correct, len(images) - num_correct, 1)
+    figure = _figure(1.1 * columns, 5.2)
+    sections = {"correct predictions": range(num_correct), "wrong predictions (true → predicted)": range(num_correct, len(images))}
+    for subfigure, (heading, indices) in zip(figure.subfigures(2, 1), sections.items()):
+        subfigure.suptitle(f"{heading}: input (top), reconstruction from the predicted capsule (bottom)", fontsize=9)
+        axes = subfigure.subplots(2, columns, squeeze=False)
+        for column in range(columns):
+            if column >= len(indices):
+                axes[0, column].set_axis_off()
+                axes[1, column].set_axis_off()
+                continue
+            k = indices[column]
+            title = names[labels[k]] if labels[k] == predicted[k] else f"{names[labels[k]]} → {names[predicted[k]]}"
+            _show(axes[0, column], images[k], title)
+            _show(axes[1, column], reconstructions[k])
+        if not indices:
+            subfigure.text(0.5, 0.5, "none among the scored digits", ha="center", va="center")
+    figure.savefig(path)
+    return path
+
+
+def draw_perturbations(grid, name: str, path: Path) -> Path:
+    """grid (D, S, C, H, W) -> one mosaic: a row per pose dimension, a column per offset."""
+    dims, steps, channels, height, width = grid.shape
+    mosaic = grid.transpose(0, 3, 1, 4, 2).reshape(dims * height, steps * width, channels)  # (D*H, S*W, C)
+    figure = _figure(0.5 + steps * width / 60, 0.8 + dims * height / 60)
+    axes = figure.subplots()
+    axes.imshow(mosaic[..., 0] if channels == 1 else mosaic.clip(0, 1), cmap="gray", vmin=0, vmax=1,
+                interpolation="nearest")
+    axes.set_xticks([(s + 0.5) * width - 0.5 for s in range(steps)],
+                    [f"{d:+.2f}" for d in perturbation_deltas().tolist()], fontsize=7, rotation=90)
+    axes.set_yticks([(d + 0.5) * height - 0.5 for d in range(dims)], [str(d) for d in range(dims)], fontsize=7)
+    axes.set_xlabel("offset added to the dimension")
+    axes.set_ylabel("pose dimension")
+    axes.set_title(f"pose perturbation of a '{name}' capsule", fontsize=9)
+    figure.savefig(path)
+    return path
+
+
+def draw_routing(images, maps, labels, predicted, names, path: Path) -> Path:
+    """images (B, C, H, W) and their coupling maps (B, J, grid_h, grid_w)."""
+    batch, num_classes = maps.shape[:2]
+    figure = _figure(1.0 * (num_classes + 1) + 0.8, 1.15 * batch + 0.6)
+    axes = figure.subplots(batch, num_classes + 1, squeeze=False)
+    for row in range(batch):
+        _show(axes[row, 0], images[row], f"true {names[labels[row]]}, pred {names[predicted[row]]}")
+        for j in range(num_classes):
+            heat = axes[row, j + 1].imshow(maps[row, j], cmap="viridis", vmin=float(maps.min()), vmax=float(maps.max()),
+                                           interpolation="nearest")
+            axes[row, j + 1].set_axis_off()
+            if row == 0:
+                axes[row, j + 1].set_title(names[j], fontsize=8)
+    figure.colorbar(heat, ax=axes[:, 1:], shrink=0.8, label="mean coupling c_ij")
+    figure.suptitle("routing: last iteration's coupling of the primary capsules (grid positions) to each class",
+                    fontsize=9)
+    figure.savefig(path)
+    return path
+
+
+def draw_confusion(evaluation, path: Path) -> Path:
+    confusion = evaluation.confusion
+    names = evaluation.class_names
+    figure = _figure(5.2, 4.6)
+    axes = figure.subplots()
+    image = axes.imshow(confusion, cmap="Blues")
+    for (true, guess), count in zip(((t, g) for t in range(len(names)) for g in range(len(names))), confusion.flat):
+        if count:
+            colour = "white" if count > confusion.max() / 2 else "black"
+            axes.text(guess, true, str(count), ha="center", va="center", fontsize=7, color=colour)
+    axes.set_xticks(range(len(names)), names, fontsize=7, rotation=90)
+    axes.set_yticks(range(len(names)), names, fontsize=7)
+    axes.set_xlabel("predicted class")
+    axes.set_ylabel("true class")
+    axes.set_title(f"confusion matrix: {100 * evaluation.accuracy:.2f}% of {evaluation.count} test images", fontsize=9)
+    figure.colorbar(image, ax=axes, shrink=0.8)
+    figure.savefig(path)
+    return path
+
+
+def draw_training_curves(history: list[dict], path: Path) -> Path:
+    epochs = [record["epoch"] for record in history]
+    figure = _figure(8, 3.2)
+    loss_axes, accuracy_axes = figure.subplots(1, 2)
+    for split in ("train", "test"):
+        loss_axes.plot(epochs, [record[f"{split}_loss"] for record in history], marker="o", label=split)
+        accuracy_axes.plot(epochs, [100 * record[f"{split}_accuracy"] for record in history], marker="o", label=split)
+    for axes, what in ((loss_axes, "loss"), (accuracy_axes, "accuracy (%)")):
+        axes.set_xlabel("epoch")
+        axes.set_ylabel(what)
+        axes.set_xticks(epochs)
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.suptitle("training curves (test = the held-out split validated after each epoch)", fontsize=9)
+    figure.savefig(path)
+    return path
