@@ -9,7 +9,7 @@
 # Usage: prepare-model.sh MODEL_DIR [capsnet export flags, e.g. --triton DIR or --tensorrt]
 # Environment:
 #   CAPSNET_PRESET      model size to train: paper (default) or tiny
-#   CAPSNET_EPOCHS      training epochs (default 2)
+#   CAPSNET_EPOCHS      training epochs (default 3)
 #   CAPSNET_CHECKPOINT  checkpoint to export, trained there if missing (default MODEL_DIR.ckpt)
 #   CAPSNET_PROGRESS    0 hides the training progress bar (default 1)
 set -euo pipefail
@@ -22,7 +22,7 @@ model_dir=${1%/}
 shift
 checkpoint=${CAPSNET_CHECKPOINT:-$model_dir.ckpt}
 preset=${CAPSNET_PRESET:-paper}
-epochs=${CAPSNET_EPOCHS:-2}
+epochs=${CAPSNET_EPOCHS:-3}
 
 if [ -f "$model_dir/model.json" ]; then
     echo "==> reusing the model in $model_dir (delete it to train and export again)"
@@ -35,7 +35,8 @@ if [ ! -f "$checkpoint" ]; then
     [ "${CAPSNET_PROGRESS:-1}" = 0 ] && progress=(--no-progress)
     mkdir -p "$(dirname "$checkpoint")"
     start=$SECONDS
-    capsnet train --data embedded --preset "$preset" --epochs "$epochs" --out "$checkpoint" "${progress[@]}"
+    # --amp: bf16 autocast on CPU trains ~1.4x faster here with the same accuracy (docs/training.md)
+    capsnet train --data embedded --preset "$preset" --epochs "$epochs" --amp --out "$checkpoint" "${progress[@]}"
     echo "==> trained in $((SECONDS - start)) s"
 fi
 

@@ -10,7 +10,7 @@
 # Environment (the same knobs, for scripts and tests):
 #   CAPSNET_MODEL_DIR  exported model folder (default models/quickstart in the repository)
 #   CAPSNET_PRESET     model to train when there is none (default paper)
-#   CAPSNET_EPOCHS     training epochs (default 2)
+#   CAPSNET_EPOCHS     training epochs (default 3)
 #   CAPSNET_VENV       environment to create or reuse (default .venv in the repository)
 #   CAPSNET_HOST, CAPSNET_GRPC_PORT, CAPSNET_METRICS_PORT   where `capsnet serve` listens
 set -euo pipefail
