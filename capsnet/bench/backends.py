@@ -1,0 +1,74 @@
+"""The backends `capsnet bench` times in-process: the server's own, plus the public-style PyTorch baseline.
+
+Each loads from an export directory (docs/artifacts.md) through the server's backend factory and
+becomes a function images (N, C, H, W) float32 -> probabilities (N, J). Heavy imports stay inside
+the loaders, so a benchmark worker imports only what its backend needs (an ONNX Runtime worker
+never imports torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# bench name -> (server backend, precision); pytorch-public is ours alone.
+SERVER_BACKENDS = {
+    "pytorch": ("torch", "fp32"),  # our model, eager, as the server's torch backend runs it
+    "onnxruntime-fp32": ("onnxruntime", "fp32"),
+    "onnxruntime-int8": ("onnxruntime", "int8"),
+    "tensorrt-fp32": ("tensorrt", "fp32"),
+    "tensorrt-fp16": ("tensorrt", "fp16"),
+    "tensorrt-int8": ("tensorrt", "int8"),
+}
+PUBLIC_REFERENCE = "pytorch-public"  # public_reference.py: the formulation of popular public implementations
+BACKEND_NAMES = ("pytorch", PUBLIC_REFERENCE, "onnxruntime-fp32", "onnxruntime-int8",
+                 "tensorrt-fp32", "tensorrt-fp16", "tensorrt-int8")  # the order of tables and plots
+
+
+class BackendUnavailable(Exception):
+    """The backend cannot run here (no artifact for it, no GPU): it is skipped with this reason."""
+
+
+def load_backend(name: str, model_dir: str, threads: int, max_batch_size: int) -> tuple[Callable[[np.ndarray], np.ndarray], str]:
+    """(images -> probabilities, description of what runs) for backend `name` on the model in `model_dir`."""
+    from capsnet.serving.artifacts import load_artifacts
+
+    artifacts = load_artifacts(model_dir)
+    if name == PUBLIC_REFERENCE:
+        return _public_reference(artifacts.checkpoint, threads)
+    server_backend, precision = SERVER_BACKENDS[name]
+    if server_backend == "onnxruntime" and precision not in artifacts.onnx:
+        raise BackendUnavailable(f"{model_dir} has no {precision} ONNX model (export with --{precision})")
+    if server_backend == "tensorrt":
+        from capsnet.serving.backends.tensorrt_backend import unavailable_reason
+
+        reason = unavailable_reason() or (None if artifacts.tensorrt_plan else f"{model_dir} has no TensorRT plan")
+        if reason:
+            raise BackendUnavailable(reason)
+    from capsnet.serving.backends import load_backend as load_server_backend
+    from capsnet.serving.config import ServerConfig
+
+    config = ServerConfig(model_dir=Path(model_dir), backend=server_backend, precision=precision, threads=threads,
+                          max_batch_size=max_batch_size)
+    backend = load_server_backend(artifacts, config)
+    return (lambda images: backend.run(images)["probabilities"]), backend.description
+
+
+def _public_reference(checkpoint_path: Path, threads: int):
+    import torch
+
+    from capsnet.bench.public_reference import PublicStyleCapsNet
+    from capsnet.training.checkpoint import load_checkpoint
+
+    torch.set_num_threads(threads)
+    model = PublicStyleCapsNet.from_capsnet(load_checkpoint(checkpoint_path).build_model())
+
+    def infer(images: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            return model(torch.from_numpy(images))[0].numpy()
+
+    return infer, f"public-style PyTorch CapsNet (capsnet/bench/public_reference.py) on CPU, {threads} threads"

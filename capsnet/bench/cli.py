@@ -1,0 +1,115 @@
+"""`capsnet bench`: every backend side by side, the CPU's limit and end-to-end gRPC, in one run."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from capsnet.errors import CapsNetError
+
+# (full run, --quick) for each setting the user did not give
+DEFAULTS = {
+    "batch_sizes": ((1, 8, 32, 128), (1, 8)),
+    "concurrency": ((1, 4, 16, 64), (1, 16)),
+    "seconds": (6.0, 0.3),
+    "rounds": (6, 1),
+    "grpc_seconds": (5.0, 0.5),
+    "peak_seconds": (2.0, 0.2),
+    "accuracy_images": (0, 200),
+    "profile_runs": (10, 2),
+}
+
+
+def register(subparsers) -> None:
+    from capsnet.bench.backends import BACKEND_NAMES
+
+    parser = subparsers.add_parser(
+        "bench", help="benchmark the backends, the CPU's limit and gRPC serving",
+        description="Measure every backend in-process (interleaved), the machine's fp32 peak and the model's "
+                    "FLOPs, and `capsnet serve` end to end over gRPC; write results.json, README.md and PNG plots.")
+    parser.add_argument("model", type=Path, metavar="MODEL",
+                        help="a checkpoint (exported first, with INT8) or an export directory (capsnet export)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR",
+                        help="where results.json, README.md and the plots go (default bench-results)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a short run (batch 1 and 8, concurrency 1 and 16, fractions of a second per point)")
+    parser.add_argument("--backends", type=_names(BACKEND_NAMES), default=BACKEND_NAMES, metavar="A,B",
+                        help=f"backends to time in-process (default all: {','.join(BACKEND_NAMES)}; "
+                             "those that cannot run here are skipped with the reason)")
+    parser.add_argument("--batch-sizes", type=_positive_ints, metavar="N,N",
+                        help=f"in-process batch sizes (default {_show('batch_sizes')})")
+    parser.add_argument("--concurrency", type=_positive_ints, metavar="N,N",
+                        help=f"concurrent gRPC requests (default {_show('concurrency')})")
+    parser.add_argument("--no-grpc", dest="grpc", action="store_false", help="skip the end-to-end gRPC benchmark")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="compute threads per backend (default 0: one per CPU core available)")
+    parser.add_argument("--seconds", type=float, help=f"timed seconds per in-process point (default {_show('seconds')})")
+    parser.add_argument("--rounds", type=int,
+                        help=f"interleaved rounds the in-process seconds are split into (default {_show('rounds')})")
+    parser.add_argument("--grpc-seconds", type=float, help=f"timed seconds per gRPC point (default {_show('grpc_seconds')})")
+    parser.add_argument("--peak-seconds", type=float,
+                        help=f"timed seconds per peak microbenchmark (default {_show('peak_seconds')})")
+    parser.add_argument("--accuracy-images", type=int,
+                        help=f"evaluation images for each backend's accuracy (default {_show('accuracy_images')}; 0: all)")
+    parser.add_argument("--profile-runs", type=int,
+                        help=f"runs profiled by ONNX Runtime's profiler (default {_show('profile_runs')})")
+    parser.add_argument("--data", default="embedded", help="images for timing and accuracy: embedded or an IDX directory")
+    parser.set_defaults(handler=run_bench_command)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from capsnet.bench.machine import cores
+    from capsnet.bench.suite import BenchOptions, run_bench
+
+    settings = {name: getattr(args, name) if getattr(args, name) is not None else values[args.quick]
+                for name, values in DEFAULTS.items()}
+    for name in ("seconds", "grpc_seconds", "peak_seconds", "rounds", "profile_runs"):
+        if settings[name] <= 0:
+            raise CapsNetError(f"--{name.replace('_', '-')} must be > 0, got {settings[name]}")
+    if settings["accuracy_images"] < 0 or args.threads < 0:
+        raise CapsNetError("--accuracy-images and --threads must be >= 0")
+    options = BenchOptions(
+        model=args.model,
+        out=args.out,
+        backends=args.backends,
+        threads=args.threads or cores(),
+        grpc=args.grpc,
+        quick=args.quick,
+        data=args.data,
+        command=shlex.join(["capsnet", *sys.argv[1:]]),
+        **settings,
+    )
+    results = run_bench(options)
+    print(f"capsnet bench: wrote {options.out}/README.md and results.json")
+    for target in results["targets"]:
+        print(f"  [{'met' if target['met'] else 'MISSED'}] {target['target']}: {target['measured']}")
+    return 0
+
+
+def _show(name: str) -> str:
+    full, quick = DEFAULTS[name]
+    as_text = (lambda v: ",".join(map(str, v))) if isinstance(full, tuple) else str
+    return f"{as_text(full)}; --quick {as_text(quick)}"
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _names(allowed: tuple[str, ...]):
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(part.strip() for part in text.split(",") if part.strip())
+        unknown = [name for name in names if name not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown backend {', '.join(unknown) or '(none)'}; choose from {', '.join(allowed)}")
+        return names
+
+    return parse

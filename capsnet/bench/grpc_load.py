@@ -1,0 +1,153 @@
+"""End-to-end gRPC: `capsnet serve` in a child process under closed-loop load, through both APIs.
+
+For dynamic batching on and off, one server is started; for each API (our Classify, KServe
+ModelInfer) and each concurrency, a closed-loop load generator (serving/loadgen.py) keeps that many
+one-image requests in flight for the timed seconds, after a few warm-up requests. Every row is compared with the in-process
+backend at batch size = concurrency (what perfect batching with no RPC cost would give).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+
+import numpy as np
+
+from capsnet.bench.backends import SERVER_BACKENDS
+from capsnet.bench.machine import cores
+from capsnet.bench.server_process import ServerProcess
+from capsnet.errors import CapsNetError
+
+log = logging.getLogger(__name__)
+
+SERVER_BACKEND = "onnxruntime-fp32"  # what `capsnet serve` runs here (a bench backend name)
+APIS = ("capsnet", "kserve")
+WARMUP_REQUESTS = 20  # sent one at a time before each row's timed run
+MAX_REQUESTS = 1_000_000  # per row: the run is bounded by the seconds first
+RPC_TIMEOUT_S = 30.0
+
+
+def server_flags(dynamic_batching: bool, max_concurrency: int) -> list[str]:
+    """Off: every request is its own backend run. On: up to max_concurrency images per run, the
+    server's default queue delay."""
+    if dynamic_batching:
+        return ["--max-batch-size", str(max_concurrency)]
+    return ["--max-batch-size", "1", "--max-queue-delay-us", "0"]
+
+
+def run_grpc_load(model_dir: str, images: np.ndarray, concurrency: tuple[int, ...], threads: int, seconds: float,
+                  inprocess_reference: list[dict]) -> dict:
+    from capsnet.serving.artifacts import load_artifacts
+
+    artifacts = load_artifacts(model_dir)
+    reference = {row["batch_size"]: row for row in inprocess_reference}
+    rows, servers = [], {}
+    for batching in (True, False):
+        backend, precision = SERVER_BACKENDS[SERVER_BACKEND]
+        batching_flags = server_flags(batching, max(concurrency))
+        flags = ["--model", model_dir, "--backend", backend, "--precision", precision, "--threads", str(threads),
+                 *batching_flags]
+        with ServerProcess(flags) as server:
+            idle = server.memory()["rss_mib"]
+            for api in APIS:
+                for clients in concurrency:
+                    log.info("gRPC %s, dynamic batching %s, concurrency %d", api, "on" if batching else "off", clients)
+                    before, cpu, wall = server.scrape(), time.process_time(), time.perf_counter()
+                    result = asyncio.run(_load(api, server.target, artifacts, images, clients, seconds))
+                    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+                    if not result.latencies_s:
+                        raise CapsNetError(f"gRPC {api} at concurrency {clients}: every request failed ({result.errors})")
+                    row = {**_row(result), **_server_view(before, server.scrape(), cpu, wall)}
+                    in_process = reference.get(clients)
+                    rows.append({
+                        "api": api, "dynamic_batching": batching, "concurrency": clients, **row,
+                        "ratio_to_inprocess": row["images_per_s"] / in_process["images_per_s"] if in_process else None,
+                    })
+            servers["on" if batching else "off"] = {"batching_flags": batching_flags, "idle_rss_mib": idle,
+                                                    "peak_rss_mib": server.memory()["peak_rss_mib"]}
+    return {
+        "server": {"backend": SERVER_BACKEND, "threads": threads, "configs": servers},
+        "cores": cores(),
+        "images_per_request": 1,
+        "seconds": seconds,
+        "inprocess_reference": inprocess_reference,
+        "results": rows,
+        "server_memory": {"idle_rss_mib": servers["on"]["idle_rss_mib"],
+                          "peak_rss_mib": max(config["peak_rss_mib"] for config in servers.values())},
+    }
+
+
+def _server_view(before: dict, after: dict, client_cpu_s: float, wall_s: float) -> dict:
+    """Where one row's time went, from the server's metrics and both processes' CPU time over the
+    row's wall time (its warm-up requests included): mean request time inside the server, mean batch,
+    share of the wall time the backend was computing, and CPU seconds per second of the server and of
+    this load generator."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    batches = delta("capsnet_batch_size_count")
+    return {
+        "server_mean_ms": delta("capsnet_request_duration_seconds_sum") / delta("capsnet_request_duration_seconds_count") * 1e3,
+        "server_mean_batch": delta("capsnet_batch_size_sum") / batches,
+        "server_mean_queue_wait_ms": delta("capsnet_queue_wait_seconds_sum") / delta("capsnet_queue_wait_seconds_count") * 1e3,
+        "server_compute_busy": delta("capsnet_compute_seconds_sum") / wall_s,
+        "server_cpu_per_s": delta("process_cpu_seconds_total") / wall_s,
+        "client_cpu_per_s": client_cpu_s / wall_s,
+    }
+
+
+def _row(result) -> dict:
+    """A loadgen LoadResult as a table row: throughput over the run's whole elapsed time."""
+    summary = result.summary()
+    return {"requests": summary["requests"], "elapsed_s": result.elapsed_s, "images_per_s": summary["images_per_s"],
+            "p50_ms": result.percentile_ms(50), "p90_ms": result.percentile_ms(90), "p99_ms": result.percentile_ms(99),
+            "errors": sum(summary["errors"].values()), "error_codes": summary["errors"]}
+
+
+async def _load(api: str, target: str, artifacts, images: np.ndarray, clients: int, seconds: float):
+    """Closed-loop load through `api`: serving's load generator for our API; KServe ModelInfer below."""
+    from capsnet.serving import loadgen
+
+    if api == "capsnet":
+        return await loadgen.run_load(target, images, concurrency=clients, max_requests=MAX_REQUESTS,
+                                      max_seconds=seconds, warmup_requests=WARMUP_REQUESTS)
+    return await _kserve_load(target, artifacts, images, clients, seconds)
+
+
+async def _kserve_load(target: str, artifacts, images: np.ndarray, clients: int, seconds: float):
+    """KServe ModelInfer with loadgen.run_load's loop (one image per request), until serving's load
+    generator takes an `api` argument."""
+    import grpc
+
+    from capsnet.kserve import grpc_service_pb2 as pb
+    from capsnet.kserve import grpc_service_pb2_grpc as pb_grpc
+    from capsnet.serving.loadgen import LoadResult
+
+    requests = [pb.ModelInferRequest(
+        model_name=artifacts.name,
+        inputs=[pb.ModelInferRequest.InferInputTensor(name=artifacts.input_name, datatype="FP32", shape=[1, *image.shape])],
+        raw_input_contents=[np.ascontiguousarray(image, dtype="<f4").tobytes()],
+    ) for image in images]
+    async with grpc.aio.insecure_channel(target) as channel:
+        infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        for index in range(WARMUP_REQUESTS):
+            await infer(requests[index % len(requests)], timeout=RPC_TIMEOUT_S)
+        latencies, errors, issued = [], collections.Counter(), 0
+        started = time.perf_counter()
+
+        async def client() -> None:
+            nonlocal issued
+            while issued < MAX_REQUESTS and time.perf_counter() < started + seconds:
+                request = requests[issued % len(requests)]
+                issued += 1
+                sent = time.perf_counter()
+                try:
+                    await infer(request, timeout=RPC_TIMEOUT_S)
+                    latencies.append(time.perf_counter() - sent)
+                except grpc.aio.AioRpcError as err:
+                    errors[err.code().name] += 1
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+    return LoadResult("grpc-kserve", clients, 1, time.perf_counter() - started, latencies, dict(errors))

@@ -1,0 +1,170 @@
+"""`capsnet bench` from start to end: artifacts, the CPU's limit, in-process backends, gRPC, targets, report."""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from capsnet.bench.backends import SERVER_BACKENDS
+from capsnet.bench.flops import count_flops
+from capsnet.bench.grpc_load import SERVER_BACKEND, run_grpc_load
+from capsnet.bench.inprocess import BackendPlan, Schedule, run_inprocess, tile
+from capsnet.bench.machine import cpu_shares, cpu_times, load_average, machine_facts
+from capsnet.bench.ortprofile import conv_rate, profile_onnx
+from capsnet.bench.peak import best_peak, measure_peak
+from capsnet.bench.report import write_report
+from capsnet.bench.targets import evaluate
+from capsnet.errors import CapsNetError
+
+log = logging.getLogger(__name__)
+
+PEAK_BATCH = 32  # images in the PrimaryCaps-shaped conv of the peak microbenchmark
+PROFILE_BATCH = 32  # ONNX Runtime is profiled at the largest batch size up to this
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    model: Path  # a checkpoint (exported here first) or an export directory
+    out: Path
+    backends: tuple[str, ...]
+    batch_sizes: tuple[int, ...]
+    concurrency: tuple[int, ...]
+    threads: int
+    seconds: float  # timed seconds per in-process (backend, batch size)
+    rounds: int
+    grpc_seconds: float  # timed seconds per gRPC (API, batching, concurrency)
+    peak_seconds: float
+    accuracy_images: int
+    profile_runs: int
+    grpc: bool
+    quick: bool
+    data: str
+    command: str
+
+
+def run_bench(options: BenchOptions) -> dict:
+    facts, cpu_before = machine_facts(), cpu_times()
+    with tempfile.TemporaryDirectory(prefix="capsnet-bench-") as tmp:
+        model_dir, model_dirs, skipped = _prepare_models(options, Path(tmp))
+        from capsnet.serving.artifacts import load_artifacts
+        from capsnet.training.checkpoint import load_checkpoint
+        from capsnet.training.data import load_dataset
+
+        artifacts = load_artifacts(model_dir)
+        int8_export = json.loads((model_dir / "model.json").read_text()).get("int8")
+        config = load_checkpoint(artifacts.checkpoint).config
+        dataset = load_dataset(options.data)
+        if tuple(dataset.image_shape) != artifacts.input_shape:
+            raise CapsNetError(f"--data {options.data} has {dataset.image_shape} images; the model takes {artifacts.input_shape}")
+        images = dataset.test.images.astype(np.float32) / 255.0  # (N, C, H, W) in [0, 1]
+
+        flops = count_flops(artifacts.onnx["fp32"])
+        log.info("%.1f MFLOP per image; measuring the fp32 peak", flops.total / 1e6)
+        first_peak = measure_peak(config, batch=PEAK_BATCH, threads=options.threads, min_seconds=options.peak_seconds)
+
+        reference_batches = options.concurrency if options.grpc else ()
+        plans = {
+            name: BackendPlan(str(model_dirs[name]), tuple(sorted(set(options.batch_sizes) | (
+                set(reference_batches) if name == SERVER_BACKEND else set()))))
+            for name in options.backends if name in model_dirs
+        }
+        log.info("in-process: %s at batch sizes %s", ", ".join(plans), ", ".join(map(str, options.batch_sizes)))
+        inprocess = run_inprocess(plans, options.threads, images, dataset.test.labels,
+                                  Schedule(options.seconds, options.rounds), options.accuracy_images or len(images))
+        inprocess["skipped"] = {**skipped, **inprocess["skipped"]}
+        # Measured again after the backends, so a slow spell of a shared machine at the start does
+        # not lower the ceiling: the better of the two counts.
+        peak = best_peak(first_peak, measure_peak(config, batch=PEAK_BATCH, threads=options.threads,
+                                                  min_seconds=options.peak_seconds))
+        ceiling = peak["conv"]["gflops"] * 1e9 / flops.total
+        for row in inprocess["results"]:
+            row["share_of_ceiling"] = row["images_per_s"] / ceiling
+
+        profile_batch = max((b for b in options.batch_sizes if b <= PROFILE_BATCH), default=min(options.batch_sizes))
+        profile_images = tile(images, profile_batch)
+        rows = {(row["backend"], row["batch_size"]): row for row in inprocess["results"]}
+        conv_flops = sum(node.flops for node in flops.nodes if node.op_type == "Conv")
+        profiles = {}
+        for precision, path in artifacts.onnx.items():
+            name = f"onnxruntime-{precision}"
+            if (name, len(profile_images)) in rows:
+                profile = profile_onnx(path, profile_images, options.threads, options.profile_runs)
+                profiles[name] = {**profile, **conv_rate(profile, conv_flops, rows[name, len(profile_images)]["images_per_s"])}
+
+        grpc_results = None
+        if options.grpc:
+            reference = [row for row in inprocess["results"]
+                         if row["backend"] == SERVER_BACKEND and row["batch_size"] in options.concurrency]
+            grpc_results = run_grpc_load(str(model_dir), images, options.concurrency,
+                                         options.threads, options.grpc_seconds, reference)
+
+    facts["load_after"] = load_average()
+    facts["cpu_during_run"] = cpu_shares(cpu_before, cpu_times())
+    results = {
+        "command": options.command,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "quick": options.quick,
+        "machine": facts,
+        "model": {"source": str(options.model), "data": dataset.name, "config": config.to_dict(),
+                  "int8_export": int8_export},
+        "flops": flops.to_dict(),
+        "peak": peak,
+        "ceiling": {"images_per_s": ceiling, "gflops": peak["conv"]["gflops"]},
+        "inprocess": inprocess,
+        "profiles": profiles,
+        "grpc": grpc_results,
+    }
+    results["targets"] = evaluate(results)
+    for path in write_report(results, options.out):
+        log.info("wrote %s", path)
+    return results
+
+
+def _prepare_models(options: BenchOptions, tmp: Path) -> tuple[Path, dict[str, Path], dict[str, str]]:
+    """(the export directory, backend -> export directory it loads, backend -> why it is skipped).
+
+    A checkpoint is exported first (ONNX FP32 + INT8, and one TensorRT engine per precision where a GPU
+    allows); an export directory is used as it is."""
+    from capsnet.serving.artifacts import load_artifacts
+
+    wanted_trt = [name for name in options.backends if SERVER_BACKENDS.get(name, ("",))[0] == "tensorrt"]
+    model_dirs, skipped = {}, {}
+    if options.model.is_dir():
+        artifacts = load_artifacts(options.model)
+        plan_precision = artifacts.tensorrt_info["precision"] if artifacts.tensorrt_info else None
+        for name in options.backends:
+            if name in wanted_trt and SERVER_BACKENDS[name][1] != plan_precision:
+                skipped[name] = f"{options.model} has no {SERVER_BACKENDS[name][1]} TensorRT plan (bench a checkpoint to build one)"
+            else:
+                model_dirs[name] = options.model
+        return options.model, model_dirs, skipped
+    if not options.model.is_file():
+        raise CapsNetError(f"{options.model} does not exist: give a checkpoint or an export directory")
+    from capsnet.export.exporter import export_model
+    from capsnet.export.tensorrt_build import tensorrt_unavailable
+
+    max_batch = max(options.batch_sizes + options.concurrency)
+    log.info("exporting %s (ONNX FP32 + INT8)", options.model)
+    # The bench reports INT8 accuracy itself, so the exporter's refusal threshold is lifted.
+    export_model(options.model, tmp / "model", int8=True, data=options.data, int8_max_drop=100.0)
+    for name in options.backends:
+        if name not in wanted_trt:
+            model_dirs[name] = tmp / "model"
+    no_trt = tensorrt_unavailable() if wanted_trt else None
+    for name in wanted_trt:
+        if no_trt:
+            skipped[name] = no_trt
+            continue
+        precision = SERVER_BACKENDS[name][1]
+        log.info("building a TensorRT %s engine", precision)
+        export_model(options.model, tmp / name, tensorrt=True, tensorrt_precision=precision, data=options.data,
+                     int8_max_drop=100.0, opt_batch=min(PEAK_BATCH, max_batch), max_batch=max_batch)
+        model_dirs[name] = tmp / name
+    return tmp / "model", model_dirs, skipped
+

@@ -1,0 +1,93 @@
+"""`capsnet bench --quick` end to end on the tiny model, as a user runs it (a child process)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+CPU_BACKENDS = ("pytorch", "pytorch-public", "onnxruntime-fp32", "onnxruntime-int8")
+TENSORRT_BACKENDS = ("tensorrt-fp32", "tensorrt-fp16", "tensorrt-int8")
+
+
+@pytest.fixture(scope="module")
+def quick_run(random_tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "results"
+    command = [sys.executable, "-m", "capsnet", "bench", str(random_tiny_checkpoint), "--quick", "--out", str(out)]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return out, json.loads((out / "results.json").read_text()), finished.stdout
+
+
+def test_bench_quick_times_every_cpu_backend_at_every_batch_size(quick_run):
+    _, results, _ = quick_run
+    inprocess = results["inprocess"]
+    cells = {(row["backend"], row["batch_size"]) for row in inprocess["results"]}
+    assert {(name, batch) for name in CPU_BACKENDS for batch in (1, 8)} <= cells
+    assert ("onnxruntime-fp32", 16) in cells  # the gRPC reference at batch = concurrency 16
+    for row in inprocess["results"]:
+        assert row["calls"] >= 1 and row["p50_ms"] <= row["p99_ms"]
+        assert row["images_per_s"] == pytest.approx(row["batch_size"] / row["p50_ms"] * 1e3)
+        assert row["share_of_ceiling"] == pytest.approx(row["images_per_s"] / results["ceiling"]["images_per_s"])
+    if results["machine"]["gpu"] is None:
+        assert set(inprocess["skipped"]) == set(TENSORRT_BACKENDS)
+        assert all(reason for reason in inprocess["skipped"].values())
+
+
+def test_bench_quick_reports_accuracy_and_memory_per_backend(quick_run):
+    _, results, _ = quick_run
+    backends = results["inprocess"]["backends"]
+    assert set(CPU_BACKENDS) <= set(backends)
+    for info in backends.values():
+        assert 0.0 <= info["accuracy"] <= 1.0
+        assert 0 < info["rss_start_mib"] < info["rss_loaded_mib"] <= info["peak_rss_mib"]
+    # Same weights and math: the public-style baseline classifies exactly like our model.
+    assert backends["pytorch-public"]["accuracy"] == backends["pytorch"]["accuracy"]
+    # Each backend in its own process: ONNX Runtime's workers do not carry torch.
+    assert backends["onnxruntime-fp32"]["peak_rss_mib"] < backends["pytorch"]["rss_loaded_mib"]
+
+
+def test_bench_quick_measures_the_cpu_limit_from_the_graph(quick_run):
+    _, results, _ = quick_run
+    assert results["flops"]["flops_per_image"] == sum(node["flops"] for node in results["flops"]["nodes"]) > 0
+    conv = results["peak"]["conv"]
+    assert conv["gflops"] == max(conv["gflops_torch"], conv["gflops_onnxruntime"]) > 0
+    assert results["ceiling"]["images_per_s"] == pytest.approx(conv["gflops"] * 1e9 / results["flops"]["flops_per_image"])
+    int8 = results["profiles"]["onnxruntime-int8"]
+    assert "QLinearConv" in {op["op_type"] for op in int8["op_types"]}  # the Q/DQ convolutions run as int8 kernels
+    assert 0 < int8["conv_share"] <= 1 and int8["conv_gops_in_model"] > 0
+
+
+def test_bench_quick_serves_both_apis_with_and_without_batching(quick_run):
+    _, results, _ = quick_run
+    grpc_results = results["grpc"]
+    combos = {(row["api"], row["dynamic_batching"], row["concurrency"]) for row in grpc_results["results"]}
+    assert combos == {(api, batching, c) for api in ("capsnet", "kserve") for batching in (True, False) for c in (1, 16)}
+    for row in grpc_results["results"]:
+        assert row["errors"] == 0 and row["requests"] > 0
+        assert row["ratio_to_inprocess"] > 0
+        assert 0 < row["server_compute_busy"] <= 1 and row["server_cpu_per_s"] > 0
+        assert 0 < row["server_mean_ms"]
+        if row["dynamic_batching"]:
+            assert 1 <= row["server_mean_batch"] <= row["concurrency"]
+        else:
+            assert row["server_mean_batch"] == 1  # off: every request is its own backend run
+    memory = grpc_results["server_memory"]
+    assert 0 < memory["idle_rss_mib"] <= memory["peak_rss_mib"]
+
+
+def test_bench_quick_writes_the_report(quick_run):
+    out, results, stdout = quick_run
+    readme = (out / "README.md").read_text()
+    assert results["command"] in readme and results["command"].startswith("capsnet bench ")
+    for heading in ("## Machine", "## The CPU's limit", "## In-process throughput and latency", "## End-to-end gRPC",
+                    "## Targets"):
+        assert heading in readme
+    assert readme.count("| onnxruntime-int8 | 8 |") == 1
+    assert len(results["targets"]) == 7 and all(isinstance(t["met"], bool) for t in results["targets"])
+    assert stdout.count("[met]") + stdout.count("[MISSED]") == 7
+    for plot in ("inprocess.png", "grpc.png"):
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({plot})" in readme
