@@ -1,9 +1,9 @@
 """Closed-loop load on a running server, and the same images through the backend in-process.
 
-Each of `concurrency` clients sends a Classify request, waits for the answer, sends the next; a run
-stops after `max_requests` requests or `max_seconds`, whichever comes first. The in-process baseline
-calls the backend the server would use, at a given batch size, with no gRPC, queue or batcher:
-what the network and the server add is the difference.
+Each of `concurrency` clients sends a Classify (or, with --api kserve, a KServe ModelInfer) request,
+waits for the answer, sends the next; a run stops after `max_requests` requests or `max_seconds`,
+whichever comes first. The in-process baseline calls the backend the server would use, at a given
+batch size, with no gRPC, queue or batcher: what the network and the server add is the difference.
 
     capsnet serve --model DIR --grpc-port 8001 &
     python -m capsnet.serving.loadgen --server 127.0.0.1:8001 --model DIR --concurrency 1 16
@@ -22,6 +22,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from capsnet.kserve import grpc_service_pb2 as kserve_pb
+from capsnet.kserve import grpc_service_pb2_grpc as kserve_pb_grpc
 from capsnet.serving.client import DEFAULT_MAX_MESSAGE_BYTES, image_message
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc as pb_grpc
@@ -60,20 +62,46 @@ def random_images(count: int, shape: tuple[int, int, int], seed: int = 0) -> np.
     return (rng.integers(0, 256, (count, *shape)) / 255).astype(np.float32)  # (count, C, H, W)
 
 
+def _classify(channel: grpc.aio.Channel, batches: list[np.ndarray], model_name: str, input_name: str):
+    """Our API: a ClassifyRequest per batch, and the Classify RPC to send them with."""
+    return ([pb.ClassifyRequest(images=[image_message(image) for image in batch]) for batch in batches],
+            pb_grpc.CapsNetServiceStub(channel).Classify)
+
+
+def _model_infer(channel: grpc.aio.Channel, batches: list[np.ndarray], model_name: str, input_name: str):
+    """KServe v2: a ModelInferRequest per batch (raw little-endian FP32), and the ModelInfer RPC."""
+    if not model_name or not input_name:
+        raise ValueError("KServe load needs the model's name and input name")
+    requests = [kserve_pb.ModelInferRequest(
+        model_name=model_name,
+        inputs=[kserve_pb.ModelInferRequest.InferInputTensor(name=input_name, datatype="FP32", shape=batch.shape)],
+        raw_input_contents=[np.ascontiguousarray(batch, dtype="<f4").tobytes()],
+    ) for batch in batches]
+    return requests, kserve_pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+
+
+# api -> (LoadResult name, its requests and RPC on a channel)
+APIS = {"capsnet": ("grpc", _classify), "kserve": ("grpc-kserve", _model_infer)}
+
+
 async def run_load(target: str, images: np.ndarray, *, concurrency: int, batch_size: int = 1,
                    max_requests: int = 1000, max_seconds: float = 30.0, warmup_requests: int = 20,
+                   api: str = "capsnet", model_name: str = "", input_name: str = "",
                    credentials: grpc.ChannelCredentials | None = None) -> LoadResult:
-    """Closed-loop Classify load from `concurrency` clients sharing one channel."""
-    requests = [pb.ClassifyRequest(images=[image_message(image) for image in images[start:start + batch_size]])
-                for start in range(0, len(images) - batch_size + 1, batch_size)]
+    """Closed-loop load from `concurrency` clients sharing one channel, through `api` (a key of APIS);
+    "kserve" addresses the model by `model_name` and `input_name`."""
+    if api not in APIS:
+        raise ValueError(f"api must be one of {', '.join(APIS)}, got {api!r}")
+    name, calls = APIS[api]
+    batches = [images[start:start + batch_size] for start in range(0, len(images) - batch_size + 1, batch_size)]
     options = [("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
                ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES)]
     channel = (grpc.aio.secure_channel(target, credentials, options) if credentials
                else grpc.aio.insecure_channel(target, options))
     async with channel:
-        stub = pb_grpc.CapsNetServiceStub(channel)
+        requests, rpc = calls(channel, batches, model_name, input_name)
         for index in range(warmup_requests):
-            await stub.Classify(requests[index % len(requests)], timeout=30)
+            await rpc(requests[index % len(requests)], timeout=30)
         latencies: list[float] = []
         errors: collections.Counter = collections.Counter()
         issued = 0
@@ -87,14 +115,14 @@ async def run_load(target: str, images: np.ndarray, *, concurrency: int, batch_s
                 issued += 1
                 sent = time.perf_counter()
                 try:
-                    await stub.Classify(request, timeout=30)
+                    await rpc(request, timeout=30)
                     latencies.append(time.perf_counter() - sent)
                 except grpc.aio.AioRpcError as err:
                     errors[err.code().name] += 1
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
-    return LoadResult("grpc", concurrency, batch_size, elapsed, latencies, dict(errors))
+    return LoadResult(name, concurrency, batch_size, elapsed, latencies, dict(errors))
 
 
 def run_inprocess(backend, images: np.ndarray, *, batch_size: int, max_runs: int = 1000,
@@ -120,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", metavar="DIR", help="export directory: also time its backend in-process")
     parser.add_argument("--backend", default="onnxruntime", help="in-process backend (default onnxruntime)")
     parser.add_argument("--threads", type=int, default=0, help="in-process backend threads (0: one per core)")
+    parser.add_argument("--api", choices=APIS, default="capsnet", help="capsnet (Classify) or kserve (ModelInfer)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--batch-size", type=int, default=1, help="images per request")
     parser.add_argument("--requests", type=int, default=2000, help="most requests per run")
@@ -130,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     info = pb_grpc.CapsNetServiceStub(grpc.insecure_channel(args.server)).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
     images = random_images(256, tuple(info.input_shape))
     results = [asyncio.run(run_load(args.server, images, concurrency=c, batch_size=args.batch_size,
-                                    max_requests=args.requests, max_seconds=args.seconds))
+                                    max_requests=args.requests, max_seconds=args.seconds, api=args.api,
+                                    model_name=info.name, input_name=info.input_name))
                for c in args.concurrency]
     if args.model:
         from capsnet.serving.artifacts import load_artifacts

@@ -9,7 +9,6 @@ backend at batch size = concurrency (what perfect batching with no RPC cost woul
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 
@@ -26,7 +25,6 @@ SERVER_BACKEND = "onnxruntime-fp32"  # what `capsnet serve` runs here (a bench b
 APIS = ("capsnet", "kserve")
 WARMUP_REQUESTS = 20  # sent one at a time before each row's timed run
 MAX_REQUESTS = 1_000_000  # per row: the run is bounded by the seconds first
-RPC_TIMEOUT_S = 30.0
 
 
 def server_flags(dynamic_batching: bool, max_concurrency: int) -> list[str]:
@@ -40,6 +38,7 @@ def server_flags(dynamic_batching: bool, max_concurrency: int) -> list[str]:
 def run_grpc_load(model_dir: str, images: np.ndarray, concurrency: tuple[int, ...], threads: int, seconds: float,
                   inprocess_reference: list[dict]) -> dict:
     from capsnet.serving.artifacts import load_artifacts
+    from capsnet.serving.loadgen import run_load
 
     artifacts = load_artifacts(model_dir)
     reference = {row["batch_size"]: row for row in inprocess_reference}
@@ -55,7 +54,10 @@ def run_grpc_load(model_dir: str, images: np.ndarray, concurrency: tuple[int, ..
                 for clients in concurrency:
                     log.info("gRPC %s, dynamic batching %s, concurrency %d", api, "on" if batching else "off", clients)
                     before, cpu, wall = server.scrape(), time.process_time(), time.perf_counter()
-                    result = asyncio.run(_load(api, server.target, artifacts, images, clients, seconds))
+                    result = asyncio.run(run_load(
+                        server.target, images, concurrency=clients, max_requests=MAX_REQUESTS, max_seconds=seconds,
+                        warmup_requests=WARMUP_REQUESTS, api=api, model_name=artifacts.name,
+                        input_name=artifacts.input_name))
                     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
                     if not result.latencies_s:
                         raise CapsNetError(f"gRPC {api} at concurrency {clients}: every request failed ({result.errors})")
@@ -105,49 +107,3 @@ def _row(result) -> dict:
             "p50_ms": result.percentile_ms(50), "p90_ms": result.percentile_ms(90), "p99_ms": result.percentile_ms(99),
             "errors": sum(summary["errors"].values()), "error_codes": summary["errors"]}
 
-
-async def _load(api: str, target: str, artifacts, images: np.ndarray, clients: int, seconds: float):
-    """Closed-loop load through `api`: serving's load generator for our API; KServe ModelInfer below."""
-    from capsnet.serving import loadgen
-
-    if api == "capsnet":
-        return await loadgen.run_load(target, images, concurrency=clients, max_requests=MAX_REQUESTS,
-                                      max_seconds=seconds, warmup_requests=WARMUP_REQUESTS)
-    return await _kserve_load(target, artifacts, images, clients, seconds)
-
-
-async def _kserve_load(target: str, artifacts, images: np.ndarray, clients: int, seconds: float):
-    """KServe ModelInfer with loadgen.run_load's loop (one image per request), until serving's load
-    generator takes an `api` argument."""
-    import grpc
-
-    from capsnet.kserve import grpc_service_pb2 as pb
-    from capsnet.kserve import grpc_service_pb2_grpc as pb_grpc
-    from capsnet.serving.loadgen import LoadResult
-
-    requests = [pb.ModelInferRequest(
-        model_name=artifacts.name,
-        inputs=[pb.ModelInferRequest.InferInputTensor(name=artifacts.input_name, datatype="FP32", shape=[1, *image.shape])],
-        raw_input_contents=[np.ascontiguousarray(image, dtype="<f4").tobytes()],
-    ) for image in images]
-    async with grpc.aio.insecure_channel(target) as channel:
-        infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
-        for index in range(WARMUP_REQUESTS):
-            await infer(requests[index % len(requests)], timeout=RPC_TIMEOUT_S)
-        latencies, errors, issued = [], collections.Counter(), 0
-        started = time.perf_counter()
-
-        async def client() -> None:
-            nonlocal issued
-            while issued < MAX_REQUESTS and time.perf_counter() < started + seconds:
-                request = requests[issued % len(requests)]
-                issued += 1
-                sent = time.perf_counter()
-                try:
-                    await infer(request, timeout=RPC_TIMEOUT_S)
-                    latencies.append(time.perf_counter() - sent)
-                except grpc.aio.AioRpcError as err:
-                    errors[err.code().name] += 1
-
-        await asyncio.gather(*(client() for _ in range(clients)))
-    return LoadResult("grpc-kserve", clients, 1, time.perf_counter() - started, latencies, dict(errors))

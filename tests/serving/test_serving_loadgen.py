@@ -23,3 +23,10 @@ def test_closed_loop_load_is_bounded_by_count_and_answered(server):
 def test_inprocess_baseline(server):
     result = run_inprocess(server.server.service.backend, random_images(16, (1, 28, 28)), batch_size=4, max_runs=10)
     assert result.summary()["requests"] == 10 and result.name == "in-process onnxruntime"
+
+
+def test_closed_loop_load_through_kserve(server):
+    spec = server.server.service.spec
+    result = asyncio.run(run_load(server.target, random_images(4, (1, 28, 28)), concurrency=2, max_requests=10,
+                                  warmup_requests=1, api="kserve", model_name=spec.name, input_name=spec.input_name))
+    assert result.name == "grpc-kserve" and len(result.latencies_s) == 10 and result.errors == {}
