@@ -81,7 +81,7 @@ class Batcher:
         try:
             timeout = None if deadline is None else deadline - time.monotonic()
             return await asyncio.wait_for(request.future, timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # an alias of TimeoutError only from Python 3.11
             self._drop(request, "deadline")
             raise ServingError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded while waiting for the model") from None
         except asyncio.CancelledError:
@@ -137,7 +137,7 @@ class Batcher:
             self._wakeup.clear()
             try:
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # an alias of TimeoutError only from Python 3.11
                 return
 
     def _take_batch(self) -> list[tuple[_Request, int, int]]:
