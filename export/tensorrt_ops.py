@@ -66,7 +66,8 @@ def tensorrt_problems(model: onnx.ModelProto) -> list[str]:
          if node.domain not in ("", "ai.onnx") or node.op_type not in TENSORRT_SUPPORTED_OPS}
     )
     if unsupported:
-        problems.append(f"operators TensorRT's ONNX parser does not support: {', '.join(unsupported)}")
+        problems.append(f"operators TensorRT's ONNX parser does not support: {', '.join(unsupported)} "
+                        f"(per {TENSORRT_OPERATORS_SOURCE})")
     for node in graph.node:
         if node.op_type in QDQ_OPS and len(node.input) > 2 and node.input[2]:
             zero_point = constants.get(node.input[2])
