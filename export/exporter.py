@@ -62,6 +62,8 @@ from capsnet.training.checkpoint import file_sha256, load_checkpoint
 from capsnet.training.data import load_dataset
 
 log = logging.getLogger(__name__)
+# Dynamic routing, and EM routing whose activations and 4×4 poses (flattened) fill the same outputs.
+EXPORTABLE_ARCHITECTURES = ("capsnet", "em")
 
 
 def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike, **options: Any) -> dict[str, Any]:
@@ -69,9 +71,10 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
     config = ExportConfig(**options)
     checkpoint_path, out_dir = Path(checkpoint_path), Path(out_dir)
     checkpoint = load_checkpoint(checkpoint_path)
-    if checkpoint.config.arch != "capsnet":
+    if checkpoint.config.arch not in EXPORTABLE_ARCHITECTURES:
         # The artifacts promise capsule poses; a baseline without capsules has none to serve.
-        raise CapsNetError(f"{checkpoint_path} is a {checkpoint.config.arch} checkpoint; export takes CapsNet checkpoints")
+        raise CapsNetError(f"{checkpoint_path} is a {checkpoint.config.arch} checkpoint; export takes capsule "
+                           f"networks ({' or '.join(EXPORTABLE_ARCHITECTURES)})")
     _check_target(out_dir, SIDECAR_NAME)
     triton_model_dir = Path(config.triton_repo) / MODEL_NAME if config.triton_repo else None
     if triton_model_dir is not None:

@@ -41,6 +41,15 @@ def output_shapes(config, reconstruction: bool) -> dict[str, list[int]]:
     return {name: shapes[name] for name in output_names(reconstruction)}
 
 
+def routing_description(config) -> dict[str, Any]:
+    """The sidecar's `routing`: dynamic routing's variant and squash constant, or EM routing's λ."""
+    if config.arch == "em":
+        return {"variant": "em", "iterations": config.routing_iterations,
+                "inverse_temperature": config.em_inverse_temperature}
+    return {"variant": config.routing, "iterations": config.routing_iterations,
+            "squash_constant": config.squash_constant}
+
+
 def build_sidecar(
     checkpoint: Checkpoint,
     checkpoint_sha256: str,
@@ -71,11 +80,7 @@ def build_sidecar(
             for name, shape in output_shapes(config, reconstruction).items()
         ],
         "class_names": list(checkpoint.class_names),
-        "routing": {
-            "variant": config.routing,
-            "iterations": config.routing_iterations,
-            "squash_constant": config.squash_constant,
-        },
+        "routing": routing_description(config),
         "checkpoint": {"file": CHECKPOINT_NAME, "sha256": checkpoint_sha256},
         "training_metrics": checkpoint.metrics,
         "artifacts": artifacts,

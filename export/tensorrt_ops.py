@@ -2,12 +2,15 @@
 
 The operator list and restrictions are those of onnx-tensorrt's docs/operators.md for TensorRT
 10.15 (parser opsets 9-24): the operators marked supported ("Y"). TensorRT 11 parses the same
-operators. Besides the operators, the check wants every tensor's shape static except the batch
-axis (one engine profile then covers every request), Q/DQ zero points of 0 (TensorRT's explicit
+operators. Besides the operators, the check wants every tensor's dims static or computed from the
+batch size alone, such as 144*batch where a layer folds the batch into its rows (one engine profile
+then covers every request), Q/DQ zero points of 0 (TensorRT's explicit
 quantisation is symmetric) and constant `axes` for reductions.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import onnx
@@ -48,6 +51,11 @@ def _dims(value: onnx.ValueInfoProto) -> list[int | str | None]:
     ]
 
 
+def _from_batch_only(dim: str, batch_symbol: str | None) -> bool:
+    """A symbolic dim such as "batch" or "144*batch": every name in it is the batch axis's."""
+    return all(name == batch_symbol for name in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", dim))
+
+
 def tensorrt_problems(model: onnx.ModelProto) -> list[str]:
     """Everything in `model` that TensorRT's ONNX parser or a batch-only profile would reject."""
     problems = []
@@ -84,9 +92,11 @@ def tensorrt_problems(model: onnx.ModelProto) -> list[str]:
         if value.type.HasField("tensor_type")
         and (
             not value.type.tensor_type.HasField("shape")
-            or any(dim is None or (isinstance(dim, str) and dim != batch_symbol) for dim in _dims(value))
+            or any(dim is None or (isinstance(dim, str) and not _from_batch_only(dim, batch_symbol))
+                   for dim in _dims(value))
         )
     ]
     if dynamic:
-        problems.append(f"{len(dynamic)} tensors have a dynamic dimension besides the batch, e.g. {dynamic[0]}")
+        problems.append(f"{len(dynamic)} tensors have a dynamic dimension not computed from the batch size alone, "
+                        f"e.g. {dynamic[0]}")
     return problems

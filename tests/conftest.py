@@ -59,6 +59,18 @@ def trained_tiny_checkpoint(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def trained_em_tiny_checkpoint(tmp_path_factory) -> Path:
+    """An `em-tiny` model (matrix capsules, EM routing) trained for one epoch on the embedded digits, via the CLI."""
+    from capsnet.cli import main
+
+    path = tmp_path_factory.mktemp("trained-em-tiny") / "model.ckpt"
+    code = main(["train", "--arch", "em", "--data", "embedded", "--preset", "em-tiny", "--epochs", "1",
+                 "--batch-size", "64", "--seed", "0", "--out", str(path), "--no-progress"])
+    assert code == 0 and path.is_file()
+    return path
+
+
 @pytest.fixture()
 def copy_of(tmp_path):
     """Copy a file into this test's tmp dir (tests may damage it)."""

@@ -21,6 +21,7 @@ from capsnet import __version__
 from capsnet.errors import CapsNetError
 from capsnet.training.cnn_baseline import CnnBaseline
 from capsnet.training.config import CapsNetConfig
+from capsnet.training.em_model import EMCapsNet
 from capsnet.training.model import CapsNet
 
 FORMAT_NAME = "capsnet-checkpoint"
@@ -29,7 +30,7 @@ FORMAT_VERSION = 1
 
 def create_model(config: CapsNetConfig) -> nn.Module:
     """A freshly initialised model of the config's architecture."""
-    return CnnBaseline(config) if config.arch == "cnn-baseline" else CapsNet(config)
+    return {"capsnet": CapsNet, "em": EMCapsNet, "cnn-baseline": CnnBaseline}[config.arch](config)
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Checkpoint:
     dataset: str = ""
 
     def build_model(self) -> nn.Module:
-        """The model (CapsNet or CnnBaseline, by `config.arch`) in eval mode on the CPU with these weights."""
+        """The model (CapsNet, EMCapsNet or CnnBaseline, by `config.arch`) in eval mode on the CPU with these weights."""
         model = create_model(self.config)
         model.load_state_dict(self.state_dict)
         return model.eval()

@@ -23,14 +23,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "Under torchrun every process runs this command (DistributedDataParallel).",
     )
     train.add_argument("--data", default="embedded", metavar="embedded|DIR", help=DATA_HELP)
-    train.add_argument("--preset", metavar="paper|tiny",
-                       help="model size: paper (Sabour et al., 8.2M parameters) or tiny; "
-                            "default paper, or the resumed checkpoint's")
+    train.add_argument("--preset", metavar="paper|tiny|em|em-tiny",
+                       help="model size: paper (Sabour et al., 8.2M parameters) or tiny, em or em-tiny for "
+                            "--arch em; default paper (em for --arch em), or the resumed checkpoint's")
     train.add_argument("--epochs", type=int, default=10, metavar="N",
                        help="total epochs, counting resumed ones (default 10)")
     train.add_argument("--batch-size", type=int, default=64, metavar="B",
                        help="global batch size, split across torchrun processes (default 64)")
-    train.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 0.001)")
+    train.add_argument("--lr", type=float, help="Adam learning rate (default 0.001; 0.01 for --arch em)")
     train.add_argument("--lr-decay", type=float, default=0.9, metavar="FACTOR",
                        help="learning-rate factor per epoch (default 0.9)")
     train.add_argument("--max-shift", type=int, default=2, metavar="PIXELS",
@@ -43,11 +43,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="continue a run from CKPT (default: <out stem>.last.ckpt) up to --epochs")
     model = train.add_argument_group("model (default: the preset's, or the resumed checkpoint's)")
     model.add_argument("--arch", choices=ARCHITECTURES,
-                       help="capsnet (default) or cnn-baseline: a plain CNN of the paper CapsNet's size, "
-                            "trained with the same margin loss")
+                       help="capsnet (default: dynamic routing), em (matrix capsules with EM routing and the "
+                            "spread loss) or cnn-baseline: a plain CNN of the paper CapsNet's size, trained with "
+                            "the same margin loss")
     model.add_argument("--routing", metavar="sabour|leaky|su", help="routing variant: sabour (paper), leaky or su")
-    model.add_argument("--routing-iterations", type=int, metavar="N", help="routing iterations (paper: 3)")
+    model.add_argument("--routing-iterations", type=int, metavar="N", help="routing iterations, dynamic or EM (papers: 3)")
     model.add_argument("--squash-constant", type=float, metavar="C", help="c in |s|²/(c+|s|²): 1 (paper) or 0.5")
+    model.add_argument("--reconstruction-weight", type=float, metavar="W",
+                       help="weight of the reconstruction term in the loss (paper: 0.0005; 0 trains without it)")
     model.add_argument("--detach-agreement", action="store_true", default=None,
                        help="stop the gradient through the routing agreement update (default: it flows)")
     model.add_argument("--normalize", action="store_true",
@@ -87,7 +90,8 @@ def run_train(args: argparse.Namespace) -> int:
     train(TrainOptions(
         data=args.data, out=args.out, preset=args.preset, arch=args.arch, routing=args.routing,
         routing_iterations=args.routing_iterations, squash_constant=args.squash_constant,
-        detach_agreement=args.detach_agreement, normalize=args.normalize,
+        reconstruction_weight=args.reconstruction_weight, detach_agreement=args.detach_agreement,
+        normalize=args.normalize,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, lr_decay=args.lr_decay, max_shift=args.max_shift,
         seed=args.seed, device=args.device, amp=args.amp, compile=args.compile, threads=args.threads,
         resume=resume, progress=not args.no_progress,

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from capsnet.errors import CapsNetError
 
 ROUTING_VARIANTS = ("sabour", "leaky", "su")
-ARCHITECTURES = ("capsnet", "cnn-baseline")  # cnn-baseline: training/cnn_baseline.py
+ARCHITECTURES = ("capsnet", "em", "cnn-baseline")  # em: training/em_model.py; cnn-baseline: training/cnn_baseline.py
+EM_POSE_SIZE = 16  # EM capsules carry 4×4 pose matrices
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,14 @@ class CapsNetConfig:
     m_plus: float = 0.9
     m_minus: float = 0.1
     lambda_absent: float = 0.5
+    # EM routing (arch "em"): Conv1 is conv1_channels × conv1_kernel² with stride 2 and "same" padding, the
+    # primary capsules have primary_caps_channels types, routing_iterations EM iterations per capsule layer.
+    conv_caps_types: tuple[int, ...] = (16, 16)  # ConvCaps1 (3×3, stride 2) and ConvCaps2 (3×3, stride 1)
+    em_inverse_temperature: float = 0.01  # the limit of λ's schedule over the EM iterations
+    # spread loss (arch "em"): the margin starts at spread_margin_start, grows by spread_margin_step per epoch
+    spread_margin_start: float = 0.2
+    spread_margin_step: float = 0.1
+    spread_margin_end: float = 0.9
 
     def __post_init__(self) -> None:
         positive = (
@@ -64,11 +73,47 @@ class CapsNetConfig:
                 raise CapsNetError(f"config: {name} needs 1 or {self.in_channels} values")
         if any(s <= 0 for s in self.input_std):
             raise CapsNetError("config: input_std values must be > 0")
-        if self.primary_grid[0] < 1 or self.primary_grid[1] < 1:
+        if self.arch == "em":
+            self._check_em()
+        elif self.primary_grid[0] < 1 or self.primary_grid[1] < 1:
             raise CapsNetError(
                 f"config: a {self.in_channels}x{self.height}x{self.width} input is too small for "
                 f"{self.conv1_kernel}x{self.conv1_kernel} then {self.primary_caps_kernel}x{self.primary_caps_kernel} convolutions"
             )
+
+    def _check_em(self) -> None:
+        if len(self.conv_caps_types) != 2 or any(not isinstance(n, int) or n < 1 for n in self.conv_caps_types):
+            raise CapsNetError(f"config: conv_caps_types must be two positive integers, got {self.conv_caps_types!r}")
+        if self.primary_caps_dim != EM_POSE_SIZE or self.digit_caps_dim != EM_POSE_SIZE:
+            raise CapsNetError("config: EM capsules have 4x4 poses: primary_caps_dim and digit_caps_dim must be 16")
+        if not self.em_inverse_temperature > 0:
+            raise CapsNetError(f"config: em_inverse_temperature must be > 0, got {self.em_inverse_temperature}")
+        if not 0 <= self.spread_margin_start <= self.spread_margin_end or self.spread_margin_step < 0:
+            raise CapsNetError("config: the spread margin needs 0 <= start <= end and step >= 0")
+        grid = self.em_grids[-1]
+        if grid[0] < 1 or grid[1] < 1:
+            raise CapsNetError(
+                f"config: a {self.in_channels}x{self.height}x{self.width} input is too small for the EM model's "
+                "convolutional capsule layers"
+            )
+
+    @property
+    def em_grids(self) -> tuple[tuple[int, int], ...]:
+        """Spatial sizes after Conv1/PrimaryCaps, ConvCaps1 and ConvCaps2 of the EM model (14, 6, 4 for 28×28)."""
+
+        def sizes(size: int) -> tuple[int, int, int]:
+            primary = (size + 2 * (self.conv1_kernel // 2) - self.conv1_kernel) // 2 + 1  # stride 2, "same"
+            first = (primary - 3) // 2 + 1
+            return primary, first, first - 2
+
+        rows, cols = sizes(self.height), sizes(self.width)
+        return tuple(zip(rows, cols))
+
+    def spread_margin(self, epoch: int | None) -> float:
+        """The spread loss margin in (0-based) `epoch`; None: the final margin."""
+        if epoch is None:
+            return self.spread_margin_end
+        return min(self.spread_margin_end, self.spread_margin_start + self.spread_margin_step * epoch)
 
     @property
     def primary_grid(self) -> tuple[int, int]:
@@ -99,7 +144,7 @@ class CapsNetConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise CapsNetError(f"config: unknown fields {', '.join(unknown)}")
-        tuple_fields = {"input_mean", "input_std", "decoder_hidden"}
+        tuple_fields = {"input_mean", "input_std", "decoder_hidden", "conv_caps_types"}
         return cls(**{k: tuple(v) if k in tuple_fields else v for k, v in values.items()})
 
     def replace(self, **changes) -> "CapsNetConfig":
@@ -115,6 +160,23 @@ PRESETS: dict[str, CapsNetConfig] = {
         primary_caps_channels=4,
         primary_caps_dim=4,
         primary_caps_stride=3,
+        decoder_hidden=(64, 128),
+    ),
+    # Matrix capsules with EM routing at the size public MNIST implementations use (A=64, B=8, C=D=16).
+    "em": CapsNetConfig(
+        arch="em",
+        conv1_channels=64,
+        conv1_kernel=5,
+        primary_caps_channels=8,
+        primary_caps_dim=EM_POSE_SIZE,
+    ),
+    "em-tiny": CapsNetConfig(
+        arch="em",
+        conv1_channels=16,
+        conv1_kernel=5,
+        primary_caps_channels=4,
+        primary_caps_dim=EM_POSE_SIZE,
+        conv_caps_types=(4, 4),
         decoder_hidden=(64, 128),
     ),
 }

@@ -34,7 +34,12 @@ from capsnet.training.model import count_parameters
 
 
 # TrainOptions fields that set the CapsNetConfig field of the same name
-MODEL_FLAGS = ("arch", "routing", "routing_iterations", "squash_constant", "detach_agreement")
+MODEL_FLAGS = ("arch", "routing", "routing_iterations", "squash_constant", "reconstruction_weight",
+               "detach_agreement")
+DYNAMIC_ROUTING_FLAGS = ("routing", "squash_constant", "detach_agreement")
+# EM routing's activations move through a small inverse temperature λ, so it learns at 10× the rate
+# (0.01, as public EM implementations train; at 0.001 a small EM model barely learns in an epoch).
+DEFAULT_LR = {"capsnet": 1e-3, "em": 1e-2, "cnn-baseline": 1e-3}
 
 
 @dataclass
@@ -47,12 +52,13 @@ class TrainOptions:
     routing: str | None = None
     routing_iterations: int | None = None
     squash_constant: float | None = None
+    reconstruction_weight: float | None = None
     detach_agreement: bool | None = None
     normalize: bool = False  # standardise inputs with the training split's per-channel mean/std
     # optimisation
     epochs: int = 10
     batch_size: int = 64
-    lr: float = 1e-3
+    lr: float | None = None  # Adam's learning rate; None: DEFAULT_LR of the architecture
     lr_decay: float = 0.9  # multiplies the learning rate after every epoch
     max_shift: int = 2
     seed: int = 0
@@ -70,12 +76,14 @@ class TrainOptions:
         checks = {
             "--epochs must be at least 1": self.epochs >= 1,
             "--batch-size must be at least 1": self.batch_size >= 1,
-            "--lr must be a positive number": self.lr > 0 and np.isfinite(self.lr),
+            "--lr must be a positive number": self.lr is None or (self.lr > 0 and np.isfinite(self.lr)),
             "--lr-decay must be in (0, 1]": 0 < self.lr_decay <= 1,
             "--max-shift must be 0 or more": self.max_shift >= 0,
             "--threads must be at least 1": self.threads is None or self.threads >= 1,
             "--routing-iterations must be at least 1": self.routing_iterations is None or self.routing_iterations >= 1,
             "--squash-constant must be a positive number": self.squash_constant is None or self.squash_constant > 0,
+            "--reconstruction-weight must be 0 or more": self.reconstruction_weight is None or (
+                self.reconstruction_weight >= 0 and np.isfinite(self.reconstruction_weight)),
         }
         for message, ok in checks.items():
             if not ok:
@@ -95,10 +103,19 @@ def model_config(options: TrainOptions, dataset: Dataset, base: CapsNetConfig | 
     """The preset sized for the data, with the model flags applied; `base` (a resumed model) replaces the preset."""
     channels, height, width = dataset.image_shape
     if options.preset is not None or base is None:
-        base = preset(options.preset or "paper", in_channels=channels, height=height, width=width,
+        default_preset = "em" if options.arch == "em" else "paper"
+        base = preset(options.preset or default_preset, in_channels=channels, height=height, width=width,
                       num_classes=len(dataset.class_names))
+        if options.arch in ("capsnet", "em") and options.arch != base.arch:
+            raise CapsNetError(f"--preset {options.preset} is a {base.arch} preset; --arch {options.arch} takes "
+                               f"{'em or em-tiny' if options.arch == 'em' else 'paper or tiny'}")
     changes = {name: getattr(options, name) for name in MODEL_FLAGS
                if getattr(options, name) is not None}
+    if (changes.get("arch") or base.arch) == "em":
+        dynamic_only = [name for name in DYNAMIC_ROUTING_FLAGS if name in changes]
+        if dynamic_only:
+            flag = "--" + dynamic_only[0].replace("_", "-")
+            raise CapsNetError(f"{flag} sets dynamic routing; EM routing (--arch em) has no such setting")
     if changes.get("arch") == "cnn-baseline":
         changes["reconstruction_weight"] = 0.0  # the baseline has no decoder: margin loss only
     if options.normalize:
@@ -153,7 +170,7 @@ def train_one_epoch(step_model: torch.nn.Module, config: CapsNetConfig, optimize
         labels = torch.as_tensor(split.labels[indices]).to(device)  # (B,)
         with autocast_context(device, options.amp):
             output = step_model(images, labels)
-        loss = capsnet_loss(output, images, labels, config).total
+        loss = capsnet_loss(output, images, labels, config, epoch).total
         if not torch.isfinite(loss):
             raise CapsNetError(f"the loss became {loss.item()}; try a lower --lr or drop --amp")
         optimizer.zero_grad(set_to_none=True)
@@ -229,7 +246,8 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
                context: DistributedContext, device: torch.device) -> Checkpoint:
     torch.manual_seed(options.seed)
     model = create_model(config).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=options.lr)
+    initial_lr = options.lr if options.lr is not None else DEFAULT_LR[config.arch]
+    optimizer = torch.optim.Adam(model.parameters(), lr=initial_lr)
     scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=options.lr_decay)
     history: list[dict] = []
     if resumed is not None:
@@ -248,7 +266,7 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
     per_rank_batch = options.batch_size // context.world_size
     run_info = {
         "dataset": dataset.name, "train_images": len(dataset.train), "test_images": len(dataset.test),
-        "parameters": count_parameters(model), "batch_size": options.batch_size, "initial_lr": options.lr,
+        "parameters": count_parameters(model), "batch_size": options.batch_size, "initial_lr": initial_lr,
         "lr_decay": options.lr_decay, "max_shift": options.max_shift, "seed": options.seed,
         "device": device.type, "world_size": context.world_size, "amp": options.amp, "compile": options.compile,
     }

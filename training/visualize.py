@@ -9,6 +9,8 @@
 - confusion.png: the confusion matrix on the scored test digits;
 - training-curves.png: loss and accuracy per epoch, from the checkpoint's history.
 
+An EM checkpoint (`--arch em`) gets the same pictures: its class activations stand for lengths, its
+4×4 pose matrices (flattened to 16) are perturbed, and routing shows the class layer's assignments R.
 A cnn-baseline checkpoint has no capsules: it gets the confusion matrix and the training curves.
 torch and matplotlib are imported inside the functions, so `capsnet --help` stays fast.
 """
@@ -65,7 +67,6 @@ def visualize(checkpoint_path: Path, data: str, out: Path, images: int, examples
     from capsnet.training.data import Split, load_dataset, to_float
     from capsnet.training.distributed import DistributedContext, resolve_device
     from capsnet.training.evaluate import check_dataset_fits, evaluate
-    from capsnet.training.model import CapsNet
     from capsnet.training.robustness import class_probabilities
 
     for flag, value in (("--images", images), ("--examples", examples), ("--batch-size", batch_size)):
@@ -86,7 +87,7 @@ def visualize(checkpoint_path: Path, data: str, out: Path, images: int, examples
     written = [draw_confusion(evaluate(model, split, names, batch_size, device), out / "confusion.png")]
     if checkpoint.history:
         written.append(draw_training_curves(checkpoint.history, out / "training-curves.png"))
-    if not isinstance(model, CapsNet):
+    if checkpoint.config.arch == "cnn-baseline":
         return written
 
     predicted = class_probabilities(model, split.images, batch_size, device).argmax(axis=1)  # (N,)
@@ -139,9 +140,14 @@ def pose_perturbations(model, image):
 
 def coupling_maps(coupling, config):
     """coupling (B, I, J) -> (B, J, grid_h, grid_w): each class's coupling coefficient averaged over the
-    primary capsule channels at each grid position."""
-    grid_h, grid_w = config.primary_grid
+    capsule channels at each grid position of the layer below the classes (PrimaryCaps for dynamic
+    routing, whose capsules are ordered (channel, y, x); ConvCaps2 for EM routing, ordered (y, x, type))."""
     batch, _, num_classes = coupling.shape
+    if config.arch == "em":
+        grid_h, grid_w = config.em_grids[-1]
+        per_type = coupling.reshape(batch, grid_h, grid_w, config.conv_caps_types[-1], num_classes)  # (B, 4, 4, 16, J)
+        return per_type.mean(dim=3).permute(0, 3, 1, 2)  # (B, J, 4, 4)
+    grid_h, grid_w = config.primary_grid
     per_channel = coupling.reshape(batch, config.primary_caps_channels, grid_h, grid_w, num_classes)  # (B, 32, 6, 6, J)
     return per_channel.mean(dim=1).permute(0, 3, 1, 2)  # (B, J, 6, 6)
 
@@ -214,9 +220,9 @@ def draw_routing(images, maps, labels, predicted, names, path: Path) -> Path:
             axes[row, j + 1].set_axis_off()
             if row == 0:
                 axes[row, j + 1].set_title(names[j], fontsize=8)
-    figure.colorbar(heat, ax=axes[:, 1:], shrink=0.8, label="mean coupling c_ij")
-    figure.suptitle("routing: last iteration's coupling of the primary capsules (grid positions) to each class",
-                    fontsize=9)
+    figure.colorbar(heat, ax=axes[:, 1:], shrink=0.8, label="mean coupling c_ij (EM: assignment R_ij)")
+    figure.suptitle("routing: last iteration's coupling of the capsules below the classes (grid positions) to each "
+                    "class", fontsize=9)
     figure.savefig(path)
     return path
 

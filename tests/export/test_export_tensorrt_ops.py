@@ -47,7 +47,17 @@ def test_export_tensorrt_check_reports_a_dynamic_dimension_besides_the_batch():
     model = _model([helper.make_node("Relu", ["x"], ["y"])], [_tensor("x", ["batch", "height", 28])],
                    [_tensor("y", ["batch", "height", 28])])
     (problem,) = tensorrt_problems(model)
-    assert "dynamic dimension besides the batch" in problem and "height" in problem
+    assert "dynamic dimension not computed from the batch size alone" in problem and "height" in problem
+
+
+def test_export_tensorrt_check_accepts_dims_computed_from_the_batch():
+    # EM routing's vote MatMul folds the batch into its rows: (36, 144*batch, 4)
+    model = _model([helper.make_node("Relu", ["votes"], ["y"])],
+                   [_tensor("images", ["batch", 1, 28, 28]), _tensor("votes", [36, "144*batch", 4])],
+                   [_tensor("y", [36, "144*batch", 4])])
+    assert tensorrt_problems(model) == []
+    model.graph.input[1].type.tensor_type.shape.dim[1].dim_param = "144*rows"
+    assert len(tensorrt_problems(model)) == 1
 
 
 def test_export_tensorrt_check_reports_asymmetric_quantisation():

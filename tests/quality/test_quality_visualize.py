@@ -75,6 +75,25 @@ def test_coupling_maps_are_the_coupling_on_the_primary_grid(model, images):
     torch.testing.assert_close(maps.sum(dim=1), torch.ones(10, grid_h, grid_w))  # sabour: softmax over classes
 
 
+def test_em_model_gets_every_picture_and_maps_on_the_class_layers_input_grid(trained_em_tiny_checkpoint, images,
+                                                                           tmp_path, run_command):
+    code = run_command(visualize, "visualize", str(trained_em_tiny_checkpoint), "--out", str(tmp_path), "--images",
+                       "200")
+    assert code == 0 and sorted(p.name for p in tmp_path.iterdir()) == PICTURES
+    model = load_checkpoint(trained_em_tiny_checkpoint).build_model()
+    config = model.config
+    grid_h, grid_w = config.em_grids[-1]
+    types = config.conv_caps_types[-1]
+    with torch.no_grad():
+        coupling = model(images).coupling  # (10, H*W*N, J): ConvCaps2 capsules ordered (y, x, type)
+    maps = visualize.coupling_maps(coupling, config)
+    assert maps.shape == (10, 10, grid_h, grid_w)
+    image, klass, y, x = 2, 7, 3, 1
+    members = [(y * grid_w + x) * types + kind for kind in range(types)]
+    assert maps[image, klass, y, x].item() == pytest.approx(coupling[image, members, klass].mean().item(), rel=1e-5)
+    torch.testing.assert_close(maps.sum(dim=1), torch.ones(10, grid_h, grid_w))  # R: a distribution over classes
+
+
 def test_bad_counts_are_refused(trained_tiny_checkpoint, tmp_path, run_command):
     with pytest.raises(CapsNetError, match="--examples must be at least 1"):
         run_command(visualize, "visualize", str(trained_tiny_checkpoint), "--out", str(tmp_path), "--examples", "0")
