@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from capsnet.training.config import CapsNetConfig
-from capsnet.training.model import CapsNetOutput
+from capsnet.training.model import CapsNetOutput, InputNormalisation
 
 CONV_CHANNELS = (64, 128)
 HIDDEN = 1280  # sized so the parameter count matches the paper CapsNet's
@@ -25,9 +25,7 @@ class CnnBaseline(nn.Module):
     def __init__(self, config: CapsNetConfig):
         super().__init__()
         self.config = config
-        # 1 or C values broadcast over the channels; the model normalises, so inputs stay [0, 1] images.
-        self.register_buffer("input_mean", torch.tensor(config.input_mean).reshape(1, -1, 1, 1), persistent=False)  # (1, C, 1, 1)
-        self.register_buffer("input_std", torch.tensor(config.input_std).reshape(1, -1, 1, 1), persistent=False)  # (1, C, 1, 1)
+        self.input_normalisation = InputNormalisation(config)
         first, second = CONV_CHANNELS
         self.features = nn.Sequential(
             nn.Conv2d(config.in_channels, first, kernel_size=5, padding=2), nn.ReLU(inplace=True), nn.MaxPool2d(2),
@@ -42,7 +40,7 @@ class CnnBaseline(nn.Module):
         """images (B, C, H, W) in [0, 1]; `target` is accepted for the CapsNet's signature and unused."""
         cfg = self.config
         batch = images.shape[0]
-        features = self.features((images - self.input_mean) / self.input_std)  # (B, 128, H/4, W/4)
+        features = self.features(self.input_normalisation(images))  # (B, 128, H/4, W/4)
         logits = self.classifier(features.flatten(1))  # (B, 128*H/4*W/4) -> (B, J)
         return CapsNetOutput(
             probabilities=torch.sigmoid(logits),  # (B, J) in [0, 1], like capsule lengths

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from capsnet.training.config import CapsNetConfig
-from capsnet.training.model import CapsNetOutput, Decoder, at_least_float32
+from capsnet.training.model import CapsNetOutput, Decoder, InputNormalisation, at_least_float32
 
 POSE = 4  # poses are POSE×POSE matrices
 EPSILON = 1e-6  # keeps σ² and the normalisations away from 0 when inputs are inactive
@@ -196,13 +196,9 @@ class EMCapsNet(nn.Module):
     def __init__(self, config: CapsNetConfig):
         super().__init__()
         self.config = config
-        channels = config.in_channels
-        mean = torch.tensor(config.input_mean, dtype=torch.float32).expand(channels)
-        std = torch.tensor(config.input_std, dtype=torch.float32).expand(channels)
-        self.register_buffer("input_mean", mean.reshape(1, channels, 1, 1).clone(), persistent=False)  # (1, C, 1, 1)
-        self.register_buffer("input_std", std.reshape(1, channels, 1, 1).clone(), persistent=False)  # (1, C, 1, 1)
+        self.input_normalisation = InputNormalisation(config)
         first_types, second_types = config.conv_caps_types
-        self.conv1 = nn.Conv2d(channels, config.conv1_channels, kernel_size=config.conv1_kernel, stride=2,
+        self.conv1 = nn.Conv2d(config.in_channels, config.conv1_channels, kernel_size=config.conv1_kernel, stride=2,
                                padding=config.conv1_kernel // 2)
         self.primary_caps = PrimaryMatrixCaps(config.conv1_channels, config.primary_caps_channels)
         self.conv_caps1 = ConvCaps(config.primary_caps_channels, first_types, kernel=3, stride=2, config=config)
@@ -212,7 +208,7 @@ class EMCapsNet(nn.Module):
 
     def forward(self, images: Tensor, target: Tensor | None = None) -> CapsNetOutput:
         """images (B, C, H, W) in [0, 1]; the decoder is masked by `target` if given, else by the prediction."""
-        features = F.relu(self.conv1((images - self.input_mean) / self.input_std))  # (B, 64, 14, 14)
+        features = F.relu(self.conv1(self.input_normalisation(images)))  # (B, 64, 14, 14)
         poses, activations = self.primary_caps(features)  # (B, 14, 14, 8, 16), (B, 14, 14, 8)
         poses, activations = self.conv_caps1(poses, activations)  # (B, 6, 6, 16, 16), (B, 6, 6, 16)
         poses, activations = self.conv_caps2(poses, activations)  # (B, 4, 4, 16, 16), (B, 4, 4, 16)

@@ -152,6 +152,23 @@ class Decoder(nn.Module):
         return self.net(masked.flatten(1))  # (B, J*D) -> (B, C*H*W)
 
 
+class InputNormalisation(nn.Module):
+    """The config's per-channel mean/std, applied inside the model so exported graphs take [0, 1] images.
+    Buffers, not weights: they come from the config and stay out of the state dict."""
+
+    def __init__(self, config: CapsNetConfig):
+        super().__init__()
+        channels = config.in_channels
+        self.identity = config.input_mean == (0.0,) and config.input_std == (1.0,)
+        mean = torch.tensor(config.input_mean, dtype=torch.float32).expand(channels)
+        std = torch.tensor(config.input_std, dtype=torch.float32).expand(channels)
+        self.register_buffer("mean", mean.reshape(1, channels, 1, 1).clone(), persistent=False)  # (1, C, 1, 1)
+        self.register_buffer("std", std.reshape(1, channels, 1, 1).clone(), persistent=False)  # (1, C, 1, 1)
+
+    def forward(self, images: Tensor) -> Tensor:
+        return images if self.identity else (images - self.mean) / self.std
+
+
 class CapsNetOutput(NamedTuple):
     probabilities: Tensor  # (B, J) capsule lengths
     poses: Tensor  # (B, J, D)
@@ -163,20 +180,14 @@ class CapsNet(nn.Module):
     def __init__(self, config: CapsNetConfig):
         super().__init__()
         self.config = config
-        channels = config.in_channels
-        mean = torch.tensor(config.input_mean, dtype=torch.float32).expand(channels)
-        std = torch.tensor(config.input_std, dtype=torch.float32).expand(channels)
-        self.register_buffer("input_mean", mean.reshape(1, channels, 1, 1).clone(), persistent=False)  # (1, C, 1, 1)
-        self.register_buffer("input_std", std.reshape(1, channels, 1, 1).clone(), persistent=False)  # (1, C, 1, 1)
-        self.conv1 = nn.Conv2d(channels, config.conv1_channels, kernel_size=config.conv1_kernel)
+        self.input_normalisation = InputNormalisation(config)
+        self.conv1 = nn.Conv2d(config.in_channels, config.conv1_channels, kernel_size=config.conv1_kernel)
         self.primary_caps = PrimaryCaps(config)
         self.digit_caps = DigitCaps(config)
         self.decoder = Decoder(config)
 
     def normalised(self, images: Tensor) -> Tensor:
-        if self.config.input_mean == (0.0,) and self.config.input_std == (1.0,):
-            return images
-        return (images - self.input_mean) / self.input_std
+        return self.input_normalisation(images)
 
     def forward(self, images: Tensor, target: Tensor | None = None) -> CapsNetOutput:
         """images (B, C, H, W) in [0, 1]; the decoder is masked by `target` if given, else by the prediction."""

@@ -171,8 +171,8 @@ def test_em_preset_shapes_and_an_image_alone_equals_it_in_a_batch():
 def test_trained_em_tiny_learns_and_is_batch_invariant(trained_em_tiny_checkpoint):
     checkpoint = load_checkpoint(trained_em_tiny_checkpoint)
     assert checkpoint.config.arch == "em" and checkpoint.metrics["initial_lr"] == pytest.approx(0.01)
-    # measured 0.0% when written (1 epoch, seed 0); chance is 10%
-    assert checkpoint.metrics["test_accuracy"] > 0.0
+    # measured 25.4% when written (1 epoch of 62 steps, seed 0): EM learns slowly, but well above chance (10%)
+    assert checkpoint.metrics["test_accuracy"] > 0.18
     model = checkpoint.build_model()
     test = load_embedded().test
     order = np.argsort(np.arange(len(test)) % 100, kind="stable")[:64]  # every class, interleaved
