@@ -48,7 +48,20 @@ class BenchOptions:
     command: str
 
 
+def _check_dynamic_routing(model: Path) -> None:
+    """The targets compare with a public-style dynamic-routing CapsNet and its convolution peak: EM and CNN
+    models have neither, so they are refused before anything is exported."""
+    from capsnet.training.checkpoint import load_checkpoint
+
+    checkpoint = model / "model.ckpt" if model.is_dir() else model
+    if checkpoint.is_file():
+        arch = load_checkpoint(checkpoint).config.arch
+        if arch != "capsnet":
+            raise CapsNetError(f"capsnet bench measures dynamic-routing CapsNets; {model} holds a model of --arch {arch}")
+
+
 def run_bench(options: BenchOptions) -> dict:
+    _check_dynamic_routing(options.model)
     facts, cpu_before = machine_facts(), cpu_times()
     with tempfile.TemporaryDirectory(prefix="capsnet-bench-") as tmp:
         model_dir, model_dirs, skipped = _prepare_models(options, Path(tmp))
