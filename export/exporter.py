@@ -158,7 +158,8 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint, dataset, 
     for path in variants.values():
         problems = tensorrt_problems(onnx.load(str(path)))
         log.log(logging.WARNING if problems else logging.INFO, "TensorRT compatibility of %s: %s",
-                path.name, "; ".join(problems) or "every operator supported, only the batch axis dynamic")
+                path.name,
+                "; ".join(problems) or "every operator supported, every dimension static or computed from the batch")
 
     plan_built = False
     if config.tensorrt and tensorrt_error is None:
