@@ -59,11 +59,10 @@ from capsnet.export.tensorrt_build import (
 from capsnet.export.tensorrt_ops import tensorrt_problems
 from capsnet.export.triton import CONFIG_NAME, write_model_directory
 from capsnet.training.checkpoint import file_sha256, load_checkpoint
+from capsnet.training.config import CAPSULE_ARCHITECTURES
 from capsnet.training.data import load_dataset
 
 log = logging.getLogger(__name__)
-# Dynamic routing, and EM routing whose activations and 4×4 poses (flattened) fill the same outputs.
-EXPORTABLE_ARCHITECTURES = ("capsnet", "em")
 
 
 def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike, **options: Any) -> dict[str, Any]:
@@ -71,10 +70,11 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
     config = ExportConfig(**options)
     checkpoint_path, out_dir = Path(checkpoint_path), Path(out_dir)
     checkpoint = load_checkpoint(checkpoint_path)
-    if checkpoint.config.arch not in EXPORTABLE_ARCHITECTURES:
-        # The artifacts promise capsule poses; a baseline without capsules has none to serve.
+    if checkpoint.config.arch not in CAPSULE_ARCHITECTURES:
+        # The artifacts promise capsule poses (EM's 4×4 poses flattened fill the same outputs); a baseline
+        # without capsules has none to serve.
         raise CapsNetError(f"{checkpoint_path} is a {checkpoint.config.arch} checkpoint; export takes capsule "
-                           f"networks ({' or '.join(EXPORTABLE_ARCHITECTURES)})")
+                           f"networks ({' or '.join(CAPSULE_ARCHITECTURES)})")
     _check_target(out_dir, SIDECAR_NAME)
     triton_model_dir = Path(config.triton_repo) / MODEL_NAME if config.triton_repo else None
     if triton_model_dir is not None:

@@ -42,7 +42,7 @@ class ModelSpec:
     max_batch_size: int  # per backend run and per request
     backend: str
     precision: str
-    routing: dict  # variant, iterations, squash_constant
+    routing: dict  # variant, iterations, squash_constant (EM: variant "em", iterations, inverse_temperature)
     platform: str
 
 

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from capsnet.training.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from capsnet.training.checkpoint import Checkpoint, create_model, load_checkpoint, save_checkpoint
 from capsnet.training.config import preset
 from capsnet.training.data import DIGIT_NAMES
-from capsnet.training.model import CapsNet
 
 
 def _gpu_skip_reason() -> str | None:
@@ -32,15 +31,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
+def save_random_checkpoint(config, path: Path) -> Path:
+    """An untrained model of `config` (weights seeded with 0) saved as a checkpoint of the 10 digits at `path`."""
+    torch.manual_seed(0)
+    save_checkpoint(Checkpoint(config=config, state_dict=create_model(config).state_dict(),
+                               class_names=list(DIGIT_NAMES)), path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def random_tiny_checkpoint(tmp_path_factory) -> Path:
     """An untrained `tiny` checkpoint (seeded): for shape, format and error-path tests."""
-    torch.manual_seed(0)
-    config = preset("tiny")
-    model = CapsNet(config)
-    path = tmp_path_factory.mktemp("random-tiny") / "model.ckpt"
-    save_checkpoint(Checkpoint(config=config, state_dict=model.state_dict(), class_names=list(DIGIT_NAMES)), path)
-    return path
+    return save_random_checkpoint(preset("tiny"), tmp_path_factory.mktemp("random-tiny") / "model.ckpt")
+
+
+@pytest.fixture()
+def random_checkpoint(tmp_path):
+    """random_checkpoint(config, name) -> an untrained checkpoint of `config` in this test's tmp dir."""
+    return lambda config, name="model.ckpt": save_random_checkpoint(config, tmp_path / name)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,8 @@ from capsnet.errors import CapsNetError
 
 ROUTING_VARIANTS = ("sabour", "leaky", "su")
 ARCHITECTURES = ("capsnet", "em", "cnn-baseline")  # em: training/em_model.py; cnn-baseline: training/cnn_baseline.py
+# Those with capsule poses and routing to export, serve and draw; the CNN baseline has neither.
+CAPSULE_ARCHITECTURES = ("capsnet", "em")
 EM_POSE_SIZE = 16  # EM capsules carry 4×4 pose matrices
 
 

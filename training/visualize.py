@@ -64,6 +64,7 @@ def visualize(checkpoint_path: Path, data: str, out: Path, images: int, examples
 
     from capsnet.errors import CapsNetError
     from capsnet.training.checkpoint import load_checkpoint
+    from capsnet.training.config import CAPSULE_ARCHITECTURES
     from capsnet.training.data import Split, load_dataset, to_float
     from capsnet.training.distributed import DistributedContext, resolve_device
     from capsnet.training.evaluate import check_dataset_fits, evaluate
@@ -87,7 +88,7 @@ def visualize(checkpoint_path: Path, data: str, out: Path, images: int, examples
     written = [draw_confusion(evaluate(model, split, names, batch_size, device), out / "confusion.png")]
     if checkpoint.history:
         written.append(draw_training_curves(checkpoint.history, out / "training-curves.png"))
-    if checkpoint.config.arch == "cnn-baseline":
+    if checkpoint.config.arch not in CAPSULE_ARCHITECTURES:
         return written
 
     predicted = class_probabilities(model, split.images, batch_size, device).argmax(axis=1)  # (N,)

@@ -48,20 +48,17 @@ class BenchOptions:
     command: str
 
 
-def _check_dynamic_routing(model: Path) -> None:
+def _check_dynamic_routing(model: Path, checkpoint: Path) -> None:
     """The targets compare with a public-style dynamic-routing CapsNet and its convolution peak: EM and CNN
-    models have neither, so they are refused before anything is exported."""
+    models have neither, so they are refused before anything is exported or timed."""
     from capsnet.training.checkpoint import load_checkpoint
 
-    checkpoint = model / "model.ckpt" if model.is_dir() else model
-    if checkpoint.is_file():
-        arch = load_checkpoint(checkpoint).config.arch
-        if arch != "capsnet":
-            raise CapsNetError(f"capsnet bench measures dynamic-routing CapsNets; {model} holds a model of --arch {arch}")
+    arch = load_checkpoint(checkpoint).config.arch
+    if arch != "capsnet":
+        raise CapsNetError(f"capsnet bench measures dynamic-routing CapsNets; {model} holds a model of --arch {arch}")
 
 
 def run_bench(options: BenchOptions) -> dict:
-    _check_dynamic_routing(options.model)
     facts, cpu_before = machine_facts(), cpu_times()
     with tempfile.TemporaryDirectory(prefix="capsnet-bench-") as tmp:
         model_dir, model_dirs, skipped = _prepare_models(options, Path(tmp))
@@ -150,6 +147,7 @@ def _prepare_models(options: BenchOptions, tmp: Path) -> tuple[Path, dict[str, P
     model_dirs, skipped = {}, {}
     if options.model.is_dir():
         artifacts = load_artifacts(options.model)
+        _check_dynamic_routing(options.model, artifacts.checkpoint)
         plan_precision = artifacts.tensorrt_info["precision"] if artifacts.tensorrt_info else None
         for name in options.backends:
             if name in wanted_trt and SERVER_BACKENDS[name][1] != plan_precision:
@@ -159,6 +157,7 @@ def _prepare_models(options: BenchOptions, tmp: Path) -> tuple[Path, dict[str, P
         return options.model, model_dirs, skipped
     if not options.model.is_file():
         raise CapsNetError(f"{options.model} does not exist: give a checkpoint or an export directory")
+    _check_dynamic_routing(options.model, options.model)
     from capsnet.export.exporter import export_model
     from capsnet.export.tensorrt_build import tensorrt_unavailable
 

@@ -32,15 +32,10 @@ def test_bench_non_positive_durations_are_refused(tmp_path, capsys):
     assert "--seconds must be > 0" in capsys.readouterr().err
 
 
-def test_bench_refuses_an_em_model_before_exporting_it(tmp_path, capsys):
-    from capsnet.training.checkpoint import Checkpoint, create_model, save_checkpoint
+def test_bench_refuses_an_em_model_before_exporting_it(tmp_path, capsys, random_checkpoint):
     from capsnet.training.config import preset
-    from capsnet.training.data import DIGIT_NAMES
 
-    config = preset("em-tiny")
-    path = tmp_path / "em.ckpt"
-    save_checkpoint(Checkpoint(config=config, state_dict=create_model(config).state_dict(),
-                               class_names=list(DIGIT_NAMES)), path)
+    path = random_checkpoint(preset("em-tiny"), "em.ckpt")
     assert main(["bench", str(path), "--out", str(tmp_path / "out"), "--quick"]) == 2
     err = capsys.readouterr().err
     assert err == f"capsnet bench: error: capsnet bench measures dynamic-routing CapsNets; {path} holds a model of --arch em\n"

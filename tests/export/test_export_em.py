@@ -61,15 +61,3 @@ def test_em_export_onnxruntime_matches_pytorch_on_real_images(em_export, trained
         # the reconstruction is masked by each image's own prediction, not one baked in at export
         assert len(set(probabilities.argmax(axis=1).tolist())) > 1
 
-
-def test_em_export_refuses_the_cnn_baseline(tmp_path, capsys):
-    from capsnet.training.checkpoint import Checkpoint, create_model, save_checkpoint
-    from capsnet.training.config import preset
-    from capsnet.training.data import DIGIT_NAMES
-
-    config = preset("paper").replace(arch="cnn-baseline")
-    path = tmp_path / "cnn.ckpt"
-    save_checkpoint(Checkpoint(config=config, state_dict=create_model(config).state_dict(),
-                               class_names=list(DIGIT_NAMES)), path)
-    assert main(["export", str(path), "--out", str(tmp_path / "out")]) == 2
-    assert "export takes capsule networks (capsnet or em)" in capsys.readouterr().err

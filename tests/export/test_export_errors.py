@@ -68,17 +68,10 @@ def test_export_error_from_the_command_line(tmp_path):
     assert result.stderr.strip().splitlines() == [expected]
 
 
-def test_export_refuses_a_checkpoint_without_capsules(tmp_path, capsys):
-    import torch
-
-    from capsnet.training.checkpoint import Checkpoint, create_model, save_checkpoint
+def test_export_refuses_a_checkpoint_without_capsules(tmp_path, capsys, random_checkpoint):
     from capsnet.training.config import preset
 
-    config = preset("tiny", arch="cnn-baseline")
-    baseline = tmp_path / "baseline.ckpt"
-    torch.manual_seed(0)
-    save_checkpoint(Checkpoint(config=config, state_dict=create_model(config).state_dict(),
-                               class_names=[str(d) for d in range(10)]), baseline)
+    baseline = random_checkpoint(preset("tiny", arch="cnn-baseline"), "baseline.ckpt")
     line = _export_error([str(baseline), "--out", str(tmp_path / "out")], capsys)
-    assert "cnn-baseline checkpoint" in line
+    assert "cnn-baseline checkpoint" in line and "export takes capsule networks (capsnet or em)" in line
     assert not (tmp_path / "out").exists()
