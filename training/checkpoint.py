@@ -1,7 +1,8 @@
 """Checkpoints: one self-describing file, written atomically, with a format version.
 
 A checkpoint holds everything export and serving need (config, weights, class names, input
-normalisation via the config, routing settings, metrics) plus the optimiser state for `--resume`.
+normalisation via the config, routing settings, metrics) plus the optimiser state for `--resume`;
+one written mid-epoch (`--checkpoint-every`) also records how far into the next epoch it got.
 It loads with `torch.load(weights_only=True)`: plain containers and tensors only, no pickled code.
 """
 
@@ -45,6 +46,9 @@ class Checkpoint:
     scheduler_state: dict | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
     dataset: str = ""
+    scaler_state: dict | None = None  # CUDA mixed precision's loss scale
+    # None at an epoch's end; mid-epoch, the steps taken into epoch `epoch + 1` and their running totals
+    epoch_progress: dict[str, Any] | None = None
 
     def build_model(self) -> nn.Module:
         """The model (CapsNet, EMCapsNet or CnnBaseline, by `config.arch`) in eval mode on the CPU with these weights."""
@@ -69,6 +73,8 @@ def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike) -> None:
         "scheduler_state": checkpoint.scheduler_state,
         "history": checkpoint.history,
         "dataset": checkpoint.dataset,
+        "scaler_state": checkpoint.scaler_state,
+        "epoch_progress": checkpoint.epoch_progress,
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,6 +124,8 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
             scheduler_state=payload.get("scheduler_state"),
             history=payload.get("history") or [],
             dataset=payload.get("dataset", ""),
+            scaler_state=payload.get("scaler_state"),
+            epoch_progress=payload.get("epoch_progress"),
         )
         create_model(config).load_state_dict(checkpoint.state_dict)
     except (KeyError, TypeError, ValueError, RuntimeError) as err:

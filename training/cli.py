@@ -41,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="best checkpoint (default model.ckpt)")
     train.add_argument("--resume", nargs="?", const="", metavar="CKPT",
                        help="continue a run from CKPT (default: <out stem>.last.ckpt) up to --epochs")
+    train.add_argument("--checkpoint-every", type=int, metavar="STEPS",
+                       help="also write <out stem>.last.ckpt every STEPS training steps, so --resume loses at most "
+                            "that many (default: at each epoch's end only)")
     model = train.add_argument_group("model (default: the preset's, or the resumed checkpoint's)")
     model.add_argument("--arch", choices=ARCHITECTURES,
                        help="capsnet (default: dynamic routing), em (matrix capsules with EM routing and the "
@@ -94,7 +97,7 @@ def run_train(args: argparse.Namespace) -> int:
         normalize=args.normalize,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, lr_decay=args.lr_decay, max_shift=args.max_shift,
         seed=args.seed, device=args.device, amp=args.amp, compile=args.compile, threads=args.threads,
-        resume=resume, progress=not args.no_progress,
+        resume=resume, checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
     ))
     return 0
 

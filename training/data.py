@@ -163,10 +163,22 @@ def random_shift(images: Tensor, max_shift: int, generator: torch.Generator | No
         return images
     batch, _, height, width = images.shape
     padded = F.pad(images, (max_shift,) * 4)  # (B, C, H+2s, W+2s)
-    offsets = torch.randint(0, 2 * max_shift + 1, (batch, 2), generator=generator)  # (B, 2): dy, dx
+    offsets = _shift_offsets(batch, max_shift, generator)  # (B, 2): dy, dx
     rows = offsets[:, :1] + torch.arange(height)  # (B, H)
     cols = offsets[:, 1:] + torch.arange(width)  # (B, W)
     samples = torch.arange(batch)[:, None, None]  # (B, 1, 1)
     # One gather for the whole batch; advanced indices around the channel slice put it last.
     shifted = padded[samples, :, rows[:, :, None], cols[:, None, :]]  # (B, H, W, C)
     return shifted.permute(0, 3, 1, 2).contiguous()  # (B, C, H, W)
+
+
+def _shift_offsets(batch: int, max_shift: int, generator: torch.Generator | None) -> Tensor:
+    return torch.randint(0, 2 * max_shift + 1, (batch, 2), generator=generator)  # (B, 2): dy, dx
+
+
+def skip_random_shifts(batch_sizes: list[int], max_shift: int, generator: torch.Generator) -> None:
+    """Advance `generator` past the draws random_shift makes for these batches (a run resumed mid-epoch)."""
+    if max_shift <= 0:
+        return
+    for batch in batch_sizes:
+        _shift_offsets(batch, max_shift, generator)

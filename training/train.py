@@ -4,7 +4,8 @@ validation after every epoch, and the best and the last checkpoints.
 The same code runs as one process or as N under torchrun: the model is wrapped in
 DistributedDataParallel, a DistributedSampler gives each rank its share of every epoch, and only
 rank 0 prints and writes files. `--batch-size` is the global batch, split evenly across ranks.
-Every random choice derives from `--seed` and the epoch, so `--resume` continues the same run.
+Every random choice derives from `--seed` and the epoch, so `--resume` continues the same run: from
+the last epoch's end, or with `--checkpoint-every N` from the last N-step mark inside an epoch.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import contextlib
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +28,8 @@ from capsnet.errors import CapsNetError
 from capsnet.training import distributed
 from capsnet.training.checkpoint import Checkpoint, create_model, load_checkpoint, save_checkpoint
 from capsnet.training.config import CapsNetConfig, preset
-from capsnet.training.data import Dataset, Split, channel_mean_std, load_dataset, random_shift, to_float
+from capsnet.training.data import (Dataset, Split, channel_mean_std, load_dataset, random_shift,
+                                   skip_random_shifts, to_float)
 from capsnet.training.distributed import DistributedContext
 from capsnet.training.evaluate import check_dataset_fits, evaluate
 from capsnet.training.loss import capsnet_loss
@@ -68,6 +71,7 @@ class TrainOptions:
     compile: bool = False
     threads: int | None = None
     resume: Path | None = None
+    checkpoint_every: int | None = None  # also write the last checkpoint every N steps inside an epoch
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -80,6 +84,7 @@ class TrainOptions:
             "--lr-decay must be in (0, 1]": 0 < self.lr_decay <= 1,
             "--max-shift must be 0 or more": self.max_shift >= 0,
             "--threads must be at least 1": self.threads is None or self.threads >= 1,
+            "--checkpoint-every must be at least 1": self.checkpoint_every is None or self.checkpoint_every >= 1,
             "--routing-iterations must be at least 1": self.routing_iterations is None or self.routing_iterations >= 1,
             "--squash-constant must be a positive number": self.squash_constant is None or self.squash_constant > 0,
             "--reconstruction-weight must be 0 or more": self.reconstruction_weight is None or (
@@ -97,6 +102,21 @@ class TrainOptions:
 def last_checkpoint_path(out: Path) -> Path:
     """The last epoch's checkpoint, next to the best one: model.ckpt -> model.last.ckpt."""
     return out.with_name(f"{out.stem}.last.ckpt")
+
+
+# The settings that fix an epoch's batches and shifts; a run resumed mid-epoch must keep them.
+BATCH_PLAN_FLAGS = {"batch_size": "--batch-size", "seed": "--seed", "max_shift": "--max-shift",
+                    "world_size": "processes", "train_images": "training images"}
+
+
+@dataclass
+class EpochProgress:
+    """How far into an epoch a run got, with its running totals over all ranks (for a mid-epoch --resume)."""
+    step: int = 0  # batches done
+    loss_sum: float = 0.0
+    correct: float = 0.0
+    images: float = 0.0
+    seconds: float = 0.0
 
 
 def model_config(options: TrainOptions, dataset: Dataset, base: CapsNetConfig | None) -> CapsNetConfig:
@@ -156,16 +176,21 @@ class EpochResult:
 
 def train_one_epoch(step_model: torch.nn.Module, config: CapsNetConfig, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler, split: Split, epoch: int, options: TrainOptions,
-                    context: DistributedContext, device: torch.device) -> EpochResult:
-    """One pass over this rank's share of `split`; the loss and accuracy returned are summed over ranks."""
+                    context: DistributedContext, device: torch.device, progress: EpochProgress,
+                    save_progress: Callable[[int, EpochProgress], None]) -> EpochResult:
+    """One pass over this rank's share of `split`, from `progress.step` on; the loss and accuracy returned are
+    summed over ranks. Every `options.checkpoint_every` steps, `save_progress` gets the progress so far."""
     batches = epoch_batches(len(split), options.batch_size // context.world_size, context, options.seed, epoch)
     generator = augmentation_generator(options.seed, epoch, context.rank)
+    skip_random_shifts([len(indices) for indices in batches[:progress.step]], options.max_shift, generator)
     step_model.train()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, images on this rank
+    # loss sum, correct, images on this rank; a resumed epoch's totals (already summed over ranks) go to rank 0
+    earlier = [progress.loss_sum, progress.correct, progress.images] if context.is_main else [0.0, 0.0, 0.0]
+    totals = torch.tensor(earlier, dtype=torch.float64, device=device)  # (3,)
     started = time.perf_counter()
-    bar = tqdm(batches, desc=f"epoch {epoch + 1}/{options.epochs}", unit="batch", leave=False, dynamic_ncols=True,
-               disable=not (options.progress and context.is_main))
-    for indices in bar:
+    bar = tqdm(batches[progress.step:], initial=progress.step, total=len(batches), desc=f"epoch {epoch + 1}/{options.epochs}",
+               unit="batch", leave=False, dynamic_ncols=True, disable=not (options.progress and context.is_main))
+    for step, indices in enumerate(bar, start=progress.step + 1):
         images = random_shift(to_float(split.images[indices]), options.max_shift, generator).to(device)  # (B, C, H, W)
         labels = torch.as_tensor(split.labels[indices]).to(device)  # (B,)
         with autocast_context(device, options.amp):
@@ -183,9 +208,14 @@ def train_one_epoch(step_model: torch.nn.Module, config: CapsNetConfig, optimize
         if not bar.disable:
             bar.set_postfix(loss=f"{totals[0].item() / totals[2].item():.4f}",
                             acc=f"{100 * totals[1].item() / totals[2].item():.1f}%")
+        if options.checkpoint_every and step % options.checkpoint_every == 0 and step < len(batches):
+            summed = totals.clone()
+            distributed.all_reduce_sum(summed, context)
+            save_progress(epoch, EpochProgress(step, *summed.tolist(), progress.seconds + time.perf_counter() - started))
     distributed.all_reduce_sum(totals, context)
     loss_sum, correct, images = totals.tolist()
-    return EpochResult(loss_sum / images, correct / images, int(images), time.perf_counter() - started)
+    return EpochResult(loss_sum / images, correct / images, int(images),
+                       progress.seconds + time.perf_counter() - started)
 
 
 def announce(context: DistributedContext, message: str) -> None:
@@ -223,13 +253,18 @@ def train(options: TrainOptions) -> Checkpoint:
     resumed = load_checkpoint(options.resume) if options.resume is not None else None
     config = model_config(options, dataset, resumed.config if resumed else None)
     if resumed is not None:
-        check_resumable(resumed, config, options)
+        check_resumable(resumed, config, options, batch_plan(options, context, dataset))
     check_dataset_fits(config, dataset, "the model")
     with distributed.process_group(context, device):
         return run_epochs(options, config, dataset, resumed, context, device)
 
 
-def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOptions) -> None:
+def batch_plan(options: TrainOptions, context: DistributedContext, dataset: Dataset) -> dict[str, int]:
+    return {"batch_size": options.batch_size, "seed": options.seed, "max_shift": options.max_shift,
+            "world_size": context.world_size, "train_images": len(dataset.train)}
+
+
+def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOptions, plan: dict[str, int]) -> None:
     """Resuming continues the same model; flags given again must agree with the checkpoint."""
     recorded = resumed.config.to_dict()
     changed = {name: value for name, value in config.to_dict().items() if recorded[name] != value}
@@ -240,6 +275,13 @@ def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOp
         raise CapsNetError(f"{options.resume} holds no optimizer state to resume from")
     if resumed.epoch >= options.epochs:
         raise CapsNetError(f"{options.resume} has already trained {resumed.epoch} epochs; pass --epochs above that")
+    if resumed.epoch_progress is not None:
+        recorded = resumed.epoch_progress["batch_plan"]
+        changed = [f"{BATCH_PLAN_FLAGS[name]} {value} (checkpoint: {recorded[name]})"
+                   for name, value in plan.items() if recorded[name] != value]
+        if changed:
+            raise CapsNetError(f"{options.resume} stopped {resumed.epoch_progress['step']} steps into epoch "
+                               f"{resumed.epoch + 1}; continuing that epoch needs its batches: {', '.join(changed)}")
 
 
 def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, resumed: Checkpoint | None,
@@ -249,12 +291,19 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
     initial_lr = options.lr if options.lr is not None else DEFAULT_LR[config.arch]
     optimizer = torch.optim.Adam(model.parameters(), lr=initial_lr)
     scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=options.lr_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=options.amp and device.type == "cuda")
     history: list[dict] = []
+    progress = EpochProgress()
     if resumed is not None:
         model.load_state_dict(resumed.state_dict)
         optimizer.load_state_dict(resumed.optimizer_state)
         scheduler.load_state_dict(resumed.scheduler_state)
+        if resumed.scaler_state:  # empty when the run had no CUDA mixed precision
+            scaler.load_state_dict(resumed.scaler_state)
         history = list(resumed.history)
+        if resumed.epoch_progress is not None:
+            progress = EpochProgress(**{name: value for name, value in resumed.epoch_progress.items()
+                                        if name != "batch_plan"})
     if context.is_distributed:
         # A 1-channel Conv1 weight (256, 1, 9, 9) gets its gradient with another (equivalent) stride for the
         # size-1 axis; DDP warns about it on every backward though nothing is wrong.
@@ -262,7 +311,6 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
     step_model = DistributedDataParallel(model) if context.is_distributed else model
     if options.compile:
         step_model = torch.compile(step_model)
-    scaler = torch.amp.GradScaler(device.type, enabled=options.amp and device.type == "cuda")
     per_rank_batch = options.batch_size // context.world_size
     run_info = {
         "dataset": dataset.name, "train_images": len(dataset.train), "test_images": len(dataset.test),
@@ -270,14 +318,34 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
         "lr_decay": options.lr_decay, "max_shift": options.max_shift, "seed": options.seed,
         "device": device.type, "world_size": context.world_size, "amp": options.amp, "compile": options.compile,
     }
+    plan = batch_plan(options, context, dataset)
+
+    def snapshot(epochs_done: int, metrics: dict, partial: EpochProgress | None = None) -> Checkpoint:
+        return Checkpoint(
+            config=config, state_dict=model.state_dict(), class_names=list(dataset.class_names), metrics=metrics,
+            epoch=epochs_done, optimizer_state=optimizer.state_dict(), scheduler_state=scheduler.state_dict(),
+            history=list(history), dataset=dataset.name, scaler_state=scaler.state_dict(),
+            epoch_progress=None if partial is None else {**asdict(partial), "batch_plan": plan},
+        )
+
     best_accuracy = max((record["test_accuracy"] for record in history), default=-1.0)
     processes = f"{context.world_size} process{'es' if context.is_distributed else ''}"
     announce(context, f"training {run_info['parameters']:,} parameters on {len(dataset.train):,} images of "
                       f"{dataset.name} ({device}, {processes})")
+    start_epoch = resumed.epoch if resumed else 0
+    if progress.step:
+        announce(context, f"resuming epoch {start_epoch + 1} after step {progress.step}")
     checkpoint = resumed
-    for epoch in range(resumed.epoch if resumed else 0, options.epochs):
+
+    def save_progress(epoch: int, partial: EpochProgress) -> None:
+        if context.is_main:  # weights are the same on every rank
+            save_checkpoint(snapshot(epoch, {**run_info, "steps_into_epoch": partial.step}, partial), options.last_path)
+
+    for epoch in range(start_epoch, options.epochs):
         lr = optimizer.param_groups[0]["lr"]
-        trained = train_one_epoch(step_model, config, optimizer, scaler, dataset.train, epoch, options, context, device)
+        trained = train_one_epoch(step_model, config, optimizer, scaler, dataset.train, epoch, options, context,
+                                  device, progress, save_progress)
+        progress = EpochProgress()
         scheduler.step()
         started = time.perf_counter()
         validation = evaluate(model, dataset.test, dataset.class_names, per_rank_batch, device, context,
@@ -292,12 +360,7 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
         history.append(record)
         is_best = validation.accuracy > best_accuracy or not options.out.exists()
         best_accuracy = max(best_accuracy, validation.accuracy)
-        checkpoint = Checkpoint(
-            config=config, state_dict=model.state_dict(), class_names=list(dataset.class_names),
-            metrics={**record, **run_info, "per_class_accuracy": validation.per_class_accuracy},
-            epoch=epoch + 1, optimizer_state=optimizer.state_dict(), scheduler_state=scheduler.state_dict(),
-            history=list(history), dataset=dataset.name,
-        )
+        checkpoint = snapshot(epoch + 1, {**record, **run_info, "per_class_accuracy": validation.per_class_accuracy})
         if context.is_main:
             save_checkpoint(checkpoint, options.last_path)
             if is_best:

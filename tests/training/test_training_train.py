@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from capsnet.cli import main
+from capsnet.training import train as train_module
 from capsnet.training.checkpoint import load_checkpoint
 
 # Measured with the conftest command (tiny, 2 epochs, batch 64, seed 0): 73.5% held-out accuracy; chance is 10%.
@@ -61,6 +62,41 @@ def test_resume_continues_the_same_run(trained_tiny_checkpoint, tmp_path, capsys
     for name, value in straight.state_dict.items():
         assert torch.equal(resumed.state_dict[name], value), name
     assert resumed.metrics["test_accuracy"] == straight.metrics["test_accuracy"]
+
+
+def test_resume_mid_epoch_continues_the_same_run(trained_tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "model.ckpt"
+    last = out.with_name("model.last.ckpt")
+    real_save = train_module.save_checkpoint
+
+    def save_then_stop(checkpoint, path):
+        real_save(checkpoint, path)
+        if checkpoint.epoch == 1 and (checkpoint.epoch_progress or {}).get("step") == 40:
+            raise KeyboardInterrupt  # killed right after the mid-epoch checkpoint at step 40 of epoch 2
+
+    monkeypatch.setattr(train_module, "save_checkpoint", save_then_stop)
+    assert main([*TRAIN_ARGS, "--epochs", "2", "--out", str(out), "--checkpoint-every", "20"]) == 130
+    monkeypatch.undo()
+    interrupted = load_checkpoint(last)
+    assert interrupted.epoch == 1 and interrupted.epoch_progress["step"] == 40
+    assert interrupted.metrics["steps_into_epoch"] == 40 and "test_accuracy" not in interrupted.metrics
+
+    # the interrupted epoch's batches depend on these; a mid-epoch resume refuses to change them
+    assert main([*TRAIN_ARGS, "--epochs", "2", "--out", str(out), "--resume", "--batch-size", "32"]) == 2
+    assert (f"{last} stopped 40 steps into epoch 2; continuing that epoch needs its batches: "
+            "--batch-size 32 (checkpoint: 64)") in capsys.readouterr().err
+
+    assert main([*TRAIN_ARGS, "--epochs", "2", "--out", str(out), "--resume"]) == 0
+    assert "resuming epoch 2 after step 40" in capsys.readouterr().out
+    resumed = load_checkpoint(last)
+    straight = load_checkpoint(trained_tiny_checkpoint.with_name("model.last.ckpt"))
+    assert resumed.epoch == 2 and resumed.epoch_progress is None
+    # the same batches, shifts and optimizer steps as the uninterrupted run: identical weights
+    for name, value in straight.state_dict.items():
+        assert torch.equal(resumed.state_dict[name], value), name
+    # and the interrupted epoch's training figures count the steps before the interruption
+    for key in ("train_loss", "train_accuracy", "test_accuracy"):
+        assert resumed.history[1][key] == straight.history[1][key], key
 
 
 @pytest.mark.gpu
