@@ -252,20 +252,24 @@ def train(options: TrainOptions) -> Checkpoint:
                            f"{dataset.image_shape[2]} images")
     resumed = load_checkpoint(options.resume) if options.resume is not None else None
     config = model_config(options, dataset, resumed.config if resumed else None)
+    progress = EpochProgress()
     if resumed is not None:
-        check_resumable(resumed, config, options, batch_plan(options, context, dataset))
+        progress = check_resumable(resumed, config, options, batch_plan(options, context, dataset))
     check_dataset_fits(config, dataset, "the model")
     with distributed.process_group(context, device):
-        return run_epochs(options, config, dataset, resumed, context, device)
+        return run_epochs(options, config, dataset, resumed, progress, context, device)
 
 
 def batch_plan(options: TrainOptions, context: DistributedContext, dataset: Dataset) -> dict[str, int]:
+    """The values of BATCH_PLAN_FLAGS for this run."""
     return {"batch_size": options.batch_size, "seed": options.seed, "max_shift": options.max_shift,
             "world_size": context.world_size, "train_images": len(dataset.train)}
 
 
-def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOptions, plan: dict[str, int]) -> None:
-    """Resuming continues the same model; flags given again must agree with the checkpoint."""
+def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOptions,
+                    plan: dict[str, int]) -> EpochProgress:
+    """Resuming continues the same model; flags given again must agree with the checkpoint.
+    Returns how far into its next epoch the checkpoint got (nothing at an epoch's end)."""
     recorded = resumed.config.to_dict()
     changed = {name: value for name, value in config.to_dict().items() if recorded[name] != value}
     if changed:
@@ -275,17 +279,27 @@ def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOp
         raise CapsNetError(f"{options.resume} holds no optimizer state to resume from")
     if resumed.epoch >= options.epochs:
         raise CapsNetError(f"{options.resume} has already trained {resumed.epoch} epochs; pass --epochs above that")
-    if resumed.epoch_progress is not None:
-        recorded = resumed.epoch_progress["batch_plan"]
-        changed = [f"{BATCH_PLAN_FLAGS[name]} {value} (checkpoint: {recorded[name]})"
-                   for name, value in plan.items() if recorded[name] != value]
-        if changed:
-            raise CapsNetError(f"{options.resume} stopped {resumed.epoch_progress['step']} steps into epoch "
-                               f"{resumed.epoch + 1}; continuing that epoch needs its batches: {', '.join(changed)}")
+    if resumed.epoch_progress is None:
+        return EpochProgress()
+    try:
+        fields = dict(resumed.epoch_progress)
+        recorded_plan = fields.pop("batch_plan")
+        planned = {name: recorded_plan[name] for name in plan}
+        progress = EpochProgress(**fields)
+    except (KeyError, TypeError):
+        raise CapsNetError(f"checkpoint {options.resume} is damaged: its progress into epoch {resumed.epoch + 1} "
+                           "is incomplete") from None
+    changed = [f"{BATCH_PLAN_FLAGS[name]} {value} (checkpoint: {planned[name]})"
+               for name, value in plan.items() if planned[name] != value]
+    if changed:
+        raise CapsNetError(f"{options.resume} stopped {progress.step} steps into epoch {resumed.epoch + 1}; "
+                           f"continuing that epoch needs its batches: {', '.join(changed)}")
+    return progress
 
 
 def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, resumed: Checkpoint | None,
-               context: DistributedContext, device: torch.device) -> Checkpoint:
+               progress: EpochProgress, context: DistributedContext, device: torch.device) -> Checkpoint:
+    """Train from the start, or from `resumed` and `progress` into its next epoch, up to `options.epochs`."""
     torch.manual_seed(options.seed)
     model = create_model(config).to(device)
     initial_lr = options.lr if options.lr is not None else DEFAULT_LR[config.arch]
@@ -293,7 +307,6 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
     scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=options.lr_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=options.amp and device.type == "cuda")
     history: list[dict] = []
-    progress = EpochProgress()
     if resumed is not None:
         model.load_state_dict(resumed.state_dict)
         optimizer.load_state_dict(resumed.optimizer_state)
@@ -301,9 +314,6 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
         if resumed.scaler_state:  # empty when the run had no CUDA mixed precision
             scaler.load_state_dict(resumed.scaler_state)
         history = list(resumed.history)
-        if resumed.epoch_progress is not None:
-            progress = EpochProgress(**{name: value for name, value in resumed.epoch_progress.items()
-                                        if name != "batch_plan"})
     if context.is_distributed:
         # A 1-channel Conv1 weight (256, 1, 9, 9) gets its gradient with another (equivalent) stride for the
         # size-1 axis; DDP warns about it on every backward though nothing is wrong.

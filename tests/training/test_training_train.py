@@ -86,6 +86,13 @@ def test_resume_mid_epoch_continues_the_same_run(trained_tiny_checkpoint, tmp_pa
     assert (f"{last} stopped 40 steps into epoch 2; continuing that epoch needs its batches: "
             "--batch-size 32 (checkpoint: 64)") in capsys.readouterr().err
 
+    payload = torch.load(last, weights_only=True)
+    del payload["epoch_progress"]["batch_plan"]
+    damaged = tmp_path / "damaged.ckpt"
+    torch.save(payload, damaged)
+    assert main([*TRAIN_ARGS, "--epochs", "2", "--out", str(out), "--resume", str(damaged)]) == 2
+    assert f"checkpoint {damaged} is damaged: its progress into epoch 2 is incomplete" in capsys.readouterr().err
+
     assert main([*TRAIN_ARGS, "--epochs", "2", "--out", str(out), "--resume"]) == 0
     assert "resuming epoch 2 after step 40" in capsys.readouterr().out
     resumed = load_checkpoint(last)
