@@ -289,11 +289,11 @@ def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOp
     except (KeyError, TypeError):
         raise CapsNetError(f"checkpoint {options.resume} is damaged: its progress into epoch {resumed.epoch + 1} "
                            "is incomplete") from None
-    changed = [f"{BATCH_PLAN_FLAGS[name]} {value} (checkpoint: {planned[name]})"
-               for name, value in plan.items() if planned[name] != value]
-    if changed:
+    plan_changes = [f"{BATCH_PLAN_FLAGS[name]} {value} (checkpoint: {planned[name]})"
+                    for name, value in plan.items() if planned[name] != value]
+    if plan_changes:
         raise CapsNetError(f"{options.resume} stopped {progress.step} steps into epoch {resumed.epoch + 1}; "
-                           f"continuing that epoch needs its batches: {', '.join(changed)}")
+                           f"continuing that epoch needs its batches: {', '.join(plan_changes)}")
     return progress
 
 
