@@ -42,11 +42,11 @@ def unavailable_reason() -> str | None:
     try:
         import tensorrt  # noqa: F401
     except ImportError:
-        return "the tensorrt package is not installed (pip install capsnet-serve[gpu])"
+        return "the tensorrt package is not installed (pip install 'capsnet-serve[gpu]')"
     try:
         cudart = _cudart()
     except ImportError:
-        return "cuda-python is not installed (pip install capsnet-serve[gpu])"
+        return "cuda-python is not installed (pip install 'capsnet-serve[gpu]')"
     err, count = cudart.cudaGetDeviceCount()
     if int(err) != 0 or count == 0:
         return "no CUDA GPU"

@@ -48,6 +48,7 @@ def test_export_tensorrt_unavailable_fails_in_one_line_after_the_other_artifacts
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(tensorrt_unavailable() is not None, reason=f"{tensorrt_unavailable()}")
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
 def test_export_tensorrt_engine(trained_tiny_checkpoint, tmp_path, precision):
     out, cache = tmp_path / "model", tmp_path / "timing.cache"

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from capsnet.cli import main
+from capsnet.serving.backends.tensorrt_backend import unavailable_reason
 from capsnet.serving.client import CapsNetClient
 from serving_helpers import ServerThread, server_config
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(unavailable_reason() is not None, reason=f"{unavailable_reason()}")]
 
 
 @pytest.fixture(scope="module")
