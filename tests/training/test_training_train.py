@@ -16,6 +16,23 @@ TINY_TWO_EPOCH_ACCURACY_FLOOR = 0.60
 TRAIN_ARGS = ["train", "--data", "embedded", "--preset", "tiny", "--batch-size", "64", "--seed", "0", "--no-progress"]
 
 
+def stop_after_mid_epoch_checkpoint(monkeypatch, step: int = 40) -> None:
+    """Make the next training run die (KeyboardInterrupt) right after its checkpoint `step` steps into epoch 2."""
+    real_save = train_module.save_checkpoint
+
+    def save_then_stop(checkpoint, path):
+        real_save(checkpoint, path)
+        if checkpoint.epoch == 1 and (checkpoint.epoch_progress or {}).get("step") == step:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "save_checkpoint", save_then_stop)
+
+
+def assert_same_weights(got, expected) -> None:
+    for name, value in expected.state_dict.items():
+        assert torch.equal(got.state_dict[name], value), name
+
+
 def test_tiny_model_beats_chance_by_a_wide_margin(trained_tiny_checkpoint, capsys):
     assert main(["eval", str(trained_tiny_checkpoint), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -59,22 +76,14 @@ def test_resume_continues_the_same_run(trained_tiny_checkpoint, tmp_path, capsys
     straight = load_checkpoint(trained_tiny_checkpoint.with_name("model.last.ckpt"))
     assert resumed.epoch == 2 and len(resumed.history) == 2
     # seeds derive from --seed and the epoch, and the optimizer state travels: the same weights as one run
-    for name, value in straight.state_dict.items():
-        assert torch.equal(resumed.state_dict[name], value), name
+    assert_same_weights(resumed, straight)
     assert resumed.metrics["test_accuracy"] == straight.metrics["test_accuracy"]
 
 
 def test_resume_mid_epoch_continues_the_same_run(trained_tiny_checkpoint, tmp_path, monkeypatch, capsys):
     out = tmp_path / "model.ckpt"
     last = out.with_name("model.last.ckpt")
-    real_save = train_module.save_checkpoint
-
-    def save_then_stop(checkpoint, path):
-        real_save(checkpoint, path)
-        if checkpoint.epoch == 1 and (checkpoint.epoch_progress or {}).get("step") == 40:
-            raise KeyboardInterrupt  # killed right after the mid-epoch checkpoint at step 40 of epoch 2
-
-    monkeypatch.setattr(train_module, "save_checkpoint", save_then_stop)
+    stop_after_mid_epoch_checkpoint(monkeypatch)  # killed right after the checkpoint at step 40 of epoch 2
     assert main([*TRAIN_ARGS, "--epochs", "2", "--out", str(out), "--checkpoint-every", "20"]) == 130
     monkeypatch.undo()
     interrupted = load_checkpoint(last)
@@ -99,8 +108,7 @@ def test_resume_mid_epoch_continues_the_same_run(trained_tiny_checkpoint, tmp_pa
     straight = load_checkpoint(trained_tiny_checkpoint.with_name("model.last.ckpt"))
     assert resumed.epoch == 2 and resumed.epoch_progress is None
     # the same batches, shifts and optimizer steps as the uninterrupted run: identical weights
-    for name, value in straight.state_dict.items():
-        assert torch.equal(resumed.state_dict[name], value), name
+    assert_same_weights(resumed, straight)
     # and the interrupted epoch's training figures count the steps before the interruption
     for key in ("train_loss", "train_accuracy", "test_accuracy"):
         assert resumed.history[1][key] == straight.history[1][key], key
@@ -129,7 +137,7 @@ def cuda_amp_run(deterministic_cuda, tmp_path_factory):
 def test_cuda_mixed_precision_training(cuda_amp_run):
     metrics = load_checkpoint(cuda_amp_run).metrics
     assert metrics["device"] == "cuda" and metrics["amp"] is True
-    # fp16 with gradient scaling learns like the CPU runs (73-74%); fp16 rounds otherwise than bf16, hence the wider margin
+    # fp16 with gradient scaling learns like the CPU runs (73-74%); it rounds otherwise than bf16, hence the wider margin
     assert metrics["test_accuracy"] >= 0.5
     assert load_checkpoint(cuda_amp_run.with_name("cuda.last.ckpt")).scaler_state["scale"] > 0
 
@@ -138,15 +146,8 @@ def test_cuda_mixed_precision_training(cuda_amp_run):
 def test_cuda_mixed_precision_resume_mid_epoch_keeps_the_loss_scale(cuda_amp_run, tmp_path, monkeypatch, capsys):
     out = tmp_path / "cuda.ckpt"
     last = out.with_name("cuda.last.ckpt")
-    real_save = train_module.save_checkpoint
-
-    def save_then_stop(checkpoint, path):
-        real_save(checkpoint, path)
-        if checkpoint.epoch == 1 and (checkpoint.epoch_progress or {}).get("step") == 40:
-            raise KeyboardInterrupt
-
     cuda_args = [*TRAIN_ARGS, "--epochs", "2", "--device", "cuda", "--amp", "--out", str(out)]
-    monkeypatch.setattr(train_module, "save_checkpoint", save_then_stop)
+    stop_after_mid_epoch_checkpoint(monkeypatch)
     assert main([*cuda_args, "--checkpoint-every", "20"]) == 130
     monkeypatch.undo()
     assert load_checkpoint(last).scaler_state["scale"] > 0
@@ -156,5 +157,4 @@ def test_cuda_mixed_precision_resume_mid_epoch_keeps_the_loss_scale(cuda_amp_run
     straight = load_checkpoint(cuda_amp_run.with_name("cuda.last.ckpt"))
     # fp16 gradients are scaled before they are rounded: a loss scale restarted at its default would change them
     assert resumed.scaler_state == straight.scaler_state
-    for name, value in straight.state_dict.items():
-        assert torch.equal(resumed.state_dict[name], value), name
+    assert_same_weights(resumed, straight)
