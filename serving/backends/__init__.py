@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from capsnet.errors import CapsNetError
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import Backend
 from capsnet.serving.config import ServerConfig
@@ -96,12 +95,11 @@ def _choose_onnxruntime_precision(artifacts: ModelArtifacts, config: ServerConfi
     if not fp32_check.passed:
         raise refusal(fp32_check)
     if "int8" not in artifacts.onnx:
-        return _auto(LoadedBackend(fp32, fp32_check, "no INT8 model in the export"))
+        return _auto(fp32, fp32_check, "no INT8 model in the export")
     int8 = create_backend("onnxruntime", "int8", artifacts, config)
     int8_check = checked(int8, artifacts, config)
     if not int8_check.passed:
-        return _auto(LoadedBackend(fp32, fp32_check, f"the INT8 self-check failed on this CPU: {refusal(int8_check)}"),
-                     warn=True)
+        return _auto(fp32, fp32_check, f"the INT8 self-check failed on this CPU: {refusal(int8_check)}", warn=True)
     images = np.zeros((config.max_batch_size, *artifacts.input_shape), dtype=np.float32)  # (B, C, H, W)
     for backend in (fp32, int8):
         backend.run(images)  # first runs allocate and pick kernels
@@ -110,11 +108,10 @@ def _choose_onnxruntime_precision(artifacts: ModelArtifacts, config: ServerConfi
     timing = (f"batch {config.max_batch_size}: INT8 {1e3 * int8_time:.1f} ms, FP32 {1e3 * fp32_time:.1f} ms "
               f"({fp32_time / int8_time:.2f}x)")
     if fp32_time < AUTO_MIN_SPEEDUP * int8_time:
-        return _auto(LoadedBackend(fp32, fp32_check, f"INT8 is not {AUTO_MIN_SPEEDUP:g}x faster here ({timing})"))
-    return _auto(LoadedBackend(int8, int8_check, f"INT8 passed its self-check and is faster here ({timing})"))
+        return _auto(fp32, fp32_check, f"INT8 is not {AUTO_MIN_SPEEDUP:g}x faster here ({timing})")
+    return _auto(int8, int8_check, f"INT8 passed its self-check and is faster here ({timing})")
 
 
-def _auto(choice: LoadedBackend, warn: bool = False) -> LoadedBackend:
-    log.log(logging.WARNING if warn else logging.INFO, "precision auto: %s: %s", choice.backend.precision, choice.why)
-    choice.why = f"precision auto: {choice.why}"
-    return choice
+def _auto(backend: Backend, check: SelfCheck, why: str, warn: bool = False) -> LoadedBackend:
+    log.log(logging.WARNING if warn else logging.INFO, "precision auto: %s: %s", backend.precision, why)
+    return LoadedBackend(backend, check, f"onnxruntime, precision auto: {why}")
