@@ -27,7 +27,7 @@ __all__ = ["InferenceResult", "InferenceService", "ModelSpec", "ServingError"]
 log = logging.getLogger(__name__)
 
 # KServe ModelMetadata platform of each backend, named as Triton names them
-PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "torch": "pytorch_libtorch"}
+PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "torch": "pytorch"}  # eager: not TorchScript (pytorch_libtorch)
 
 
 @dataclass(frozen=True)
