@@ -31,7 +31,7 @@ class ClassifyRequest(_message.Message):
     include_reconstruction: bool
     top_k: int
     request_id: str
-    def __init__(self, images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., exclude_poses: _Optional[bool] = ..., include_reconstruction: _Optional[bool] = ..., top_k: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., exclude_poses: bool = ..., include_reconstruction: bool = ..., top_k: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("encoded", "tensor")
