@@ -104,6 +104,7 @@ class InferenceService:
         """Refuse new requests, finish the queued ones."""
         self.ready = False
         await self.batcher.drain()
+        self.backend.close()
 
     def check_batch_size(self, count: int, field: str) -> None:
         """Servicers call it before decoding anything, so an oversized batch costs no decoding."""

@@ -16,15 +16,15 @@ def choose_backend(artifacts: ModelArtifacts, config: ServerConfig) -> tuple[str
 
     The torch backend is the reference, never the fastest, so auto does not pick it.
     """
-    from capsnet.serving.backends import tensorrt_backend
     from capsnet.serving.backends.onnxruntime_backend import gpu_providers_installed
+    from capsnet.tensorrt_runner import unavailable_reason
 
     if artifacts.tensorrt_plan is None:
         no_trt = "no TensorRT plan in the model directory"
     elif config.precision not in (None, artifacts.tensorrt_info["precision"]):
         no_trt = f"the TensorRT plan is {artifacts.tensorrt_info['precision']}, --precision {config.precision} was asked"
     else:
-        no_trt = tensorrt_backend.unavailable_reason()
+        no_trt = unavailable_reason(config.gpu)
         if no_trt is None:
             return "tensorrt", "a TensorRT plan and a CUDA GPU are present"
     gpu = gpu_providers_installed()
@@ -40,7 +40,7 @@ def load_backend(artifacts: ModelArtifacts, config: ServerConfig) -> Backend:
     if name == "tensorrt":
         from capsnet.serving.backends.tensorrt_backend import TensorRTBackend
 
-        return TensorRTBackend(artifacts, config.precision, config.max_batch_size)
+        return TensorRTBackend(artifacts, config.precision, config.max_batch_size, config.gpu)
     if name == "torch":
         from capsnet.serving.backends.torch_backend import TorchBackend
 
