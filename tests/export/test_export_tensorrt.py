@@ -1,6 +1,6 @@
 """TensorRT: without a GPU or the package, --tensorrt fails in one line after writing everything else;
 the one runner (capsnet.tensorrt_runner), which export's parity check and the server share, is checked against
-labelled FAKES of tensorrt and the CUDA runtime (tests/export/fake_tensorrt.py: neither can be installed here);
+labelled FAKES of tensorrt and the CUDA runtime (tests/fake_tensorrt.py: neither can be installed here);
 with a GPU and TensorRT (GPU tests), engines of each precision are built, described and checked against ONNX Runtime."""
 
 from __future__ import annotations

@@ -14,15 +14,15 @@ import types
 
 import numpy as np
 
-INPUT, OUTPUTS = "images", ("probabilities", "poses")
+INPUT, OUTPUTS = "images", ("probabilities", "poses")  # the names export and serving use
 ROW_SHAPES = {INPUT: (1, 2, 2), "probabilities": (3,), "poses": (3, 2)}
 
 
-def kernel(images: np.ndarray) -> dict[str, np.ndarray]:
-    """What the fake engine computes from (N, 1, 2, 2) images."""
+def kernel(images: np.ndarray, row_shapes: dict[str, tuple[int, ...]] = ROW_SHAPES) -> dict[str, np.ndarray]:
+    """What the fake engine computes from (N, ...) images: each output row is the image's pixel sum times 1, 2, 3, ..."""
     total = images.reshape(len(images), -1).sum(axis=1)  # (N,)
-    probabilities = total[:, None] * np.arange(1, 4, dtype=np.float32)  # (N, 3)
-    return {"probabilities": probabilities, "poses": np.repeat(probabilities[:, :, None], 2, axis=2)}  # (N, 3, 2)
+    return {name: (total[:, None] * np.arange(1, int(np.prod(row)) + 1, dtype=np.float32)).reshape(len(images), *row)
+            for name, row in row_shapes.items() if name != INPUT}  # (N, *row)
 
 
 class FakeCudaRuntime:
@@ -90,8 +90,8 @@ class FakeCudaRuntime:
 
 
 class _Context:
-    def __init__(self, runtime: FakeCudaRuntime):
-        self.runtime, self.addresses, self.shape = runtime, {}, None
+    def __init__(self, runtime: FakeCudaRuntime, row_shapes: dict[str, tuple[int, ...]]):
+        self.runtime, self.row_shapes, self.addresses, self.shape = runtime, row_shapes, {}, None
 
     def set_tensor_address(self, name, address):
         self.addresses[name] = address
@@ -104,14 +104,14 @@ class _Context:
         assert stream in self.runtime.streams
         count = int(np.prod(self.shape))
         images = np.frombuffer((ctypes.c_float * count).from_address(self.addresses[INPUT]), np.float32)
-        for name, values in kernel(images.reshape(self.shape)).items():
+        for name, values in kernel(images.reshape(self.shape), self.row_shapes).items():
             ctypes.memmove(self.addresses[name], values.astype(np.float32).tobytes(), values.nbytes)
         return True
 
 
 class _Engine:
-    def __init__(self, runtime: FakeCudaRuntime, names: tuple[str, ...]):
-        self.runtime, self.names = runtime, names
+    def __init__(self, runtime: FakeCudaRuntime, row_shapes: dict[str, tuple[int, ...]]):
+        self.runtime, self.row_shapes, self.names = runtime, row_shapes, tuple(row_shapes)
 
     @property
     def num_io_tensors(self):
@@ -121,17 +121,18 @@ class _Engine:
         return self.names[index]
 
     def get_tensor_shape(self, name):
-        return (-1, *ROW_SHAPES[name])
+        return (-1, *self.row_shapes[name])
 
     def get_tensor_dtype(self, name):
         return "float32"
 
     def create_execution_context(self):
-        return _Context(self.runtime)
+        return _Context(self.runtime, self.row_shapes)
 
 
-def fake_tensorrt(runtime: FakeCudaRuntime, names: tuple[str, ...] = (INPUT, *OUTPUTS)) -> types.ModuleType:
-    """A `tensorrt` module whose Runtime deserializes b"engine" (anything else: None, as a damaged plan)."""
+def fake_tensorrt(runtime: FakeCudaRuntime, row_shapes: dict[str, tuple[int, ...]] = ROW_SHAPES) -> types.ModuleType:
+    """A `tensorrt` module whose Runtime deserializes b"engine" into an engine with these tensors (their shapes
+    less the batch axis; INPUT is the input); anything else gives None, as a damaged plan does."""
     trt = types.ModuleType("tensorrt")
     trt.__spec__ = importlib.machinery.ModuleSpec("tensorrt", None)  # so importlib.util.find_spec finds it
     trt.__version__ = "10.0.0-fake"
@@ -144,7 +145,7 @@ def fake_tensorrt(runtime: FakeCudaRuntime, names: tuple[str, ...] = (INPUT, *OU
             pass
 
         def deserialize_cuda_engine(self, plan):
-            return _Engine(runtime, names) if plan == b"engine" else None
+            return _Engine(runtime, row_shapes) if plan == b"engine" else None
 
     trt.Runtime = Runtime
     return trt
