@@ -21,7 +21,7 @@ _COMMAND_MODULES = (
     "capsnet.training.visualize",  # visualize
     "capsnet.training.robustness",  # robustness
     "capsnet.export.cli",  # export
-    "capsnet.serving.cli",  # serve, predict
+    "capsnet.serving.cli",  # serve, predict, health
     "capsnet.bench.cli",  # bench
 )
 

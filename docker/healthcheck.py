@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Health probe for containers: exit 0 when the server's gRPC health service says SERVING, 1 otherwise.
 
-Docker's HEALTHCHECK runs a command inside the container, and the image has Python and grpcio already,
-so this replaces a separate grpc_health_probe binary. Kubernetes uses its native `grpc:` probe instead.
+Docker's HEALTHCHECK runs a command inside the container, and the image has capsnet-serve already, so this
+replaces a separate grpc_health_probe binary. It is `capsnet health` with Docker's exit codes (1, not 2, for
+unhealthy) and the container's $CAPSNET_GRPC_PORT. Kubernetes uses its native `grpc:` probe instead.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import os
 import sys
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from capsnet.serving.client import check_health
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,16 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds before giving up (default 3)")
     args = parser.parse_args(argv)
 
-    with grpc.insecure_channel(args.address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
-        except grpc.RpcError as err:
-            print(f"{args.address}: {err.code().name}: {err.details()}", file=sys.stderr)
-            return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    try:
+        status = check_health(args.address, args.service, timeout=args.timeout)
+    except grpc.RpcError as err:
+        print(f"{args.address}: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
     print(f"{args.address}: {status}")
-    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+    return 0 if status == "SERVING" else 1
 
 
 if __name__ == "__main__":

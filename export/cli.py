@@ -49,6 +49,8 @@ def register(subparsers) -> None:
                      help="TensorRT workspace limit (default: %(default)s)")
     trt.add_argument("--timing-cache", metavar="PATH", default=None,
                      help="TensorRT timing cache reused across builds (default: ~/.cache/capsnet/tensorrt.timing-cache)")
+    trt.add_argument("--gpu", type=int, default=DEFAULTS.gpu, metavar="N",
+                     help="CUDA device to build and check the engine on, the one that will serve it (default: %(default)s)")
 
     triton = parser.add_argument_group("Triton Inference Server")
     triton.add_argument("--triton", dest="triton_repo", metavar="REPO", default=None,

@@ -38,6 +38,7 @@ class EngineConfig:
     max_batch: int = 256
     workspace_mib: int = 1024
     timing_cache: Path | None = None  # None: default_timing_cache()
+    gpu: int = 0  # CUDA device to build and check the engine on
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -49,6 +50,8 @@ class EngineConfig:
             )
         if self.workspace_mib < 1:
             raise CapsNetError(f"--workspace-mib must be at least 1, got {self.workspace_mib}")
+        if self.gpu < 0:
+            raise CapsNetError(f"--gpu must be a CUDA device index >= 0, got {self.gpu}")
 
     @property
     def timing_cache_path(self) -> Path:
@@ -83,6 +86,7 @@ class ExportConfig:
     max_batch: int = 256
     workspace_mib: int = 1024
     timing_cache: str | Path | None = None
+    gpu: int = 0
     max_queue_delay_us: int = 100
 
     def __post_init__(self) -> None:
@@ -103,6 +107,7 @@ class ExportConfig:
             max_batch=self.max_batch,
             workspace_mib=self.workspace_mib,
             timing_cache=Path(self.timing_cache) if self.timing_cache else None,
+            gpu=self.gpu,
         )
 
     def triton(self) -> TritonConfig:

@@ -47,7 +47,6 @@ from capsnet.export.tensorrt_build import (
     engine_outputs,
     source_variant,
     tensorrt_major_version,
-    tensorrt_unavailable,
 )
 from capsnet.export.tensorrt_ops import tensorrt_problems
 from capsnet.export.triton import CONFIG_NAME, write_model_directory
@@ -65,6 +64,7 @@ from capsnet.model_description import (
     file_sha256,
     output_names,
 )
+from capsnet.tensorrt_runner import unavailable_reason
 from capsnet.training.checkpoint import Checkpoint, load_checkpoint
 from capsnet.training.config import CAPSULE_ARCHITECTURES
 from capsnet.training.data import Dataset, load_dataset
@@ -90,7 +90,7 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
         if triton_model_dir.parent.exists() and not triton_model_dir.parent.is_dir():
             raise CapsNetError(f"Triton repository {triton_model_dir.parent} exists and is not a directory")
         _check_target(triton_model_dir, CONFIG_NAME)
-    tensorrt_error = tensorrt_unavailable() if config.tensorrt else None
+    tensorrt_error = unavailable_reason(config.gpu) if config.tensorrt else None
     if tensorrt_error:
         log.warning("--tensorrt: %s; writing the other artifacts, then failing", tensorrt_error)
     dataset = _load_matching_data(checkpoint, checkpoint_path, config.data)
@@ -278,7 +278,7 @@ def _build_tensorrt(staging: Path, variants: dict[str, Path], model_config, data
     batch_sizes = sorted({engine_config.min_batch, engine_config.opt_batch, engine_config.max_batch})
     batches = parity_batches(dataset.test.images, batch_sizes)
     reference = onnxruntime_outputs(onnxruntime_session(str(source)), batches, names)
-    engine_parity = compare(reference, engine_outputs(staging / PLAN_NAME, batches, names))
+    engine_parity = compare(reference, engine_outputs(staging / PLAN_NAME, batches, names, engine_config))
     tolerance, min_agreement = PARITY_TOLERANCE[precision], MIN_ARGMAX_AGREEMENT[precision]
     log.info("TensorRT %s engine vs ONNX Runtime on %s: %s", precision, source.name, engine_parity.describe())
     if not engine_parity.passes(tolerance, min_agreement):

@@ -4,12 +4,13 @@ TensorRT 11 builds strongly typed networks only and has no FP16/INT8 builder fla
 precision comes from the graph itself, so fp16 engines are built from model.fp16.onnx and int8
 engines from the Q/DQ nodes of model.int8.onnx. TensorRT 10 still has the weakly typed flags:
 there fp16 is the fp32 graph with BuilderFlag.FP16, and int8 the Q/DQ graph with BuilderFlag.INT8.
-Device buffers and the CUDA stream come from PyTorch, which the project depends on anyway.
+The engine is built on the configured GPU (--gpu) and checked with capsnet.tensorrt_runner, the
+runner the server's tensorrt backend serves with. NOT RUN: TensorRT cannot be installed where this
+project is developed and tested.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import tempfile
 from pathlib import Path
@@ -20,22 +21,12 @@ import numpy as np
 from capsnet.errors import CapsNetError
 from capsnet.export.config import EngineConfig
 from capsnet.export.onnx_export import INPUT_NAME
+from capsnet.tensorrt_runner import EngineRunner, gpu_facts
 
 # Largest difference from ONNX Runtime running the same graph, and the least share of images
 # with the same predicted class, per engine precision.
 PARITY_TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "int8": 5e-2}
 MIN_ARGMAX_AGREEMENT = {"fp32": 1.0, "fp16": 0.98, "int8": 0.98}
-
-
-def tensorrt_unavailable() -> str | None:
-    """Why no engine can be built on this machine, or None when it can."""
-    if importlib.util.find_spec("tensorrt") is None:
-        return "the tensorrt package is not installed (pip install 'capsnet-serve[gpu]')"
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no CUDA GPU is available (torch.cuda.is_available() is False)"
-    return None
 
 
 def tensorrt_major_version() -> int:
@@ -73,8 +64,8 @@ def _save_timing_cache(path: Path, data: bytes) -> None:
 def build_engine(onnx_path: Path, plan_path: Path, image_shape: tuple[int, int, int], config: EngineConfig) -> dict[str, Any]:
     """Build `plan_path` from `onnx_path`; returns the facts for model.plan.json."""
     import tensorrt as trt
-    import torch
 
+    gpu_name, capability = gpu_facts(config.gpu)  # also makes it the current device, which the builder uses
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(0)  # explicit batch is the only mode since TensorRT 10
@@ -109,11 +100,10 @@ def build_engine(onnx_path: Path, plan_path: Path, image_shape: tuple[int, int, 
     plan_path.write_bytes(bytes(serialized))
     _save_timing_cache(cache_path, bytes(builder_config.get_timing_cache().serialize()))
 
-    major, minor = torch.cuda.get_device_capability()
     return {
         "tensorrt_version": trt.__version__,
-        "gpu_name": torch.cuda.get_device_name(),
-        "compute_capability": f"{major}.{minor}",
+        "gpu_name": gpu_name,
+        "compute_capability": capability,
         "precision": config.precision,
         "min_batch": config.min_batch,
         "opt_batch": config.opt_batch,
@@ -121,31 +111,13 @@ def build_engine(onnx_path: Path, plan_path: Path, image_shape: tuple[int, int, 
     }
 
 
-def engine_outputs(plan_path: Path, batches: list[np.ndarray], names: tuple[str, ...]) -> list[dict[str, np.ndarray]]:
-    """Run the engine on each batch (float32, (N, C, H, W)); every graph keeps float32 I/O."""
+def engine_outputs(plan_path: Path, batches: list[np.ndarray], names: tuple[str, ...], config: EngineConfig
+                   ) -> list[dict[str, np.ndarray]]:
+    """Run the engine on each batch (float32, (N, C, H, W)) as the server would; every graph keeps float32 I/O."""
     import tensorrt as trt
-    import torch
 
-    logger = trt.Logger(trt.Logger.WARNING)
-    engine = trt.Runtime(logger).deserialize_cuda_engine(plan_path.read_bytes())
-    if engine is None:
-        raise CapsNetError(f"TensorRT could not load the engine it just built ({plan_path.name})")
-    for name in (INPUT_NAME, *names):
-        if engine.get_tensor_dtype(name) != trt.float32:
-            raise CapsNetError(f"the engine's {name!r} is {engine.get_tensor_dtype(name)}, expected float32")
-    context = engine.create_execution_context()
-    stream = torch.cuda.current_stream()  # the stream the input copies below are queued on
-    results = []
-    for batch in batches:
-        images = torch.from_numpy(batch).cuda()  # (N, C, H, W)
-        context.set_input_shape(INPUT_NAME, tuple(images.shape))
-        context.set_tensor_address(INPUT_NAME, images.data_ptr())
-        outputs = {}
-        for name in names:
-            outputs[name] = torch.empty(tuple(context.get_tensor_shape(name)), dtype=torch.float32, device="cuda")
-            context.set_tensor_address(name, outputs[name].data_ptr())
-        if not context.execute_async_v3(stream.cuda_stream):
-            raise CapsNetError("TensorRT failed to run the engine")
-        stream.synchronize()
-        results.append({name: tensor.cpu().numpy() for name, tensor in outputs.items()})
-    return results
+    with EngineRunner(plan_path.read_bytes(), INPUT_NAME, names, config.max_batch, config.gpu) as runner:
+        for name in (INPUT_NAME, *names):
+            if runner.engine.get_tensor_dtype(name) != trt.float32:
+                raise CapsNetError(f"the engine's {name!r} is {runner.engine.get_tensor_dtype(name)}, expected float32")
+        return [runner.run(batch) for batch in batches]

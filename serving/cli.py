@@ -1,4 +1,4 @@
-"""`capsnet serve` and `capsnet predict`. grpc, onnxruntime and torch are imported inside the handlers."""
+"""`capsnet serve`, `capsnet predict` and `capsnet health`. grpc, onnxruntime and torch are imported inside the handlers."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ def register(subparsers) -> None:
     serve.add_argument("--precision", choices=PRECISIONS,
                        help="model precision (default auto: INT8 where the export has it, it passes its self-check "
                             "and is faster on this CPU, else FP32; tensorrt: the plan's); fp16/int8 need those exports")
+    serve.add_argument("--gpu", type=int, metavar="N",
+                       help=f"CUDA device the tensorrt backend runs on (default {defaults['gpu']})")
     serve.add_argument("--max-batch-size", type=int, metavar="N",
                        help=f"images per backend run and per request (default {defaults['max_batch_size']})")
     serve.add_argument("--max-queue-delay-us", type=int, metavar="US",
@@ -63,6 +65,19 @@ def register(subparsers) -> None:
     predict.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the answer (default 30)")
     predict.set_defaults(handler=run_predict)
 
+    health = subparsers.add_parser("health", help="ask a running server whether it is serving (gRPC health check)",
+                                   description="grpc.health.v1 Check against a server, as grpcurl or grpc_health_probe "
+                                               "would: prints SERVING and exits 0, else one error line and exits 2.")
+    health.add_argument("--server", default=os.environ.get("CAPSNET_SERVER", DEFAULT_SERVER), metavar="HOST:PORT",
+                        help=f"server address (default $CAPSNET_SERVER or {DEFAULT_SERVER})")
+    health.add_argument("--service", default="", metavar="NAME",
+                        help="one API, e.g. inference.GRPCInferenceService (default '': the whole server)")
+    health.add_argument("--tls-ca", metavar="PEM", help="CA certificate of the server (enables TLS)")
+    health.add_argument("--tls-cert", metavar="PEM", help="client certificate, for mutual TLS")
+    health.add_argument("--tls-key", metavar="PEM", help="client private key, for mutual TLS")
+    health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
+    health.set_defaults(handler=run_health)
+
 
 def run_serve(args: argparse.Namespace) -> int:
     import asyncio
@@ -70,7 +85,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from capsnet.serving.config import ServerConfig
     from capsnet.serving.server import serve
 
-    names = ("model_dir host grpc_port metrics_port backend precision max_batch_size max_queue_delay_us max_queue_size "
+    names = ("model_dir host grpc_port metrics_port backend precision gpu max_batch_size max_queue_delay_us max_queue_size "
              "threads max_message_bytes tls_cert tls_key tls_client_ca grace_period_s").split()
     config = ServerConfig.from_sources({name: getattr(args, name) for name in names})
     return asyncio.run(serve(config))
@@ -113,6 +128,26 @@ def run_predict(args: argparse.Namespace) -> int:
         if args.poses:
             for index, pose in enumerate(prediction.poses):
                 print(f"  pose {index}: " + " ".join(f"{v:+.4f}" for v in pose))
+    return 0
+
+
+def run_health(args: argparse.Namespace) -> int:
+    import grpc
+
+    from capsnet.serving.client import check_health
+
+    if args.timeout <= 0:
+        raise CapsNetError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+    try:
+        status = check_health(args.server, args.service, timeout=args.timeout, tls_ca=args.tls_ca,
+                              tls_cert=args.tls_cert, tls_key=args.tls_key)
+    except grpc.RpcError as err:
+        raise CapsNetError(f"{args.server}: {err.code().name}: {err.details()}") from None
+    except OSError as err:
+        raise CapsNetError(f"cannot read {err.filename}: {err.strerror}") from None
+    if status != "SERVING":
+        raise CapsNetError(f"{args.server}{f' {args.service}' if args.service else ''}: {status}")
+    print(f"{args.server}{f' {args.service}' if args.service else ''}: {status}")
     return 0
 
 

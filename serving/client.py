@@ -1,4 +1,5 @@
-"""A small Python client of the CapsNet API (`capsnet predict` uses it).
+"""A small Python client of the CapsNet API (`capsnet predict` uses it), and the gRPC health check
+(`capsnet health` and the container HEALTHCHECK use it).
 
     from capsnet.serving.client import CapsNetClient
     with CapsNetClient("127.0.0.1:8001") as client:
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc as pb_grpc
@@ -44,6 +46,29 @@ def image_message(image: bytes | str | os.PathLike | np.ndarray) -> pb.Image:
     return pb.Image(tensor=pb.Tensor(dtype=dtype, shape=array.shape, data=data))
 
 
+def channel(target: str, *, tls_ca: str | os.PathLike | None = None, tls_cert: str | os.PathLike | None = None,
+            tls_key: str | os.PathLike | None = None, options: list[tuple[str, int]] | None = None) -> grpc.Channel:
+    """A channel to "host:port": TLS with tls_ca (the server's CA; None: system roots when tls_cert is given),
+    mutual TLS adding tls_cert + tls_key; plaintext without either."""
+    if tls_ca or tls_cert:
+        credentials = grpc.ssl_channel_credentials(root_certificates=_read(tls_ca), private_key=_read(tls_key),
+                                                   certificate_chain=_read(tls_cert))
+        return grpc.secure_channel(target, credentials, options)
+    return grpc.insecure_channel(target, options)
+
+
+def check_health(target: str, service: str = "", *, timeout: float = 3.0, **tls) -> str:
+    """grpc.health.v1 Check of `service` ("": the whole server) -> its status name, e.g. "SERVING" or "NOT_SERVING".
+
+    `tls` takes channel()'s tls_ca, tls_cert, tls_key. Raises grpc.RpcError when the server cannot answer
+    (UNAVAILABLE when nothing listens, NOT_FOUND for a service it does not know).
+    """
+    with channel(target, **tls) as health_channel:
+        reply = health_pb2_grpc.HealthStub(health_channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                timeout=timeout)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 class CapsNetClient:
     def __init__(self, target: str, *, tls_ca: str | os.PathLike | None = None, tls_cert: str | os.PathLike | None = None,
                  tls_key: str | os.PathLike | None = None, timeout: float | None = 30.0,
@@ -52,12 +77,7 @@ class CapsNetClient:
         mutual TLS adding tls_cert + tls_key; timeout in seconds per call."""
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
-        if tls_ca or tls_cert:
-            credentials = grpc.ssl_channel_credentials(root_certificates=_read(tls_ca), private_key=_read(tls_key),
-                                                       certificate_chain=_read(tls_cert))
-            self.channel = grpc.secure_channel(target, credentials, options)
-        else:
-            self.channel = grpc.insecure_channel(target, options)
+        self.channel = channel(target, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, options=options)
         self.stub = pb_grpc.CapsNetServiceStub(self.channel)
         self.timeout = timeout
 

@@ -25,6 +25,7 @@ class ServerConfig:
     backend: str = "auto"
     # auto: INT8 where exported, self-checked and faster on this CPU, else FP32 (TensorRT: the plan's)
     precision: str = "auto"
+    gpu: int = 0  # CUDA device of the tensorrt backend, numbered as CUDA_VISIBLE_DEVICES leaves them
     # dynamic batching
     max_batch_size: int = 32  # images per backend run, and per request
     # How long the oldest request waits for batch-mates. 0, as Triton: batches still form from the
@@ -52,7 +53,7 @@ class ServerConfig:
         for name in ("max_batch_size", "max_queue_size", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise CapsNetError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queue_delay_us", "threads", "grace_period_s"):
+        for name in ("max_queue_delay_us", "threads", "grace_period_s", "gpu"):
             if getattr(self, name) < 0:
                 raise CapsNetError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if (self.tls_cert is None) != (self.tls_key is None):

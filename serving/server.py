@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from capsnet.errors import CapsNetError
+from capsnet.kserve import reflection_pool
 from capsnet.serving import capsnet_api, kserve
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.metrics import Metrics
@@ -55,8 +56,9 @@ class CapsNetServer:
         capsnet_api.add_to_server(self._grpc, self.service)
         kserve.add_to_server(self._grpc, self.service)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-        reflection.enable_server_reflection(
-            [capsnet_api.SERVICE_NAME, kserve.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._grpc)
+        reflection.enable_server_reflection(  # kserve's `inference` files live in a pool of their own
+            [capsnet_api.SERVICE_NAME, kserve.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._grpc,
+            pool=reflection_pool())
         for name in HEALTH_SERVICES:
             await self._health.set(name, NOT_SERVING)
 

@@ -29,7 +29,7 @@ __all__ = ["InferenceResult", "InferenceService", "ModelSpec", "ServingError"]
 log = logging.getLogger(__name__)
 
 # KServe ModelMetadata platform of each backend, named as Triton names them
-PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "torch": "pytorch_libtorch"}
+PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "torch": "pytorch"}  # eager: not TorchScript (pytorch_libtorch)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +100,7 @@ class InferenceService:
         """Refuse new requests, finish the queued ones."""
         self.ready = False
         await self.batcher.drain()
+        self.backend.close()
 
     def check_batch_size(self, count: int, field: str) -> None:
         """Servicers call it before decoding anything, so an oversized batch costs no decoding."""

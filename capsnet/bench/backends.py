@@ -44,7 +44,7 @@ def load_backend(name: str, model_dir: str, threads: int, max_batch_size: int) -
     if server_backend == "onnxruntime" and precision not in artifacts.onnx:
         raise BackendUnavailable(f"{model_dir} has no {precision} ONNX model (export with --{precision})")
     if server_backend == "tensorrt":
-        from capsnet.serving.backends.tensorrt_backend import unavailable_reason
+        from capsnet.tensorrt_runner import unavailable_reason
 
         reason = unavailable_reason() or (None if artifacts.tensorrt_plan else f"{model_dir} has no TensorRT plan")
         if reason:

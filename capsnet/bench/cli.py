@@ -61,6 +61,7 @@ def register(subparsers) -> None:
 
 def run_bench_command(args: argparse.Namespace) -> int:
     from capsnet.bench.machine import cores
+    from capsnet.bench.report import verdict
     from capsnet.bench.suite import BenchOptions, run_bench
 
     settings = {name: getattr(args, name) if getattr(args, name) is not None else values[args.quick]
@@ -84,7 +85,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     results = run_bench(options)
     print(f"capsnet bench: wrote {options.out}/README.md and results.json")
     for target in results["targets"]:
-        print(f"  [{'met' if target['met'] else 'MISSED'}] {target['target']}: {target['measured']}")
+        print(f"  [{verdict(target, results['quick'])}] {target['target']}: {target['measured']}")
     return 0
 
 

@@ -13,6 +13,14 @@ log = logging.getLogger(__name__)
 
 PLOTS = {"inprocess": "inprocess.png", "grpc": "grpc.png"}
 NOTES = "analysis.md"  # hand-written notes on the results, linked when present beside them
+QUICK_VERDICT = "not judged: --quick"  # fractions of a second of timing prove nothing either way
+
+
+def verdict(target: dict, quick: bool) -> str:
+    """A target's verdict as the console prints it; none for a --quick run."""
+    if quick:
+        return QUICK_VERDICT
+    return "met" if target["met"] else "MISSED"
 
 
 def write_report(results: dict, out_dir: Path) -> list[Path]:
@@ -78,11 +86,12 @@ def markdown(results: dict, plot_files: list[str], has_notes: bool) -> str:
     if results.get("grpc"):
         lines += ["", *_grpc_section(results["grpc"])]
     lines += ["", "## Targets", "", _table(["target", "measured", "met"], [
-        [t["target"], t["measured"], "yes" if t["met"] else "**no**"] for t in results["targets"]
+        [t["target"], t["measured"], QUICK_VERDICT if results["quick"] else "yes" if t["met"] else "**no**"]
+        for t in results["targets"]
     ])]
     if plot_files:
         lines += ["", "## Plots", "", *[f"![{Path(name).stem}]({name})" for name in plot_files]]
-    if has_notes:
+    if has_notes and not results["quick"]:
         lines += ["", f"What bounds each missed target, and what would move it: [{NOTES}]({NOTES})."]
     return "\n".join(lines) + "\n"
 

@@ -159,7 +159,7 @@ def _prepare_models(options: BenchOptions, tmp: Path) -> tuple[Path, dict[str, P
         raise CapsNetError(f"{options.model} does not exist: give a checkpoint or an export directory")
     _check_dynamic_routing(options.model, options.model)
     from capsnet.export.exporter import export_model
-    from capsnet.export.tensorrt_build import tensorrt_unavailable
+    from capsnet.tensorrt_runner import unavailable_reason
 
     max_batch = max(options.batch_sizes + options.concurrency)
     log.info("exporting %s (ONNX FP32 + INT8)", options.model)
@@ -168,7 +168,7 @@ def _prepare_models(options: BenchOptions, tmp: Path) -> tuple[Path, dict[str, P
     for name in options.backends:
         if name not in wanted_trt:
             model_dirs[name] = tmp / "model"
-    no_trt = tensorrt_unavailable() if wanted_trt else None
+    no_trt = unavailable_reason() if wanted_trt else None
     for name in wanted_trt:
         if no_trt:
             skipped[name] = no_trt

@@ -31,7 +31,7 @@ class ClassifyRequest(_message.Message):
     include_reconstruction: bool
     top_k: int
     request_id: str
-    def __init__(self, images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., exclude_poses: _Optional[bool] = ..., include_reconstruction: _Optional[bool] = ..., top_k: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., exclude_poses: bool = ..., include_reconstruction: bool = ..., top_k: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("encoded", "tensor")
@@ -164,7 +164,7 @@ class SelfCheck(_message.Message):
     max_abs_diff: _containers.ScalarMap[str, float]
     passed: bool
     cpu: str
-    def __init__(self, precision: _Optional[str] = ..., images: _Optional[int] = ..., argmax_agreement: _Optional[float] = ..., max_abs_diff: _Optional[_Mapping[str, float]] = ..., passed: _Optional[bool] = ..., cpu: _Optional[str] = ...) -> None: ...
+    def __init__(self, precision: _Optional[str] = ..., images: _Optional[int] = ..., argmax_agreement: _Optional[float] = ..., max_abs_diff: _Optional[_Mapping[str, float]] = ..., passed: bool = ..., cpu: _Optional[str] = ...) -> None: ...
 
 class Routing(_message.Message):
     __slots__ = ("variant", "iterations", "squash_constant")

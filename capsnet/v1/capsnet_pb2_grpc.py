@@ -5,7 +5,7 @@ import warnings
 
 from capsnet.v1 import capsnet_pb2 as capsnet_dot_v1_dot_capsnet__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.80.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class CapsNetServiceStub:
+class CapsNetServiceStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -51,7 +51,7 @@ class CapsNetServiceStub:
                 _registered_method=True)
 
 
-class CapsNetServiceServicer:
+class CapsNetServiceServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Classify(self, request, context):
@@ -103,7 +103,7 @@ def add_CapsNetServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class CapsNetService:
+class CapsNetService(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

@@ -37,15 +37,15 @@ def choose_backend(artifacts: ModelArtifacts, config: ServerConfig) -> tuple[str
 
     The torch backend is the reference, never the fastest, so auto does not pick it.
     """
-    from capsnet.serving.backends import tensorrt_backend
     from capsnet.serving.backends.onnxruntime_backend import gpu_providers_installed
+    from capsnet.tensorrt_runner import unavailable_reason
 
     if artifacts.tensorrt_plan is None:
         no_trt = "no TensorRT plan in the model directory"
     elif config.precision not in ("auto", artifacts.tensorrt_info["precision"]):
         no_trt = f"the TensorRT plan is {artifacts.tensorrt_info['precision']}, --precision {config.precision} was asked"
     else:
-        no_trt = tensorrt_backend.unavailable_reason()
+        no_trt = unavailable_reason(config.gpu)
         if no_trt is None:
             return "tensorrt", "a TensorRT plan and a CUDA GPU are present"
     gpu = gpu_providers_installed()
@@ -57,7 +57,7 @@ def create_backend(name: str, precision: str, artifacts: ModelArtifacts, config:
     if name == "tensorrt":
         from capsnet.serving.backends.tensorrt_backend import TensorRTBackend
 
-        return TensorRTBackend(artifacts, None if precision == "auto" else precision, config.max_batch_size)
+        return TensorRTBackend(artifacts, None if precision == "auto" else precision, config.max_batch_size, config.gpu)
     if name == "torch":
         from capsnet.serving.backends.torch_backend import TorchBackend
 

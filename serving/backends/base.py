@@ -21,6 +21,9 @@ class Backend(ABC):
         Called from one worker thread at a time; the arrays returned are the caller's to keep.
         """
 
+    def close(self) -> None:
+        """Free what the backend holds outside Python's reach (device and pinned memory); after the last run."""
+
     def warmup(self, batch_sizes: Iterable[int], input_shape: tuple[int, int, int]) -> None:
         """Run each batch size once, so allocations, kernel choices and lazy inits happen before traffic."""
         for batch_size in batch_sizes:

@@ -1,31 +1,17 @@
-"""The Triton model repository, parsed with Triton's own model_config.proto schema.
-
-tritonclient registers Triton's `inference.*` protobuf messages process-wide, which clash with our
-KServe proto of the same package, so the parse runs in a child process.
-"""
+"""The Triton model repository, parsed with Triton's own model_config.proto schema (tritonclient's)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from google.protobuf import json_format, text_format
+from tritonclient.grpc import model_config_pb2
 
 from capsnet.export.config import TritonConfig
 from capsnet.export.triton import config_pbtxt
 
-PARSE = """
-import json, sys
-from google.protobuf import json_format, text_format
-from tritonclient.grpc import model_config_pb2
-config = text_format.Parse(sys.stdin.read(), model_config_pb2.ModelConfig())
-print(json.dumps(json_format.MessageToDict(config, preserving_proto_field_name=True)))
-"""
-
 
 def _parse_model_config(text: str) -> dict:
-    result = subprocess.run([sys.executable, "-c", PARSE], input=text, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    config = text_format.Parse(text, model_config_pb2.ModelConfig())
+    return json_format.MessageToDict(config, preserving_proto_field_name=True)
 
 
 def test_export_triton_repository_for_onnxruntime(tiny_export):

@@ -1,23 +1,12 @@
 """Our `inference` proto is wire-compatible with tritonclient's: same messages, fields, numbers, types and RPCs.
 
-tritonclient's file descriptor is read in a child interpreter and compared here as plain
-FileDescriptorProto data, never registered: both files define package `inference`, and one
-protobuf pool cannot hold both.
+Both are loaded here, in one process: ours lives in capsnet.kserve.POOL, tritonclient's in protobuf's default pool.
 """
 
-import base64
-import subprocess
-import sys
-
 from google.protobuf import descriptor_pb2
+from tritonclient.grpc import service_pb2
 
 from capsnet.kserve import grpc_service_pb2
-
-READ_TRITON_DESCRIPTOR = (
-    "import base64\n"
-    "from tritonclient.grpc import service_pb2\n"
-    "print(base64.b64encode(service_pb2.DESCRIPTOR.serialized_pb).decode())\n"
-)
 
 
 def file_proto(serialized: bytes) -> descriptor_pb2.FileDescriptorProto:
@@ -25,10 +14,7 @@ def file_proto(serialized: bytes) -> descriptor_pb2.FileDescriptorProto:
 
 
 def test_messages_and_rpcs_match_tritonclient():
-    completed = subprocess.run([sys.executable, "-c", READ_TRITON_DESCRIPTOR],
-                               capture_output=True, text=True, timeout=60)
-    assert completed.returncode == 0, completed.stderr
-    triton = file_proto(base64.b64decode(completed.stdout))
+    triton = file_proto(service_pb2.DESCRIPTOR.serialized_pb)
     ours = file_proto(grpc_service_pb2.DESCRIPTOR.serialized_pb)
 
     assert ours.package == triton.package == "inference"

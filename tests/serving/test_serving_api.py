@@ -121,7 +121,7 @@ def test_torch_reference_backend_serves_the_same_results(server, model_dir):
     reference = ServerThread(server_config(model_dir, backend="torch"))
     try:
         assert reference.server.service.spec.backend == "torch"
-        assert reference.server.service.spec.platform == "pytorch_libtorch"
+        assert reference.server.service.spec.platform == "pytorch"  # eager, not TorchScript
         with CapsNetClient(reference.target) as client:
             predictions = client.classify(list(images), reconstruction=True)
         torch_direct = direct(reference, images)

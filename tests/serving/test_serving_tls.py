@@ -86,5 +86,10 @@ def test_mutual_tls(model_dir, pki, capsys, tmp_path):
         code = main(["predict", str(png), "--server", running.target, "--tls-ca", str(pki["ca"][1]),
                      "--tls-cert", str(client_cert), "--tls-key", str(client_key)])
         assert code == 0 and capsys.readouterr().out.startswith(f"{png}: ")
+        tls = ["--tls-ca", str(pki["ca"][1]), "--tls-cert", str(client_cert), "--tls-key", str(client_key)]
+        assert main(["health", "--server", running.target, *tls]) == 0
+        assert capsys.readouterr().out == f"{running.target}: SERVING\n"
+        assert main(["health", "--server", running.target, *tls[:2]]) == 2  # no client certificate
+        assert "UNAVAILABLE" in capsys.readouterr().err
     finally:
         running.stop()

@@ -1,0 +1,58 @@
+"""`capsnet health`: grpc.health.v1 Check against a real server; SERVING exits 0, anything else is one error line."""
+
+from __future__ import annotations
+
+import socket
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from capsnet.cli import main
+
+
+def one_error_line(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err and captured.out == "", captured
+    assert lines[0].startswith("capsnet health: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize("service", ["", "capsnet.v1.CapsNetService", "inference.GRPCInferenceService"])
+def test_health_of_a_serving_server(server, capsys, service):
+    assert main(["health", "--server", server.target, "--service", service]) == 0
+    assert capsys.readouterr().out == f"{server.target}{f' {service}' if service else ''}: SERVING\n"
+
+
+def test_health_of_an_unknown_service_is_not_found(server, capsys):
+    assert main(["health", "--server", server.target, "--service", "no.such.Service"]) == 2
+    assert f"{server.target}: NOT_FOUND" in one_error_line(capsys)
+
+
+def test_health_of_a_not_serving_server(capsys):
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # what a draining capsnet server answers
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
+    try:
+        assert main(["health", "--server", f"127.0.0.1:{port}"]) == 2
+    finally:
+        grpc_server.stop(None)
+    assert one_error_line(capsys).endswith(f"127.0.0.1:{port}: NOT_SERVING")
+
+
+def test_health_with_nothing_listening(capsys):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # bound, never listening: connections are refused
+        assert main(["health", "--server", f"127.0.0.1:{port}", "--timeout", "5"]) == 2
+    assert f"127.0.0.1:{port}: UNAVAILABLE" in one_error_line(capsys)
+
+
+def test_health_bad_timeout_is_refused(capsys):
+    assert main(["health", "--timeout", "0"]) == 2
+    assert "--timeout must be > 0" in one_error_line(capsys)
