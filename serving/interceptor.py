@@ -65,19 +65,18 @@ class _Call:
         self.code: grpc.StatusCode | None = None  # set by our handling; None: read it from the context
 
     def begin(self) -> None:
-        self.started = time.perf_counter()
+        self.started = time.monotonic()
         self.interceptor.metrics.inflight.inc()
         if self.api not in _NOT_WAITED_FOR:
-            self.interceptor.active += 1
+            self.interceptor.active.add(self)
 
     def end(self, context) -> None:
         code = self.code or context.code() or grpc.StatusCode.OK
         metrics = self.interceptor.metrics
         metrics.inflight.dec()
-        if self.api not in _NOT_WAITED_FOR:
-            self.interceptor.active -= 1
+        self.interceptor.active.discard(self)
         metrics.requests.labels(self.api, self.method, code.name).inc()
-        metrics.request_duration.labels(self.api, self.method).observe(time.perf_counter() - self.started)
+        metrics.request_duration.labels(self.api, self.method).observe(time.monotonic() - self.started)
 
     def refuse(self, context, code: grpc.StatusCode, message: str) -> None:
         """Answer with `code` (the handler returns right after)."""
@@ -101,7 +100,11 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: Metrics, max_message_bytes: int):
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
-        self.active = 0  # inference (non-health) RPCs whose handler is running
+        self.active: set[_Call] = set()  # RPCs (but health checks) whose handler is running
+
+    def busy_before(self, moment: float) -> bool:
+        """Whether an RPC that started before `moment` (time.monotonic()) is still running."""
+        return any(call.started < moment for call in self.active)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)

@@ -37,9 +37,12 @@ HEALTH_SERVICES = ("", capsnet_api.SERVICE_NAME, kserve.SERVICE_NAME)
 # Per image, besides its pixels: protobuf framing and the fields around them. Per message: the rest.
 IMAGE_OVERHEAD_BYTES = 1024
 MESSAGE_OVERHEAD_BYTES = 64 * 1024
-# During shutdown, gRPC is stopped once no request has been in flight for this long: the calls gRPC
-# still held (arrived, not yet taken by the event loop) have been taken and answered by then.
+# During shutdown, after the last request that arrived before the refusals has ended, gRPC is stopped
+# this much later: time for the event loop to take (and refuse) the calls gRPC still holds.
 SETTLE_S = 0.1
+# Then what is left are quick calls (refusals, metadata) and health Watch streams, which gRPC clients with
+# client-side health checking keep open: gRPC cancels them after this, not after the whole grace period.
+STOP_GRACE_S = 1.0
 
 
 def message_limit(spec: ModelSpec, max_image_scale: int) -> int:
@@ -116,18 +119,13 @@ class CapsNetServer:
         await self._health.enter_graceful_shutdown()
         self.service.ready = False
         await asyncio.sleep(self.config.drain_window_s)
+        refusing_since = time.monotonic()
         self.service.refuse_new_requests()
-        deadline = time.monotonic() + self.config.grace_period_s
-        idle_since = None
-        while time.monotonic() < deadline:
-            if self._interceptor.active:
-                idle_since = None
-            elif idle_since is None:
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since >= SETTLE_S:
-                break
+        deadline = refusing_since + self.config.grace_period_s
+        while self._interceptor.busy_before(refusing_since) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        await self._grpc.stop(max(0.0, deadline - time.monotonic()))
+        await asyncio.sleep(SETTLE_S)
+        await self._grpc.stop(min(STOP_GRACE_S, max(0.0, deadline - time.monotonic())))
         await self.service.close()
         self._metrics_http.shutdown()
         self._metrics_http.server_close()
