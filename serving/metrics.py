@@ -24,10 +24,10 @@ log = logging.getLogger(__name__)
 
 # 100 µs (a tiny model's batch on a GPU) to 10 s (a deep queue on a CPU), about 2.5x apart.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-# /metrics: connections served at once (a scrape takes about a millisecond), and how long one may stay
-# silent (reading its request, or being written to) before it is closed.
-HTTP_WORKERS = 4
-HTTP_TIMEOUT_S = 5.0
+# /metrics: connections served at once (a scrape takes about a millisecond; more connections are closed at
+# once), and how long one may stay silent (its request unsent, or its answer unread) before it is closed.
+HTTP_WORKERS = 8
+HTTP_TIMEOUT_S = 3.0
 
 
 class Metrics:
@@ -74,8 +74,10 @@ class _QuietHandler(wsgiref.simple_server.WSGIRequestHandler):
 
 
 class MetricsHTTPServer(wsgiref.simple_server.WSGIServer):
-    """At most HTTP_WORKERS connections are served at once; the next waits up to HTTP_TIMEOUT_S for a worker
-    (meanwhile the kernel's listen backlog holds the rest), then is closed."""
+    """At most HTTP_WORKERS connections are served at once, each for at most HTTP_TIMEOUT_S of silence;
+    a connection beyond them is closed at once, so neither threads nor sockets pile up."""
+
+    request_queue_size = 64  # the listen backlog: connections the kernel completes before they are accepted
 
     def __init__(self, address: tuple[str, int], app):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
@@ -85,7 +87,7 @@ class MetricsHTTPServer(wsgiref.simple_server.WSGIServer):
         self._pool = ThreadPoolExecutor(HTTP_WORKERS, thread_name_prefix="capsnet-metrics")
 
     def process_request(self, request, client_address) -> None:
-        if not self._workers.acquire(timeout=HTTP_TIMEOUT_S):
+        if not self._workers.acquire(blocking=False):
             self.shutdown_request(request)
             return
         self._pool.submit(self._serve, request, client_address)
