@@ -65,7 +65,7 @@ class ServerConfig:
                                f"({self.max_queue_size}), so that gRPC does not cut calls the queue would take")
         for name in ("max_queue_delay_us", "threads", "drain_window_s", "grace_period_s"):
             if getattr(self, name) < 0:
-                raise CapsNetError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+                raise CapsNetError(f"--{name.removesuffix('_s').replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise CapsNetError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
