@@ -32,7 +32,7 @@ class ServerConfig:
     max_queue_size: int = 256  # requests waiting; beyond it: UNAVAILABLE "queue full"
     # Calls gRPC holds before the server's event loop takes them (its default, 1000 to 3000, cuts calls of a
     # burst with CANCELLED before the server sees them). Far above max_queue_size, so that under a burst the
-    # batcher's "queue full" answers the excess; every pending call costs gRPC a few KB.
+    # batcher's "queue full" answers the excess, which the server counts.
     max_pending_rpcs: int = 4096
     threads: int = 0  # backend intra-op threads; 0: one per CPU core available
     # Largest request or response. None: derived from the model, a full batch of its largest accepted

@@ -53,7 +53,7 @@ def decode_tensor(tensor: pb.Tensor, field: str, shape: tuple[int, int, int]) ->
     expected = math.prod(shape) * dtype.itemsize
     if len(tensor.data) != expected:
         raise InvalidInput(f"{field}.data: expected {expected} bytes for {pb.DataType.Name(tensor.dtype)} shape "
-                       f"{list(shape)}, got {len(tensor.data)}")
+                           f"{list(shape)}, got {len(tensor.data)}")
     values = np.frombuffer(tensor.data, dtype=dtype).reshape(shape)  # (C, H, W)
     if dtype == np.uint8:
         return values.astype(np.float32) / np.float32(255)
@@ -78,7 +78,7 @@ def decode_encoded(data: bytes, field: str, shape: tuple[int, int, int], max_sca
             converted = image.convert(PIL_MODES[channels])  # decodes
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         raise InvalidInput(f"{field}: cannot decode ({len(data)} bytes): expected a PNG or JPEG file "
-                       f"({type(err).__name__}: {err})") from None
+                           f"({type(err).__name__}: {err})") from None
     if converted.size != (width, height):
         converted = converted.resize((width, height), Image.Resampling.BILINEAR)
     pixels = np.asarray(converted, dtype=np.float32) / np.float32(255)  # (H, W) or (H, W, 3)

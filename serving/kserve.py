@@ -116,7 +116,7 @@ def _output_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 def _refuse_parameters(parameters, field: str) -> None:
     if parameters:
         raise InvalidInput(f"{field}.parameters: expected none (no shared memory or classification here), "
-                       f"got {', '.join(sorted(parameters))}")
+                           f"got {', '.join(sorted(parameters))}")
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def _raw_values(raw, dtype: np.dtype, count: int, datatype: str, shape: list[int
     expected = count * dtype.itemsize
     if len(raw[0]) != expected:
         raise InvalidInput(f"raw_input_contents[0]: expected {expected} bytes for {datatype} shape {shape} "
-                       f"({count} elements x {dtype.itemsize} bytes), got {len(raw[0])}")
+                           f"({count} elements x {dtype.itemsize} bytes), got {len(raw[0])}")
     return np.frombuffer(raw[0], dtype=dtype)
 
 
@@ -202,7 +202,7 @@ def _requested_outputs(request: pb.ModelInferRequest, spec: ModelSpec) -> list[s
         field = f"outputs[{index}]"
         if output.name not in spec.output_names:
             raise InvalidInput(f"{field}.name: unknown output {output.name!r}; expected one of "
-                           f"{', '.join(spec.output_names)}")
+                               f"{', '.join(spec.output_names)}")
         if output.name in names:
             raise InvalidInput(f"{field}.name: output {output.name!r} is requested more than once")
         _refuse_parameters(output.parameters, field)

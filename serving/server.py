@@ -119,8 +119,7 @@ class CapsNetServer:
         await self._health.enter_graceful_shutdown()
         self.service.ready = False
         await asyncio.sleep(self.config.drain_window_s)
-        refusing_since = time.monotonic()
-        self.service.refuse_new_requests()
+        refusing_since = self.service.refuse_new_requests()
         deadline = refusing_since + self.config.grace_period_s
         while self._interceptor.busy_before(refusing_since) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)

@@ -100,10 +100,12 @@ class InferenceService:
         log.info("warmed up batch sizes %s in %.2f s", sizes, time.monotonic() - started)
         self._warmed_up = self.ready = True
 
-    def refuse_new_requests(self) -> None:
-        """Shutting down: requests that arrive from now on are refused; those that arrived before are answered."""
+    def refuse_new_requests(self) -> float:
+        """Shutting down: requests that arrive from now on (the time.monotonic() returned) are refused; those
+        that arrived before are answered."""
         self.ready = False
         self._refusing_since = time.monotonic()
+        return self._refusing_since
 
     async def close(self) -> None:
         """Refuse new requests, finish the queued ones."""
