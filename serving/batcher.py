@@ -17,11 +17,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import grpc
 import numpy as np
 
 from capsnet.serving.backends.base import Backend
-from capsnet.serving.errors import ServingError
+from capsnet.serving.errors import DeadlineExceeded, InferenceError, QueueFull
 from capsnet.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -71,9 +70,8 @@ class Batcher:
     async def submit(self, images: np.ndarray, deadline: float | None = None) -> BatchOutput:
         """Queue validated images (N <= max_batch_size) and wait for their outputs."""
         if len(self._queue) >= self.config.max_queue_size:
-            raise ServingError(grpc.StatusCode.UNAVAILABLE,
-                               f"queue full: {len(self._queue)} requests are waiting (--max-queue-size "
-                               f"{self.config.max_queue_size}); retry later or on another replica")
+            raise QueueFull(f"queue full: {len(self._queue)} requests are waiting (--max-queue-size "
+                            f"{self.config.max_queue_size}); retry later or on another replica")
         request = _Request(images, deadline, asyncio.get_running_loop().create_future())
         self._queue.append(request)
         self._queued_images += len(images)
@@ -83,7 +81,7 @@ class Batcher:
             return await asyncio.wait_for(request.future, timeout)
         except asyncio.TimeoutError:  # an alias of TimeoutError only from Python 3.11
             self._drop(request, "deadline")
-            raise ServingError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded while waiting for the model") from None
+            raise DeadlineExceeded("deadline exceeded while waiting for the model") from None
         except asyncio.CancelledError:
             self._drop(request, "cancelled")
             raise
@@ -172,11 +170,11 @@ class Batcher:
             self._deliver(parts, outputs, elapsed)
         except Exception as err:  # the batch's requests fail; the scheduler, and the server, carry on
             log.exception("backend %s failed on a batch of %d", self.backend.name, len(images))
-            error = ServingError(grpc.StatusCode.INTERNAL, f"the {self.backend.name} backend failed: {err}")
+            message = f"the {self.backend.name} backend failed: {err}"
             for request, _, _ in parts:
                 self._remove(request)  # the rest of a split request is not run either
                 if not request.future.done():
-                    request.future.set_exception(error)
+                    request.future.set_exception(InferenceError(message))
             return
         self.metrics.compute.observe(elapsed)
         self.metrics.batch_size.observe(len(images))

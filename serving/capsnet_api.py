@@ -1,4 +1,7 @@
-"""`capsnet.v1.CapsNetService`: our API, a thin layer over the shared request path."""
+"""`capsnet.v1.CapsNetService`: our API, a thin layer over the shared request path.
+
+Errors are raised as `serving/errors.py` kinds; the interceptor turns them into gRPC statuses.
+"""
 
 from __future__ import annotations
 
@@ -10,27 +13,26 @@ import numpy as np
 from google.protobuf.duration_pb2 import Duration
 
 from capsnet.cpu import CpuKind
+from capsnet.serving.errors import InvalidInput
 from capsnet.serving.images import decode_images
-from capsnet.serving.service import InferenceResult, InferenceService, ServingError
+from capsnet.serving.service import InferenceResult, InferenceService
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CapsNetService"].full_name
 
 
-def add_to_server(server: grpc.aio.Server, service: InferenceService) -> None:
-    pb_grpc.add_CapsNetServiceServicer_to_server(CapsNetServicer(service), server)
+def add_to_server(server: grpc.aio.Server, service: InferenceService, max_image_scale: int) -> None:
+    pb_grpc.add_CapsNetServiceServicer_to_server(CapsNetServicer(service, max_image_scale), server)
 
 
 class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
-    def __init__(self, service: InferenceService):
+    def __init__(self, service: InferenceService, max_image_scale: int):
         self.service = service
+        self.max_image_scale = max_image_scale
 
     async def Classify(self, request, context):
-        try:
-            return await self._classify(request, context)
-        except ServingError as err:
-            await context.abort(err.code, err.message)
+        return await self._classify(request, context, time.monotonic())
 
     async def ClassifyStream(self, request_iterator, context):
         # Requests are classified concurrently (so they batch together) and answered in order; at most
@@ -42,17 +44,18 @@ class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
             try:
                 async for request in request_iterator:
                     await slots.acquire()
-                    pending.put_nowait(asyncio.create_task(self._classify(request, context)))
+                    pending.put_nowait(asyncio.create_task(self._classify(request, context, time.monotonic())))
+            except InvalidInput as err:  # an unparseable message: ends the stream after the earlier answers
+                failed = asyncio.get_running_loop().create_future()
+                failed.set_exception(err)
+                pending.put_nowait(failed)
             finally:
                 pending.put_nowait(None)  # end of the requests
 
         reader = asyncio.create_task(read())
         try:
             while (task := await pending.get()) is not None:
-                try:
-                    response = await task
-                except ServingError as err:
-                    await context.abort(err.code, err.message)
+                response = await task  # a ServingError ends the stream with its status (the interceptor's)
                 slots.release()
                 yield response
         finally:
@@ -83,22 +86,21 @@ class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
             choice=spec.choice,
         )
 
-    async def _classify(self, request: pb.ClassifyRequest, context) -> pb.ClassifyResponse:
-        started = time.monotonic()
+    async def _classify(self, request: pb.ClassifyRequest, context, started: float) -> pb.ClassifyResponse:
         spec = self.service.spec
         if request.top_k > len(spec.class_names):
-            raise ServingError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"top_k: expected 0 to {len(spec.class_names)} (the number of classes), got {request.top_k}")
+            raise InvalidInput(f"top_k: expected 0 to {len(spec.class_names)} (the number of classes), got {request.top_k}")
+        self.service.check_arrival(started)
         self.service.check_batch_size(len(request.images), "images")
         if any(image.WhichOneof("data") == "encoded" for image in request.images):
             # PNG/JPEG decoding can take milliseconds: off the event loop.
-            images = await asyncio.to_thread(decode_images, request.images, spec.input_shape)
+            images = await asyncio.to_thread(decode_images, request.images, spec.input_shape, self.max_image_scale)
         else:
-            images = decode_images(request.images, spec.input_shape)
-        images = self.service.validate_images(images, "images")
+            images = decode_images(request.images, spec.input_shape, self.max_image_scale)
         remaining = context.time_remaining()
-        result = await self.service.infer(images, reconstruction=request.include_reconstruction,
-                                          deadline=None if remaining is None else time.monotonic() + remaining)
+        result = await self.service.infer(images, field="images", reconstruction=request.include_reconstruction,
+                                          deadline=None if remaining is None else time.monotonic() + remaining,
+                                          arrival=started)
         return self._response(request, result, started)
 
     def _response(self, request: pb.ClassifyRequest, result: InferenceResult, started: float) -> pb.ClassifyResponse:

@@ -37,14 +37,25 @@ def register(subparsers) -> None:
                        help=f"how long a request may wait for batch-mates, in µs (default {defaults['max_queue_delay_us']})")
     serve.add_argument("--max-queue-size", type=int, metavar="N",
                        help=f"requests that may wait; more get UNAVAILABLE 'queue full' (default {defaults['max_queue_size']})")
+    serve.add_argument("--max-pending-rpcs", type=int, metavar="N",
+                       help="calls gRPC may hold before the server takes them; more are cut by gRPC with CANCELLED "
+                            f"(default {defaults['max_pending_rpcs']}; at least --max-queue-size)")
     serve.add_argument("--threads", type=int, metavar="N", help="backend threads (default 0: one per CPU core available)")
     serve.add_argument("--max-message-bytes", type=int, metavar="BYTES",
-                       help=f"largest request or response, bytes (default {defaults['max_message_bytes']})")
+                       help="largest request or response, bytes (default: a full batch of the largest images the "
+                            "model accepts, about 1.7 MB for 28x28 grey and batch 32)")
+    serve.add_argument("--max-image-scale", type=int, metavar="K",
+                       help="encoded images may be at most K times the model's height and width "
+                            f"(default {defaults['max_image_scale']})")
     serve.add_argument("--tls-cert", metavar="PEM", help="server certificate (enables TLS; with --tls-key)")
     serve.add_argument("--tls-key", metavar="PEM", help="server private key")
     serve.add_argument("--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA (mutual TLS)")
+    serve.add_argument("--drain-window", dest="drain_window_s", type=float, metavar="SECONDS",
+                       help="on SIGTERM, seconds health says NOT_SERVING while requests are still served, so load "
+                            f"balancers stop sending first (default {defaults['drain_window_s']:g})")
     serve.add_argument("--grace-period", dest="grace_period_s", type=float, metavar="SECONDS",
-                       help=f"seconds in-flight requests get on SIGTERM (default {defaults['grace_period_s']:g})")
+                       help="seconds requests in flight get to finish after the drain window "
+                            f"(default {defaults['grace_period_s']:g})")
     serve.set_defaults(handler=run_serve)
 
     predict = subparsers.add_parser("predict", help="classify image files with a running server",
@@ -86,7 +97,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from capsnet.serving.server import serve
 
     names = ("model_dir host grpc_port metrics_port backend precision gpu max_batch_size max_queue_delay_us max_queue_size "
-             "threads max_message_bytes tls_cert tls_key tls_client_ca grace_period_s").split()
+             "max_pending_rpcs threads max_message_bytes max_image_scale tls_cert tls_key tls_client_ca drain_window_s "
+             "grace_period_s").split()
     config = ServerConfig.from_sources({name: getattr(args, name) for name in names})
     return asyncio.run(serve(config))
 

@@ -32,15 +32,24 @@ class ServerConfig:
     # requests that queue while the previous batch computes, and a lone request never waits.
     max_queue_delay_us: int = 0
     max_queue_size: int = 256  # requests waiting; beyond it: UNAVAILABLE "queue full"
+    # Calls gRPC holds before the server's event loop takes them (its default, 1000 to 3000, cuts calls of a
+    # burst with CANCELLED before the server sees them). Far above max_queue_size, so that under a burst the
+    # batcher's "queue full" answers the excess, which the server counts.
+    max_pending_rpcs: int = 4096
     threads: int = 0  # backend intra-op threads; 0: one per CPU core available
-    # 16 MiB holds a full batch of 3x224x224 float32 tensors or of multi-megabyte JPEGs, while
-    # bounding the memory one request can take (the gRPC default, 4 MiB, is the only limit otherwise).
-    max_message_bytes: int = 16 * 1024 * 1024
+    # Largest request or response. None: derived from the model, a full batch of its largest accepted
+    # images (serving/server.py: message_limit), so a request cannot make the server hold much more.
+    max_message_bytes: int | None = None
+    # Encoded images may be at most this many times the model's height and width (refused from the header).
+    max_image_scale: int = 8
     # TLS: server certificate and key; with tls_client_ca, clients must present a certificate it signed.
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
-    grace_period_s: float = 10.0  # on SIGTERM, how long in-flight requests may take to finish
+    # On SIGTERM: health turns NOT_SERVING and requests are still served for drain_window_s, so load
+    # balancers stop sending first; then new requests get UNAVAILABLE and in-flight ones grace_period_s.
+    drain_window_s: float = 1.0
+    grace_period_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -50,12 +59,15 @@ class ServerConfig:
         for name in ("grpc_port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise CapsNetError(f"{name.replace('_', '-')} must be in 0..65535 (0: any free port), got {getattr(self, name)}")
-        for name in ("max_batch_size", "max_queue_size", "max_message_bytes"):
-            if getattr(self, name) < 1:
+        for name in ("max_batch_size", "max_queue_size", "max_pending_rpcs", "max_message_bytes", "max_image_scale"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise CapsNetError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queue_delay_us", "threads", "grace_period_s", "gpu"):
+        if self.max_pending_rpcs < self.max_queue_size:
+            raise CapsNetError(f"--max-pending-rpcs ({self.max_pending_rpcs}) must be >= --max-queue-size "
+                               f"({self.max_queue_size}), so that gRPC does not cut calls the queue would take")
+        for name in ("max_queue_delay_us", "threads", "drain_window_s", "grace_period_s", "gpu"):
             if getattr(self, name) < 0:
-                raise CapsNetError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+                raise CapsNetError(f"--{name.removesuffix('_s').replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise CapsNetError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:

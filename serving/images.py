@@ -5,36 +5,41 @@ from __future__ import annotations
 import io
 import math
 
-import grpc
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from capsnet.serving.errors import ServingError
+from capsnet.serving.errors import InvalidInput
 from capsnet.v1 import capsnet_pb2 as pb
 
-# Encoded images larger than this are refused before their pixels are decoded: a small PNG can
-# declare a huge canvas ("decompression bomb"); 4096x4096 is far beyond any CapsNet input.
-MAX_ENCODED_PIXELS = 4096 * 4096
 PIL_MODES = {1: "L", 3: "RGB"}  # model channels -> the PIL mode encoded images are converted to
 TENSOR_DTYPES = {pb.DATA_TYPE_UINT8: np.dtype("u1"), pb.DATA_TYPE_FLOAT32: np.dtype("<f4")}
+# A PNG file: 8-byte signature, then the IHDR chunk (length, type, width, height, bit depth, ...).
+PNG_BIT_DEPTH_OFFSET = 24
 
 
-def _invalid(message: str) -> ServingError:
-    return ServingError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def max_encoded_bytes(shape: tuple[int, int, int], max_scale: int) -> int:
+    """What the message limit budgets for one encoded image: the largest accepted canvas as 8-bit pixels of
+    the model's channels, uncompressed (a PNG stored without compression; real images compress well below)."""
+    channels, height, width = shape
+    return (max_scale * height) * (max_scale * width * channels + 1)  # + 1: PNG's filter byte per row
 
 
-def decode_images(images, shape: tuple[int, int, int]) -> np.ndarray:
-    """Repeated `Image` -> (N, C, H, W) float32; values are checked later, by the service."""
+def decode_images(images, shape: tuple[int, int, int], max_scale: int) -> np.ndarray:
+    """Repeated `Image` -> (N, C, H, W) float32; values are checked later, by the service.
+
+    Encoded images may be at most `max_scale` times the model's height and width: the header says
+    so before any pixel is decoded, so a small file declaring a huge canvas costs nothing.
+    """
     batch = np.empty((len(images), *shape), dtype=np.float32)  # (N, C, H, W)
     for index, image in enumerate(images):
         field = f"images[{index}]"
         kind = image.WhichOneof("data")
         if kind == "encoded":
-            batch[index] = decode_encoded(image.encoded, f"{field}.encoded", shape)
+            batch[index] = decode_encoded(image.encoded, f"{field}.encoded", shape, max_scale)
         elif kind == "tensor":
             batch[index] = decode_tensor(image.tensor, f"{field}.tensor", shape)
         else:
-            raise _invalid(f"{field}: no data; expected encoded (PNG/JPEG bytes) or tensor")
+            raise InvalidInput(f"{field}: no data; expected encoded (PNG/JPEG bytes) or tensor")
     return batch
 
 
@@ -42,36 +47,38 @@ def decode_tensor(tensor: pb.Tensor, field: str, shape: tuple[int, int, int]) ->
     dtype = TENSOR_DTYPES.get(tensor.dtype)
     if dtype is None:
         got = pb.DataType.Name(tensor.dtype) if tensor.dtype in pb.DataType.values() else str(tensor.dtype)
-        raise _invalid(f"{field}.dtype: expected DATA_TYPE_UINT8 or DATA_TYPE_FLOAT32, got {got}")
+        raise InvalidInput(f"{field}.dtype: expected DATA_TYPE_UINT8 or DATA_TYPE_FLOAT32, got {got}")
     if tuple(tensor.shape) != shape:
-        raise _invalid(f"{field}.shape: expected {list(shape)} (the model's C, H, W), got {list(tensor.shape)}")
+        raise InvalidInput(f"{field}.shape: expected {list(shape)} (the model's C, H, W), got {list(tensor.shape)}")
     expected = math.prod(shape) * dtype.itemsize
     if len(tensor.data) != expected:
-        raise _invalid(f"{field}.data: expected {expected} bytes for {pb.DataType.Name(tensor.dtype)} shape "
-                       f"{list(shape)}, got {len(tensor.data)}")
+        raise InvalidInput(f"{field}.data: expected {expected} bytes for {pb.DataType.Name(tensor.dtype)} shape "
+                           f"{list(shape)}, got {len(tensor.data)}")
     values = np.frombuffer(tensor.data, dtype=dtype).reshape(shape)  # (C, H, W)
     if dtype == np.uint8:
         return values.astype(np.float32) / np.float32(255)
     return values
 
 
-def decode_encoded(data: bytes, field: str, shape: tuple[int, int, int]) -> np.ndarray:
+def decode_encoded(data: bytes, field: str, shape: tuple[int, int, int], max_scale: int) -> np.ndarray:
     """PNG/JPEG -> the model's channels (L or RGB) -> resized to H x W (bilinear) -> [0, 1]."""
     channels, height, width = shape
     if channels not in PIL_MODES:
-        raise _invalid(f"{field}: the model takes {channels}-channel input; send it as a tensor")
+        raise InvalidInput(f"{field}: the model takes {channels}-channel input; send it as a tensor")
     try:
-        with Image.open(io.BytesIO(data), formats=["PNG", "JPEG"]) as image:
-            if image.width * image.height > MAX_ENCODED_PIXELS:
-                raise _invalid(f"{field}: a {image.width}x{image.height} image is too large; "
-                               f"expected at most {MAX_ENCODED_PIXELS} pixels")
-            if image.mode.startswith(("I", "F")):  # PIL would clip these to 0..255, not scale them
-                raise _invalid(f"{field}: {image.mode} pixels (16-bit or float PNG); expected 8-bit PNG or JPEG, "
-                               "or send a float32 tensor")
+        with Image.open(io.BytesIO(data), formats=["PNG", "JPEG"]) as image:  # reads the header only
+            if image.width > max_scale * width or image.height > max_scale * height:
+                raise InvalidInput(f"{field}: a {image.width}x{image.height} image is too large; expected at most "
+                                   f"{max_scale * width}x{max_scale * height} ({max_scale}x the model's "
+                                   f"{width}x{height}, --max-image-scale)")
+            if image.format == "PNG" and data[PNG_BIT_DEPTH_OFFSET] == 16:
+                # PIL would cut 16-bit RGB to 8 bits and clip 16-bit grey to 0..255, not scale them
+                raise InvalidInput(f"{field}: a 16-bit PNG; expected an 8-bit PNG or a JPEG, "
+                                   "or send the pixels as a float32 tensor")
             converted = image.convert(PIL_MODES[channels])  # decodes
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise _invalid(f"{field}: cannot decode ({len(data)} bytes): expected a PNG or JPEG file "
-                       f"({type(err).__name__}: {err})") from None
+        raise InvalidInput(f"{field}: cannot decode ({len(data)} bytes): expected a PNG or JPEG file "
+                           f"({type(err).__name__}: {err})") from None
     if converted.size != (width, height):
         converted = converted.resize((width, height), Image.Resampling.BILINEAR)
     pixels = np.asarray(converted, dtype=np.float32) / np.float32(255)  # (H, W) or (H, W, 3)

@@ -1,29 +1,33 @@
 """Prometheus metrics of the server, in their own registry, served over HTTP on the metrics port.
 
-Request counts and latencies are recorded for every RPC by a gRPC interceptor (our API, KServe,
-health and reflection alike); queue wait, compute time, batch sizes and images inside the batcher.
+Request counts and latencies are recorded for every RPC by the gRPC interceptor (`serving/interceptor.py`:
+our API, KServe, health and reflection alike); queue wait, compute time, batch sizes and images inside
+the batcher. /metrics is prometheus-client's WSGI app behind a server with a few threads and socket
+timeouts, so idle or slow connections cannot pile up threads; it is meant for Prometheus on a private
+network, never for the internet.
 """
 
 from __future__ import annotations
 
-import inspect
-import time
+import logging
+import socket
+import threading
+import wsgiref.simple_server
+from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 from prometheus_client import (
     GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge, Histogram,
-    disable_created_metrics, start_http_server,
+    disable_created_metrics, make_wsgi_app,
 )
+
+log = logging.getLogger(__name__)
 
 # 100 µs (a tiny model's batch on a GPU) to 10 s (a deep queue on a CPU), about 2.5x apart.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-# short `api` label values of the services the server hosts
-API_NAMES = {
-    "capsnet.v1.CapsNetService": "capsnet",
-    "inference.GRPCInferenceService": "kserve",
-    "grpc.health.v1.Health": "health",
-    "grpc.reflection.v1alpha.ServerReflection": "reflection",
-}
+# /metrics: connections served at once (a scrape takes about a millisecond; more connections are closed at
+# once), and how long one may stay silent (its request unsent, or its answer unread) before it is closed.
+HTTP_WORKERS = 8
+HTTP_TIMEOUT_S = 3.0
 
 
 class Metrics:
@@ -54,7 +58,6 @@ class Metrics:
                                ["reason"], registry=registry)
         self.model_info = Gauge("capsnet_model_info", "The served model (value 1)",
                                 ["model", "version", "backend", "precision", "routing_iterations"], registry=registry)
-
         self.self_check_agreement = Gauge(
             "capsnet_self_check_argmax_agreement_ratio",
             "Share of the export's reference images the served backend gives the FP32 reference's class (at startup)",
@@ -68,72 +71,52 @@ class Metrics:
         for output, diff in check.max_abs_diff.items():
             self.self_check_diff.labels(output).set(diff)
 
-    def interceptor(self) -> grpc.aio.ServerInterceptor:
-        return _RequestMetricsInterceptor(self)
-
-    def serve_http(self, host: str, port: int):
+    def serve_http(self, host: str, port: int) -> "MetricsHTTPServer":
         """Start /metrics on a daemon thread; returns the HTTP server (its bound port: server.server_port)."""
-        httpd, _ = start_http_server(port, addr=host, registry=self.registry)
+        httpd = MetricsHTTPServer((host, port), make_wsgi_app(self.registry))
+        threading.Thread(target=httpd.serve_forever, daemon=True, name="capsnet-metrics-accept").start()
         return httpd
 
 
-class _RequestMetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every method handler to count the RPC by its final status and time it."""
+class _QuietHandler(wsgiref.simple_server.WSGIRequestHandler):
+    timeout = HTTP_TIMEOUT_S  # socketserver sets it on each connection: a silent client is dropped
 
-    def __init__(self, metrics: Metrics):
-        self.metrics = metrics
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED itself
-            return None
-        service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
-        api = API_NAMES.get(service, service)
-        kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
-        return handler._replace(**{kind: self._wrap(getattr(handler, kind), api, method)})
-
-    def _wrap(self, behavior, api: str, method: str):
-        metrics = self.metrics
-
-        def start(context) -> list:
-            started = time.perf_counter()
-            failure: list = []  # an exception that escaped the handler: gRPC answers UNKNOWN
-            metrics.inflight.inc()
-
-            def finish(context) -> None:
-                metrics.inflight.dec()
-                metrics.requests.labels(api, method, _code_name(context, failure)).inc()
-                metrics.request_duration.labels(api, method).observe(time.perf_counter() - started)
-
-            context.add_done_callback(finish)
-            return failure
-
-        # gRPC tells handler kinds apart by their function type, so the wrapper keeps it.
-        if inspect.isasyncgenfunction(behavior):
-            async def wrapped(request, context):
-                failure = start(context)
-                try:
-                    async for response in behavior(request, context):
-                        yield response
-                except Exception as err:
-                    failure.append(err)
-                    raise
-        else:
-            async def wrapped(request, context):
-                failure = start(context)
-                try:
-                    return await behavior(request, context)
-                except Exception as err:
-                    failure.append(err)
-                    raise
-        return wrapped
+    def log_message(self, format, *args) -> None:  # a scrape every few seconds: no access log
+        pass
 
 
-def _code_name(context, failure: list) -> str:
-    code = context.code()
-    if code is not None:
-        return code.name
-    if context.cancelled():
-        remaining = context.time_remaining()
-        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
-    return "UNKNOWN" if failure else "OK"
+class MetricsHTTPServer(wsgiref.simple_server.WSGIServer):
+    """At most HTTP_WORKERS connections are served at once, each for at most HTTP_TIMEOUT_S of silence;
+    a connection beyond them is closed at once, so neither threads nor sockets pile up."""
+
+    request_queue_size = 64  # the listen backlog: connections the kernel completes before they are accepted
+
+    def __init__(self, address: tuple[str, int], app):
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        super().__init__(address, _QuietHandler)
+        self.set_app(app)
+        self._workers = threading.BoundedSemaphore(HTTP_WORKERS)
+        self._pool = ThreadPoolExecutor(HTTP_WORKERS, thread_name_prefix="capsnet-metrics")
+
+    def process_request(self, request, client_address) -> None:
+        if not self._workers.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        self._pool.submit(self._serve, request, client_address)
+
+    def _serve(self, request, client_address) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except OSError:  # timed out or reset by the client: nothing to answer
+            pass
+        except Exception:
+            log.exception("/metrics failed for %s", client_address[0])
+        finally:
+            self.shutdown_request(request)
+            self._workers.release()
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+

@@ -1,16 +1,21 @@
 """The gRPC server: our API, KServe v2, health and reflection on one port; Prometheus on another.
 
 Startup: load and check the model, listen with health NOT_SERVING, warm up, then SERVING.
-Shutdown (SIGTERM/SIGINT): NOT_SERVING, refuse new requests, let in-flight ones finish within the
-grace period, drain the batcher, exit 0.
+Shutdown (SIGTERM/SIGINT), the pattern of Kubernetes' preStop delay: health NOT_SERVING at once, yet
+requests are still served for the drain window, so load balancers stop sending first; then requests
+that arrive get UNAVAILABLE while those that arrived before finish (up to the grace period), and only
+when none is left does gRPC stop. gRPC cancels calls it holds when it stops, so stopping it while
+calls still arrive would answer them CANCELLED; the server's own refusal keeps taking them meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import sys
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,8 +25,10 @@ from capsnet.errors import CapsNetError
 from capsnet.kserve import reflection_pool
 from capsnet.serving import capsnet_api, kserve
 from capsnet.serving.config import ServerConfig
+from capsnet.serving.images import max_encoded_bytes
+from capsnet.serving.interceptor import RequestInterceptor
 from capsnet.serving.metrics import Metrics
-from capsnet.serving.service import InferenceService
+from capsnet.serving.service import InferenceService, ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +36,26 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # What the health service answers for: "" (the whole server) and each API.
 HEALTH_SERVICES = ("", capsnet_api.SERVICE_NAME, kserve.SERVICE_NAME)
+# Per image, besides its pixels: protobuf framing and the fields around them. Per message: the rest.
+IMAGE_OVERHEAD_BYTES = 1024
+MESSAGE_OVERHEAD_BYTES = 64 * 1024
+# During shutdown, after the last request that arrived before the refusals has ended, gRPC is stopped
+# this much later: time for the event loop to take (and refuse) the calls gRPC still holds.
+SETTLE_S = 0.1
+# Then what is left are quick calls (refusals, metadata) and health Watch streams, which gRPC clients with
+# client-side health checking keep open: gRPC cancels them after this, not after the whole grace period.
+STOP_GRACE_S = 1.0
+
+
+def message_limit(spec: ModelSpec, max_image_scale: int) -> int:
+    """The default --max-message-bytes: a full batch of the largest accepted images, as float32 tensors or
+    encoded (max_encoded_bytes), or of their float32 outputs, whichever is largest, with framing."""
+    channels, height, width = spec.input_shape
+    output_values = sum(math.prod(shape) for shape in spec.output_shapes.values())
+    per_image = max(4 * channels * height * width,  # float32 tensor (KServe FP32 raw or typed, our tensor)
+                    max_encoded_bytes(spec.input_shape, max_image_scale),
+                    4 * output_values)  # float32 outputs
+    return spec.max_batch_size * (per_image + IMAGE_OVERHEAD_BYTES) + MESSAGE_OVERHEAD_BYTES
 
 
 class CapsNetServer:
@@ -36,9 +63,11 @@ class CapsNetServer:
         self.config = config
         self.metrics = Metrics(config.max_batch_size)
         self.service: InferenceService | None = None
+        self.max_message_bytes: int | None = None  # config's, or derived from the model at start()
         self.grpc_port: int | None = None  # bound ports, known after start() (the config may say 0)
         self.metrics_port: int | None = None
         self._grpc: grpc.aio.Server | None = None
+        self._interceptor: RequestInterceptor | None = None
         self._health = health.aio.HealthServicer()
         self._metrics_http = None
 
@@ -46,14 +75,20 @@ class CapsNetServer:
         """Load, listen, warm up. CapsNetError when the model, a port or a TLS file is unusable."""
         config = self.config
         self.service = InferenceService.load(config, self.metrics)
+        self.max_message_bytes = config.max_message_bytes or message_limit(self.service.spec, config.max_image_scale)
+        self._interceptor = RequestInterceptor(self.metrics, self.max_message_bytes)
         self._grpc = grpc.aio.server(
-            interceptors=[self.metrics.interceptor()],
-            options=[("grpc.max_receive_message_length", config.max_message_bytes),
-                     ("grpc.max_send_message_length", config.max_message_bytes),
+            interceptors=[self._interceptor],
+            options=[("grpc.max_receive_message_length", self.max_message_bytes),
+                     ("grpc.max_send_message_length", self.max_message_bytes),
+                     # Calls gRPC holds until the event loop takes them; past the soft limit gRPC would cut
+                     # some at random, past the hard one all, with CANCELLED: one limit, well above the queue.
+                     ("grpc.server.max_pending_requests", config.max_pending_rpcs),
+                     ("grpc.server.max_pending_requests_hard_limit", config.max_pending_rpcs),
                      # A port already taken is an error, not silently shared with another server.
                      ("grpc.so_reuseport", 0)],
         )
-        capsnet_api.add_to_server(self._grpc, self.service)
+        capsnet_api.add_to_server(self._grpc, self.service, config.max_image_scale)
         kserve.add_to_server(self._grpc, self.service)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(  # kserve's `inference` files live in a pool of their own
@@ -83,10 +118,16 @@ class CapsNetServer:
             await self._health.set(name, SERVING)
 
     async def stop(self) -> None:
-        """Graceful: in-flight requests get up to grace_period_s, then are cancelled."""
+        """Drain (see the module's docstring); requests still running after the grace period are cancelled."""
         await self._health.enter_graceful_shutdown()
         self.service.ready = False
-        await self._grpc.stop(self.config.grace_period_s)
+        await asyncio.sleep(self.config.drain_window_s)
+        refusing_since = self.service.refuse_new_requests()
+        deadline = refusing_since + self.config.grace_period_s
+        while self._interceptor.busy_before(refusing_since) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(SETTLE_S)
+        await self._grpc.stop(min(STOP_GRACE_S, max(0.0, deadline - time.monotonic())))
         await self.service.close()
         self._metrics_http.shutdown()
         self._metrics_http.server_close()

@@ -1,7 +1,8 @@
 """The one request path both APIs share (docs/artifacts.md): validate images, infer through the batcher.
 
-Servicers stay thin: they parse their protocol's message into a float32 (N, C, H, W) array, call
-`validate_images` and `await infer`, and answer a `ServingError` with its status and message.
+Servicers stay thin: they parse their protocol's message into a float32 (N, C, H, W) array and
+`await infer`, which validates it. Errors are the transport-neutral ones of `serving/errors.py`;
+the gRPC layer maps them to status codes.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 
 from capsnet.model_description import ModelDescription
@@ -20,11 +20,9 @@ from capsnet.serving.backends import load_backend
 from capsnet.serving.backends.base import Backend
 from capsnet.serving.batcher import Batcher, BatcherConfig
 from capsnet.serving.config import ServerConfig
-from capsnet.serving.errors import ServingError
+from capsnet.serving.errors import InvalidInput, ServerNotReady
 from capsnet.serving.metrics import Metrics
 from capsnet.serving.self_check import SelfCheck
-
-__all__ = ["InferenceResult", "InferenceService", "ModelSpec", "ServingError"]
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +56,9 @@ class InferenceService:
         self.spec = spec
         self.backend = backend
         self.batcher = batcher
-        self.ready = False  # True once warmed up; False again while draining
+        self.ready = False  # what readiness checks report: warmed up and not shutting down
+        self._warmed_up = False
+        self._refusing_since: float | None = None  # time.monotonic() from which new requests are refused
 
     @classmethod
     def load(cls, config: ServerConfig, metrics: Metrics) -> "InferenceService":
@@ -94,53 +94,73 @@ class InferenceService:
         sizes = sorted({2 ** i for i in range(limit.bit_length())} | {limit})
         await asyncio.to_thread(self.backend.warmup, sizes, self.spec.input_shape)
         log.info("warmed up batch sizes %s in %.2f s", sizes, time.monotonic() - started)
-        self.ready = True
+        self._warmed_up = self.ready = True
+
+    def refuse_new_requests(self) -> float:
+        """Shutting down: requests that arrive from now on (the time.monotonic() returned) are refused; those
+        that arrived before are answered."""
+        self.ready = False
+        self._refusing_since = time.monotonic()
+        return self._refusing_since
 
     async def close(self) -> None:
         """Refuse new requests, finish the queued ones."""
-        self.ready = False
+        if self._refusing_since is None:
+            self.refuse_new_requests()
         await self.batcher.drain()
         self.backend.close()
 
     def check_batch_size(self, count: int, field: str) -> None:
         """Servicers call it before decoding anything, so an oversized batch costs no decoding."""
         if count == 0:
-            raise _invalid(f"{field}: empty batch; expected 1 to {self.spec.max_batch_size} images")
+            raise InvalidInput(f"{field}: empty batch; expected 1 to {self.spec.max_batch_size} images")
         if count > self.spec.max_batch_size:
-            raise _invalid(f"{field}: {count} images exceed the maximum of {self.spec.max_batch_size} per request; "
-                           "split them over several requests")
+            raise InvalidInput(f"{field}: {count} images exceed the maximum of {self.spec.max_batch_size} per request; "
+                               "split them over several requests")
 
     def validate_images(self, images: np.ndarray, field: str) -> np.ndarray:
         spec = self.spec
         expected = f"[N, {', '.join(map(str, spec.input_shape))}]"
         if images.dtype != np.float32:
-            raise _invalid(f"{field}: expected float32 values, got {images.dtype}")
+            raise InvalidInput(f"{field}: expected float32 values, got {images.dtype}")
         if images.ndim != 4:
-            raise _invalid(f"{field}: expected shape {expected}, got {list(images.shape)}")
+            raise InvalidInput(f"{field}: expected shape {expected}, got {list(images.shape)}")
         count = images.shape[0]
         self.check_batch_size(count, field)
         if images.shape[1:] != spec.input_shape:
-            raise _invalid(f"{field}: expected shape {expected}, got {list(images.shape)}")
+            raise InvalidInput(f"{field}: expected shape {expected}, got {list(images.shape)}")
         if 0 <= images.min() and images.max() <= 1:  # the common case, in two reductions (False with NaN)
             return images
         rows = images.reshape(count, -1)  # (N, C*H*W)
         finite = np.isfinite(rows).all(axis=1)  # (N,)
         if not finite.all():
-            raise _invalid(f"{field}: image {int(np.argmin(finite))} contains NaN or Inf; expected finite values in [0, 1]")
+            raise InvalidInput(f"{field}: image {int(np.argmin(finite))} contains NaN or Inf; expected finite values in [0, 1]")
         in_range = ((rows >= 0) & (rows <= 1)).all(axis=1)  # (N,)
         if not in_range.all():
             index = int(np.argmin(in_range))
-            raise _invalid(f"{field}: image {index} has values in [{rows[index].min():g}, {rows[index].max():g}]; "
-                           "expected [0, 1] (divide 8-bit pixels by 255, or send them as uint8)")
+            raise InvalidInput(f"{field}: image {index} has values in [{rows[index].min():g}, {rows[index].max():g}]; "
+                               "expected [0, 1] (divide 8-bit pixels by 255, or send them as uint8)")
         return images
 
-    async def infer(self, images: np.ndarray, *, reconstruction: bool = False,
-                    deadline: float | None = None) -> InferenceResult:
-        if not self.ready:
-            raise ServingError(grpc.StatusCode.UNAVAILABLE, "the model is not ready (warming up or shutting down)")
+    def check_arrival(self, arrival: float) -> None:
+        """ServerNotReady for a request that arrived (time.monotonic()) while warming up or shutting down."""
+        if self._refusing_since is not None and arrival >= self._refusing_since:
+            raise ServerNotReady("the server is shutting down; retry on another replica")
+        if not self._warmed_up:
+            raise ServerNotReady("the model is not ready (warming up); retry shortly")
+
+    async def infer(self, images: np.ndarray, *, field: str = "images", reconstruction: bool = False,
+                    deadline: float | None = None, arrival: float | None = None) -> InferenceResult:
+        """Validate `images` (N, C, H, W) and infer them through the batcher.
+
+        `arrival` (time.monotonic()): when the request reached the server; one that arrived before the
+        shutdown began is answered even if it gets here after (it was decoding meanwhile).
+        """
+        self.check_arrival(time.monotonic() if arrival is None else arrival)
         if reconstruction and "reconstruction" not in self.spec.output_names:
-            raise _invalid("reconstruction: this model was exported without the reconstruction output "
-                           "(re-export with `capsnet export --reconstruction`)")
+            raise InvalidInput("reconstruction: this model was exported without the reconstruction output "
+                               "(re-export with `capsnet export --reconstruction`)")
+        images = self.validate_images(images, field)
         output = await self.batcher.submit(images, deadline)
         return InferenceResult(
             probabilities=output.outputs["probabilities"],
@@ -150,6 +170,3 @@ class InferenceService:
             compute_seconds=output.compute,
         )
 
-
-def _invalid(message: str) -> ServingError:
-    return ServingError(grpc.StatusCode.INVALID_ARGUMENT, message)

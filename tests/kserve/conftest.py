@@ -28,7 +28,7 @@ def kserve_model_dir(random_tiny_checkpoint, tmp_path_factory):
 def kserve_target(kserve_model_dir):
     """host:port of a started CapsNetServer, its event loop on a background thread."""
     config = ServerConfig(model_dir=kserve_model_dir, grpc_port=0, metrics_port=0, backend="onnxruntime",
-                          max_batch_size=MAX_BATCH_SIZE, threads=1, grace_period_s=1.0)
+                          max_batch_size=MAX_BATCH_SIZE, threads=1, drain_window_s=0.0, grace_period_s=1.0)
     server = CapsNetServer(config)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="kserve-test-server", daemon=True)

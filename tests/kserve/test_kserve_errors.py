@@ -129,6 +129,9 @@ CASES = [
     ("out-of-range", with_images(GOOD * 3), INVALID, ["inputs[0]", "[0, 1]"]),
     ("empty-batch", with_images(images(0, seed=0)), INVALID, ["inputs[0]", "empty"]),
     ("over-batch-limit", with_images(images(9, seed=0)), INVALID, ["inputs[0]", "9 images", "maximum of 8"]),
+    # The declared batch is refused before the contents (here one image's worth) are looked at.
+    ("over-batch-before-contents", set_shape([100000, 1, 28, 28]), INVALID,
+     ["inputs[0].shape[0]: 100000 images exceed the maximum of 8"]),
 ]
 
 

@@ -43,7 +43,7 @@ class ServerThread:
 
 def server_config(model_dir: Path, **overrides) -> ServerConfig:
     values = dict(model_dir=model_dir, grpc_port=0, metrics_port=0, max_batch_size=8, max_queue_delay_us=2000,
-                  threads=1, grace_period_s=5.0)
+                  threads=1, drain_window_s=0.0, grace_period_s=5.0)
     return ServerConfig(**{**values, **overrides})
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import struct
+import zlib
 
 import grpc
 import numpy as np
@@ -37,6 +39,16 @@ def png(width: int, height: int, mode: str = "L") -> bytes:
     return buffer.getvalue()
 
 
+def png_16bit_rgb(width: int, height: int) -> bytes:
+    """A valid 16-bit RGB PNG (Pillow cannot write one): signature, IHDR, IDAT, IEND."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = b"".join(b"\0" + bytes(range(256))[:6 * width].ljust(6 * width, b"\x80") for _ in range(height))
+    header = struct.pack(">IIBBBBB", width, height, 16, 2, 0, 0, 0)  # bit depth 16, colour type 2 (RGB)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+
+
 CASES = {
     "wrong shape": ([tensor(shape=(1, 27, 28))], "images[0].tensor.shape: expected [1, 28, 28] (the model's C, H, W), got [1, 27, 28]"),
     "wrong rank": ([tensor(shape=(28, 28))], "images[0].tensor.shape: expected [1, 28, 28]"),
@@ -50,7 +62,11 @@ CASES = {
     "undecodable": ([pb.Image(encoded=b"certainly not a PNG")], "images[0].encoded: cannot decode (19 bytes): expected a PNG or JPEG"),
     "truncated png": ([pb.Image(encoded=png(28, 28)[:40])], "images[0].encoded: cannot decode (40 bytes)"),
     "decompression bomb": ([pb.Image(encoded=png(5000, 5000))], "images[0].encoded: a 5000x5000 image is too large"),
-    "16-bit png": ([pb.Image(encoded=png(28, 28, "I;16"))], "images[0].encoded: I;16 pixels (16-bit or float PNG); expected 8-bit"),
+    "over 8x the model's size": ([pb.Image(encoded=png(225, 28))],
+                                 "images[0].encoded: a 225x28 image is too large; expected at most 224x224 "
+                                 "(8x the model's 28x28, --max-image-scale)"),
+    "16-bit grey png": ([pb.Image(encoded=png(28, 28, "I;16"))], "images[0].encoded: a 16-bit PNG; expected an 8-bit PNG"),
+    "16-bit rgb png": ([pb.Image(encoded=png_16bit_rgb(28, 28))], "images[0].encoded: a 16-bit PNG; expected an 8-bit PNG"),
     "no data": ([pb.Image()], "images[0]: no data; expected encoded (PNG/JPEG bytes) or tensor"),
     "empty batch": ([], "images: empty batch; expected 1 to 8 images"),
     "batch over limit": ([image_message(GOOD)] * 9, "images: 9 images exceed the maximum of 8 per request"),

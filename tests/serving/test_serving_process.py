@@ -55,9 +55,10 @@ def test_damaged_model_directory_is_a_clear_startup_error(model_dir, tmp_path, c
     assert code == 2 and len(errors) == 1 and message in errors[0], errors
 
 
-def test_sigterm_finishes_the_in_flight_request_and_exits_zero(model_dir):
-    # Batches wait 1.5 s for batch-mates, so the request is still in flight when SIGTERM arrives.
-    served = ServeProcess("--model", str(model_dir), "--max-queue-delay-us", "1500000", "--grace-period", "10")
+def test_sigterm_drains_health_first_then_refuses_and_finishes_in_flight(model_dir):
+    # Batches wait 1.5 s for batch-mates, so the first request is still in flight when SIGTERM arrives.
+    served = ServeProcess("--model", str(model_dir), "--max-queue-delay-us", "1500000", "--drain-window", "1",
+                          "--grace-period", "10")
     try:
         with grpc.insecure_channel(served.target) as channel:
             stub = capsnet_pb2_grpc.CapsNetServiceStub(channel)
@@ -71,10 +72,21 @@ def test_sigterm_finishes_the_in_flight_request_and_exits_zero(model_dir):
             served.process.send_signal(signal.SIGTERM)
             assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
             watch.cancel()
-            with pytest.raises(grpc.RpcError) as caught:
-                stub.Classify(request, timeout=10)
-            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            # Within the drain window a request is still served (balancers may not have noticed yet) ...
+            in_window = stub.Classify.future(request, timeout=60)
+            # ... after it, a new request is refused, while those that arrived before are answered.
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    stub.Classify(pb.ClassifyRequest(images=[image_message(IMAGE)], top_k=1), timeout=0.05)
+                except grpc.RpcError as err:
+                    if err.code() == grpc.StatusCode.UNAVAILABLE:
+                        assert err.details() == "the server is shutting down; retry on another replica"
+                        break
+                    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # queued behind the 1.5 s batch
+                assert time.monotonic() < deadline, "never refused"
             assert len(in_flight.result(timeout=30).results) == 1
+            assert len(in_window.result(timeout=30).results) == 1
         assert served.process.wait(timeout=30) == 0
         assert "capsnet serve: stopped" in served.process.stderr.read()
     finally:

@@ -1,0 +1,204 @@
+"""Where gRPC meets the core: every RPC passes this interceptor, and only here are errors gRPC-shaped.
+
+- The transport-neutral errors of `serving/errors.py` become gRPC statuses, in one table (STATUS_CODES).
+  The status is set on the context and the handler returns; no abort exception is kept, so a refused
+  request (and its message) is freed at once instead of living in an exception -> traceback -> frame cycle.
+- A request message that does not parse gets INVALID_ARGUMENT, logged at WARNING without a traceback
+  (gRPC itself would answer UNKNOWN with interpreter text and log an ERROR traceback).
+- A response over the message limit gets RESOURCE_EXHAUSTED with a message saying so (gRPC would fail the
+  send and the server would never know).
+- Every RPC is counted once by its real outcome: CANCELLED and DEADLINE_EXCEEDED when the client gave up,
+  and calls gRPC ended before the handler ran (a request over the message limit) as RESOURCE_EXHAUSTED.
+- The inference RPCs in flight are counted, so a shutdown can wait for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+import weakref
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from capsnet.serving.errors import (
+    DeadlineExceeded, InferenceError, InvalidInput, ModelNotFound, QueueFull, ServerNotReady, ServingError,
+)
+from capsnet.serving.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+STATUS_CODES: dict[type[ServingError], grpc.StatusCode] = {
+    InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
+    ModelNotFound: grpc.StatusCode.NOT_FOUND,
+    ServerNotReady: grpc.StatusCode.UNAVAILABLE,
+    QueueFull: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    InferenceError: grpc.StatusCode.INTERNAL,
+}
+# short `api` label values of the services the server hosts; anything else is counted as "unknown"
+API_NAMES = {
+    "capsnet.v1.CapsNetService": "capsnet",
+    "inference.GRPCInferenceService": "kserve",
+    "grpc.health.v1.Health": "health",
+    "grpc.reflection.v1alpha.ServerReflection": "reflection",
+}
+# Health watches live as long as their client wants: a shutdown does not wait for them.
+_NOT_WAITED_FOR = {"health"}
+
+
+class _Unparseable:
+    """What the guarded deserializer returns for bytes that are not the request message."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+
+class _Call:
+    """One RPC's bookkeeping; counted when its handler ends, or when gRPC drops it before the handler ran."""
+
+    def __init__(self, interceptor: "RequestInterceptor", api: str, method: str):
+        self.interceptor, self.api, self.method = interceptor, api, method
+        self.started: float | None = None
+        self.code: grpc.StatusCode | None = None  # set by our handling; None: read it from the context
+
+    def begin(self) -> None:
+        self.started = time.monotonic()
+        self.interceptor.metrics.inflight.inc()
+        if self.api not in _NOT_WAITED_FOR:
+            self.interceptor.active.add(self)
+
+    def end(self, context) -> None:
+        code = self.code or context.code() or grpc.StatusCode.OK
+        metrics = self.interceptor.metrics
+        metrics.inflight.dec()
+        self.interceptor.active.discard(self)
+        metrics.requests.labels(self.api, self.method, code.name).inc()
+        metrics.request_duration.labels(self.api, self.method).observe(time.monotonic() - self.started)
+
+    def refuse(self, context, code: grpc.StatusCode, message: str) -> None:
+        """Answer with `code` (the handler returns right after)."""
+        self.code = code
+        context.set_code(code)
+        context.set_details(message)
+
+    def gave_up(self, context) -> None:
+        """The client cancelled, or its deadline passed (gRPC cancels the handler either way)."""
+        self.code = grpc.StatusCode.DEADLINE_EXCEEDED if context.time_remaining() == 0 else grpc.StatusCode.CANCELLED
+
+
+def _never_handled(metrics: Metrics, call: _Call) -> None:
+    """gRPC ended the call before its handler ran: its request was over the message limit (or the client
+    cancelled while sending it: gRPC does not tell the two apart)."""
+    if call.started is None:
+        metrics.requests.labels(call.api, call.method, grpc.StatusCode.RESOURCE_EXHAUSTED.name).inc()
+
+
+class RequestInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, metrics: Metrics, max_message_bytes: int):
+        self.metrics = metrics
+        self.max_message_bytes = max_message_bytes
+        self.active: set[_Call] = set()  # RPCs (but health checks) whose handler is running
+
+    def busy_before(self, moment: float) -> bool:
+        """Whether an RPC that started before `moment` (time.monotonic()) is still running."""
+        return any(call.started < moment for call in self.active)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
+        if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED; any name, so no name in the labels
+            self.metrics.requests.labels("unknown", "unknown", grpc.StatusCode.UNIMPLEMENTED.name).inc()
+            return None
+        call = _Call(self, API_NAMES.get(service, "unknown"), method)
+        kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
+        wrapped = self._wrap(getattr(handler, kind), call, handler.request_streaming)
+        # gRPC drops the handler when the call ends; if the wrapper never ran, gRPC ended the call itself.
+        weakref.finalize(wrapped, _never_handled, self.metrics, call)
+        return handler._replace(request_deserializer=_guarded(handler.request_deserializer), **{kind: wrapped})
+
+    def _wrap(self, behavior, call: _Call, request_streaming: bool):
+        # gRPC tells handler kinds apart by their function type, so each wrapper keeps it.
+        limit = self.max_message_bytes
+
+        def prepare(request, context):
+            """The request as the handler takes it; None (and the status set) when it did not parse."""
+            if request_streaming:
+                return _parsed_stream(request)
+            if isinstance(request, _Unparseable):
+                log.warning("unparseable %s request (%d bytes) from %s: answered INVALID_ARGUMENT",
+                            call.method, request.size, context.peer())
+                call.refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the request ({request.size} bytes) is not a valid {call.method} message")
+                return None
+            return request
+
+        def too_large(response, context) -> bool:
+            size = response.ByteSize()
+            if size <= limit:
+                return False
+            call.refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"the response ({size} bytes) exceeds the server's limit of {limit} bytes "
+                        "(--max-message-bytes); ask for fewer images or outputs per request")
+            return True
+
+        if inspect.isasyncgenfunction(behavior):
+            async def wrapped(request, context):
+                call.begin()
+                try:
+                    if (request := prepare(request, context)) is not None:
+                        async for response in behavior(request, context):
+                            if too_large(response, context):
+                                return
+                            yield response
+                except ServingError as err:
+                    call.refuse(context, STATUS_CODES[type(err)], err.message)
+                except asyncio.CancelledError:
+                    call.gave_up(context)
+                    raise
+                finally:
+                    call.end(context)
+        else:
+            async def wrapped(request, context):
+                call.begin()
+                try:
+                    if (request := prepare(request, context)) is None:
+                        return None
+                    response = await behavior(request, context)
+                    return None if response is not None and too_large(response, context) else response
+                except ServingError as err:
+                    call.refuse(context, STATUS_CODES[type(err)], err.message)
+                    return None
+                except asyncio.CancelledError:
+                    call.gave_up(context)
+                    raise
+                finally:
+                    call.end(context)
+        return wrapped
+
+
+def _guarded(deserializer):
+    """The handler's deserializer, returning _Unparseable instead of raising on bad bytes."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except DecodeError:
+            return _Unparseable(len(data))
+
+    return parse
+
+
+async def _parsed_stream(requests):
+    """A stream's requests; an unparseable one ends the stream with INVALID_ARGUMENT."""
+    index = 0
+    async for request in requests:
+        if isinstance(request, _Unparseable):
+            log.warning("unparseable stream request #%d (%d bytes): answered INVALID_ARGUMENT", index, request.size)
+            raise InvalidInput(f"stream request #{index} ({request.size} bytes) is not a valid message")
+        index += 1
+        yield request
