@@ -63,10 +63,12 @@ def markdown(results: dict, plot_files: list[str], has_notes: bool) -> str:
         "Each backend runs in its own process, so its RSS is its own: at start (Python + numpy), after "
         "importing its runtime and loading the model, and the peak over the whole run.",
         "",
-        "`pytorch-public` is not our model: it is `capsnet/bench/public_reference.py`, a re-implementation of "
-        "the formulation that popular public PyTorch CapsNets use (PrimaryCaps as 8 separate convolutions; W as a "
-        "(1, 1152, 10, 16, 8) parameter; u repeated to (B, 1152, 10, 8, 1); û by a broadcast `torch.matmul` "
-        "per capsule pair), loaded with our weights and routing with our math, so it computes the same outputs. "
+        "`pytorch-public` is not our model: it is `capsnet/bench/public_reference.py`, a re-implementation of how "
+        "the most-used public PyTorch CapsNet (XifengGuo/CapsNet-Pytorch) computes a forward pass, run eagerly: "
+        "PrimaryCaps as one convolution; W as a (J, I, D, P) parameter, (10, 1152, 16, 8) in the paper model; û by a broadcast "
+        "`torch.matmul` of W with u[:, None, :, :, None]; logits (B, 10, 1152) with a softmax over the classes in "
+        "every iteration; sums over û as elementwise products then sums; the masked decoder. It is loaded with our "
+        "weights (capsules grouped as ours, its one deviation), so it computes the same outputs. "
         "`pytorch` is the server's torch backend: our `CapsNet.forward`, whose decoder (under 1% of the FLOPs) "
         "also runs.",
     ]

@@ -49,7 +49,7 @@ class BenchOptions:
 
 
 def _check_dynamic_routing(model: Path, checkpoint: Path) -> None:
-    """The targets compare with a public-style dynamic-routing CapsNet and its convolution peak: EM and CNN
+    """The targets compare with the public dynamic-routing CapsNet and its convolution peak: EM and CNN
     models have neither, so they are refused before anything is exported or timed."""
     from capsnet.training.checkpoint import load_checkpoint
 

@@ -43,7 +43,7 @@ def test_bench_quick_reports_accuracy_and_memory_per_backend(quick_run):
     for info in backends.values():
         assert 0.0 <= info["accuracy"] <= 1.0
         assert 0 < info["rss_start_mib"] < info["rss_loaded_mib"] <= info["peak_rss_mib"]
-    # Same weights and math: the public-style baseline classifies exactly like our model.
+    # Same weights and math: the public baseline classifies exactly like our model.
     assert backends["pytorch-public"]["accuracy"] == backends["pytorch"]["accuracy"]
     # Each backend in its own process: ONNX Runtime's workers do not carry torch.
     assert backends["onnxruntime-fp32"]["peak_rss_mib"] < backends["pytorch"]["rss_loaded_mib"]
