@@ -1,7 +1,7 @@
 """ONNX Runtime's own profiler: the time per operator type, and which kernels (op, dtypes, provider) ran.
 
 The session is set up like the server's ONNX Runtime backend (all graph optimisations, one
-inter-op thread), so the op types are those after fusion (e.g. QLinearConv for a Q/DQ convolution).
+inter-op thread, intra-op threads that sleep rather than spin between operators), so the op types are those after fusion (e.g. QLinearConv for a Q/DQ convolution).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ def profile_onnx(path: Path, images: np.ndarray, threads: int, runs: int) -> dic
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(tmp) / "profile")

@@ -79,8 +79,9 @@ def markdown(results: dict, plot_files: list[str], has_notes: bool) -> str:
         lines += ["", *_profile_section(results["profiles"], results["ceiling"]["gflops"])]
     if results.get("grpc"):
         lines += ["", *_grpc_section(results["grpc"])]
-    lines += ["", "## Targets", "", _table(["target", "measured", "met"], [
-        [t["target"], t["measured"], "yes" if t["met"] else "**no**"] for t in results["targets"]
+    lines += ["", "## Targets", "", _table(["target", "measured", "met", "short by", "what bounds it"], [
+        [t["target"], t["measured"], "yes" if t["met"] else "**no**", t.get("short_by", ""), t.get("bound", "")]
+        for t in results["targets"]
     ])]
     if plot_files:
         lines += ["", "## Plots", "", *[f"![{Path(name).stem}]({name})" for name in plot_files]]
