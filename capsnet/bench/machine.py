@@ -46,6 +46,8 @@ def machine_facts() -> dict:
         "cpu_id": f"family {cpuinfo.get('cpu family', '?')} model {cpuinfo.get('model', '?')} stepping {cpuinfo.get('stepping', '?')}",
         "cores": cores(),
         "isa": [flag for flag in ISA_FLAGS if flag in flags],
+        "cpu_flags": sorted(flags),
+        "torch_cpu": _torch_cpu(),
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "gpu": _gpu_name(),
         "platform": platform.platform(),
@@ -65,6 +67,14 @@ def _cpuinfo() -> dict[str, str]:
         key, _, value = line.partition(":")
         fields[key.strip()] = value.strip()
     return fields
+
+
+def _torch_cpu() -> dict:
+    """What torch's CPU kernels use here: its vector ISA and whether oneDNN has native bf16 (else emulated)."""
+    import torch
+
+    return {"capability": torch.backends.cpu.get_cpu_capability(),
+            "onednn_native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
 
 
 def _gpu_name() -> str | None:

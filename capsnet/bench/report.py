@@ -47,6 +47,7 @@ def markdown(results: dict, plot_files: list[str], has_notes: bool) -> str:
             ", ".join(machine["isa"]) or "none", machine["gpu"] or "none",
         ]]),
         "",
+        *_cpu_lines(machine),
         "The load average counts this benchmark's own processes. Stolen time is time the hypervisor ran other "
         "virtual machines on this machine's cores: every figure below shrinks with it.",
         "",
@@ -88,6 +89,17 @@ def markdown(results: dict, plot_files: list[str], has_notes: bool) -> str:
     if has_notes:
         lines += ["", f"What bounds each missed target, and what would move it: [{NOTES}]({NOTES})."]
     return "\n".join(lines) + "\n"
+
+
+def _cpu_lines(machine: dict) -> list[str]:
+    """The host's CPU flags and what torch's kernels use, each a paragraph (runs before these were recorded have neither)."""
+    lines = []
+    if machine.get("cpu_flags"):
+        lines += [f"CPU flags: {' '.join(machine['cpu_flags'])}.", ""]
+    if machine.get("torch_cpu"):
+        native = "yes" if machine["torch_cpu"]["onednn_native_bf16"] else "no (bf16 would be emulated)"
+        lines += [f"torch's CPU kernels: {machine['torch_cpu']['capability']}; oneDNN native bf16: {native}.", ""]
+    return lines
 
 
 def _limit_section(results: dict) -> list[str]:
