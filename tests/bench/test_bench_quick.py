@@ -85,9 +85,11 @@ def test_bench_quick_writes_the_report(quick_run):
     for heading in ("## Machine", "## The CPU's limit", "## In-process throughput and latency", "## End-to-end gRPC",
                     "## Targets"):
         assert heading in readme
+    flags = readme.split("CPU flags: ")[1].split(".\n")[0].split()
+    assert flags == results["machine"]["cpu_flags"] and set(results["machine"]["isa"]) <= set(flags)
     assert readme.count("| onnxruntime-int8 | 8 |") == 1
-    assert len(results["targets"]) == 7 and all(isinstance(t["met"], bool) for t in results["targets"])
-    assert stdout.count("[met]") + stdout.count("[MISSED]") == 7
+    assert len(results["targets"]) == 8 and all(isinstance(t["met"], bool) for t in results["targets"])
+    assert stdout.count("[met]") + stdout.count("[MISSED]") == 8
     for plot in ("inprocess.png", "grpc.png"):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({plot})" in readme
