@@ -21,8 +21,9 @@ def register(subparsers) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory (new, empty, or a previous export)")
     parser.add_argument("--reconstruction", action="store_true", help="also output the decoder's reconstruction")
     parser.add_argument("--data", default=DEFAULTS.data, metavar="embedded|DIR",
-                        help="real images for parity (test split), INT8 calibration (train) and accuracy (test); "
-                        "default: %(default)s")
+                        help="real images for parity and the self-check set (test split), INT8 calibration (train) "
+                        "and accuracy (test); its classes must be the checkpoint's (default: the data the checkpoint "
+                        "was trained on)")
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset, 18-24 (default: %(default)s)")
 
     int8 = parser.add_argument_group("INT8 / FP16 (ONNX Runtime)")
@@ -66,26 +67,31 @@ def run_export(args: argparse.Namespace) -> int:
     from capsnet.export.onnx_export import op_counts
 
     options = {field.name: getattr(args, field.name) for field in dataclasses.fields(ExportConfig)}
-    sidecar = export_model(args.checkpoint, args.out, **options)
+    description = export_model(args.checkpoint, args.out, **options)
 
     out = Path(args.out)
-    counts = op_counts(onnx.load(str(out / sidecar["artifacts"]["onnx"])))
-    parity = sidecar["parity"]
-    written = ", ".join(name for name in sidecar["artifacts"].values() if name)
-    print(f"wrote {out}: {written}, model.json, model.ckpt")
-    print(f"  ONNX opset {sidecar['opset']}, {sum(counts.values())} nodes "
+    counts = op_counts(onnx.load(str(out / description.artifacts["onnx"])))
+    parity = description.parity
+    written = ", ".join(name for name in description.artifacts.values() if name)
+    print(f"wrote {out}: {written}, model.json")
+    print(f"  ONNX opset {description.opset}, {sum(counts.values())} nodes "
           f"({', '.join(f'{op} {n}' for op, n in counts.most_common())})")
     diffs = ", ".join(f"{name} {diff:.1e}" for name, diff in parity["onnxruntime"]["max_abs_diff"].items())
     print(f"  ONNX Runtime vs PyTorch, batches {'/'.join(map(str, parity['batch_sizes']))}: max |diff| {diffs}; "
           f"same class {parity['onnxruntime']['argmax_agreement']:.0%}")
-    if sidecar["int8"]:
-        int8 = sidecar["int8"]
-        print(f"  INT8 accuracy {int8['accuracy_fp32']:.2%} -> {int8['accuracy_int8']:.2%} "
-              f"({int8['accuracy_change_points']:+.2f} points), {int8['calibration_images']} calibration images")
+    if description.int8:
+        int8 = description.int8
+        print(f"  INT8 accuracy on {int8['test_images']} {int8['dataset']} test images {int8['accuracy_fp32']:.2%} -> "
+              f"{int8['accuracy_int8']:.2%} ({int8['accuracy_change_points']:+.2f} points), "
+              f"{int8['calibration_images']} calibration images")
+    if description.fp16:
+        fp16 = parity["onnxruntime_fp16_vs_fp32"]
+        print(f"  FP16 vs FP32: max |diff| {max(fp16['max_abs_diff'].values()):.1e}, "
+              f"same class {fp16['argmax_agreement']:.0%}")
     if "tensorrt" in parity:
         engine = parity["tensorrt"]
         print(f"  TensorRT {engine['precision']} vs ONNX Runtime: max |diff| "
               f"{max(engine['max_abs_diff'].values()):.1e}, same class {engine['argmax_agreement']:.0%}")
     if args.triton_repo:
-        print(f"  Triton model repository: {Path(args.triton_repo) / sidecar['name']}")
+        print(f"  Triton model repository: {Path(args.triton_repo) / description.name}")
     return 0

@@ -71,7 +71,9 @@ class ExportConfig:
     fp16: bool = False
     tensorrt: bool = False
     triton_repo: str | Path | None = None
-    data: str = "embedded"  # real images: test split for parity and INT8 accuracy, train split for calibration
+    # real images: test split for parity, INT8 accuracy and the self-check set, train split for calibration;
+    # None: the data the checkpoint was trained on
+    data: str | None = None
     opset: int = DEFAULT_OPSET
     int8_max_drop: float = 1.0  # accuracy points the INT8 model may lose
     calibration_images: int = 200

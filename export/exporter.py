@@ -11,32 +11,24 @@ parity check) does not hold back the other artifacts: they are published, then t
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
+from capsnet.cpu import CpuKind
 from capsnet.errors import CapsNetError
 from capsnet.export.config import EngineConfig, ExportConfig
-from capsnet.export.fp16 import convert_fp16
-from capsnet.export.metadata import (
-    CHECKPOINT_NAME,
-    MODEL_NAME,
-    ONNX_FP16_NAME,
-    ONNX_INT8_NAME,
-    ONNX_NAME,
-    PLAN_INFO_NAME,
-    PLAN_NAME,
-    SIDECAR_NAME,
-    build_sidecar,
-    embed_metadata,
-    write_json,
-)
-from capsnet.export.onnx_export import check_graph, export_onnx, graph_opset, op_counts, output_names
+from capsnet.export.fp16 import FP16_MIN_ARGMAX_AGREEMENT, FP16_TOLERANCE, convert_fp16
+from capsnet.export.metadata import describe, embed_metadata
+from capsnet.export.onnx_export import check_graph, export_onnx, graph_opset, op_counts
 from capsnet.export.parity import (
     FP32_TOLERANCE,
     PARITY_BATCH_SIZES,
@@ -44,9 +36,10 @@ from capsnet.export.parity import (
     onnxruntime_outputs,
     onnxruntime_session,
     parity_batches,
+    spread,
     torch_outputs,
 )
-from capsnet.export.quantize import accuracy, quantize_int8
+from capsnet.export.quantize import SCHEME, accuracy, quantize_int8
 from capsnet.export.tensorrt_build import (
     MIN_ARGMAX_AGREEMENT,
     PARITY_TOLERANCE,
@@ -58,15 +51,31 @@ from capsnet.export.tensorrt_build import (
 )
 from capsnet.export.tensorrt_ops import tensorrt_problems
 from capsnet.export.triton import CONFIG_NAME, write_model_directory
-from capsnet.training.checkpoint import file_sha256, load_checkpoint
+from capsnet.model_description import (
+    CHECKPOINT_NAME,
+    MODEL_NAME,
+    ONNX_FP16_NAME,
+    ONNX_INT8_NAME,
+    ONNX_NAME,
+    PLAN_INFO_NAME,
+    PLAN_NAME,
+    REFERENCE_NAME,
+    SIDECAR_NAME,
+    ModelDescription,
+    file_sha256,
+    output_names,
+)
+from capsnet.training.checkpoint import Checkpoint, load_checkpoint
 from capsnet.training.config import CAPSULE_ARCHITECTURES
-from capsnet.training.data import load_dataset
+from capsnet.training.data import Dataset, load_dataset
 
 log = logging.getLogger(__name__)
 
+REFERENCE_IMAGES = 128  # the self-check needs 99% agreement: one image of 128 may differ
+
 
 def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike, **options: Any) -> dict[str, Any]:
-    """Export `checkpoint_path` into `out_dir`; `options` are ExportConfig fields. Returns the sidecar."""
+    """Export `checkpoint_path` into `out_dir`; `options` are ExportConfig fields. Returns its description."""
     config = ExportConfig(**options)
     checkpoint_path, out_dir = Path(checkpoint_path), Path(out_dir)
     checkpoint = load_checkpoint(checkpoint_path)
@@ -84,23 +93,17 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
     tensorrt_error = tensorrt_unavailable() if config.tensorrt else None
     if tensorrt_error:
         log.warning("--tensorrt: %s; writing the other artifacts, then failing", tensorrt_error)
-    dataset = load_dataset(config.data)
-    model_config = checkpoint.config
-    image_shape = (model_config.in_channels, model_config.height, model_config.width)
-    if tuple(dataset.image_shape) != image_shape:
-        raise CapsNetError(
-            f"--data {config.data} has images of shape {tuple(dataset.image_shape)}; the checkpoint's model takes {image_shape}"
-        )
+    dataset = _load_matching_data(checkpoint, checkpoint_path, config.data)
 
     staging = _staging_dir(out_dir)
     triton_staging = None
     try:
-        sidecar, tensorrt_error = _write_artifacts(staging, checkpoint_path, checkpoint, dataset, config, tensorrt_error)
+        description, tensorrt_error = _write_artifacts(staging, checkpoint_path, checkpoint, dataset, config, tensorrt_error)
         if triton_model_dir is not None:
             triton_staging = _staging_dir(triton_model_dir)
-            model_format = "plan" if sidecar["artifacts"]["tensorrt"] else "onnx"
+            model_format = "plan" if description.artifacts["tensorrt"] else "onnx"
             model_file = staging / (PLAN_NAME if model_format == "plan" else ONNX_NAME)
-            write_model_directory(triton_staging, sidecar, model_file, model_format, config.triton())
+            write_model_directory(triton_staging, description.to_json(), model_file, model_format, config.triton())
         _publish(staging, out_dir)
         if triton_staging is not None:
             _publish(triton_staging, triton_model_dir)
@@ -112,12 +115,40 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
     log.info("wrote %s", out_dir)
     if tensorrt_error:
         raise CapsNetError(f"no TensorRT engine: {tensorrt_error} (the other artifacts are in {out_dir})")
-    return sidecar
+    return description
 
 
-def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint, dataset, config: ExportConfig,
-                     tensorrt_error: str | None) -> tuple[dict[str, Any], str | None]:
-    """Write every artifact into `staging`; returns the sidecar and why no engine was built, if so."""
+def _load_matching_data(checkpoint: Checkpoint, checkpoint_path: Path, data: str | None) -> Dataset:
+    """--data, or the data the checkpoint was trained on; its images and classes must be the model's."""
+    if data is None:
+        data = checkpoint.metrics.get("data") or ("embedded" if checkpoint.dataset == "embedded-mnist-5k" else None)
+        if data is None or (data != "embedded" and not Path(data).is_dir()):
+            where = f" ({data} is not here)" if data else ""
+            raise CapsNetError(f"{checkpoint_path} was trained on {checkpoint.dataset or 'unrecorded data'}{where}; "
+                               "pass --data with that dataset's IDX folder (parity, INT8 calibration and its gate use it)")
+        log.info("--data: %s, the checkpoint's training data", data)
+    dataset = load_dataset(data)
+    model_config = checkpoint.config
+    image_shape = (model_config.in_channels, model_config.height, model_config.width)
+    if tuple(dataset.image_shape) != image_shape:
+        raise CapsNetError(
+            f"--data {data} has images of shape {tuple(dataset.image_shape)}; the checkpoint's model takes {image_shape}"
+        )
+    if tuple(dataset.class_names) != tuple(checkpoint.class_names):
+        raise CapsNetError(f"--data {data} has classes {_names(dataset.class_names)}; the checkpoint was trained on "
+                           f"{_names(checkpoint.class_names)} ({checkpoint.dataset}): calibration and the accuracy gate "
+                           "need the model's own data")
+    return dataset
+
+
+def _names(names) -> str:
+    shown = ", ".join(names[:4])
+    return f"[{shown}{', ...' if len(names) > 4 else ''}] ({len(names)})"
+
+
+def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoint, dataset: Dataset,
+                     config: ExportConfig, tensorrt_error: str | None) -> tuple[ModelDescription, str | None]:
+    """Write every artifact into `staging`; returns the description and why no engine was built, if so."""
     model = checkpoint.build_model()
     names = output_names(config.reconstruction)
     variants = {"fp32": staging / ONNX_NAME}
@@ -139,8 +170,9 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint, dataset, 
         "tolerance": FP32_TOLERANCE,
         "onnxruntime": onnx_parity.to_dict(),
     }
+    reference_set = _write_reference(staging / REFERENCE_NAME, fp32_session, dataset, names)
 
-    int8 = None
+    int8 = fp16 = None
     if config.wants_int8:
         variants["int8"] = staging / ONNX_INT8_NAME
         int8 = _quantize(variants["fp32"], variants["int8"], fp32_session, dataset, config)
@@ -155,6 +187,10 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint, dataset, 
         fp16_parity = compare(fp32_outputs, onnxruntime_outputs(onnxruntime_session(str(variants["fp16"])), batches, names))
         log.info("ONNX Runtime (CPU) FP16 vs FP32: %s", fp16_parity.describe())
         parity["onnxruntime_fp16_vs_fp32"] = fp16_parity.to_dict()
+        if not fp16_parity.passes(FP16_TOLERANCE, FP16_MIN_ARGMAX_AGREEMENT):
+            raise CapsNetError(f"FP16 model refused: against FP32 {fp16_parity.describe()}; allowed: max |diff| "
+                               f"{FP16_TOLERANCE:g}, same class for {FP16_MIN_ARGMAX_AGREEMENT:.0%}")
+        fp16 = {"tolerance": FP16_TOLERANCE, "min_argmax_agreement": FP16_MIN_ARGMAX_AGREEMENT}
     for path in variants.values():
         problems = tensorrt_problems(onnx.load(str(path)))
         log.log(logging.WARNING if problems else logging.INFO, "TensorRT compatibility of %s: %s",
@@ -170,6 +206,7 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint, dataset, 
             log.debug("TensorRT build failed", exc_info=True)
             tensorrt_error = str(err) if isinstance(err, CapsNetError) else f"{type(err).__name__}: {err}".splitlines()[0]
             (staging / PLAN_NAME).unlink(missing_ok=True)
+            (staging / PLAN_INFO_NAME).unlink(missing_ok=True)
 
     shutil.copyfile(checkpoint_path, staging / CHECKPOINT_NAME)
     artifacts = {
@@ -177,19 +214,31 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint, dataset, 
         "onnx_int8": ONNX_INT8_NAME if "int8" in variants else None,
         "onnx_fp16": ONNX_FP16_NAME if "fp16" in variants else None,
         "tensorrt": PLAN_NAME if plan_built else None,
+        "checkpoint": CHECKPOINT_NAME,
+        "reference": REFERENCE_NAME,
     }
-    sidecar = build_sidecar(checkpoint, file_sha256(checkpoint_path), graph_opset(exported), config.reconstruction,
-                            artifacts, int8, parity)
+    description = describe(checkpoint, graph_opset(exported), config.reconstruction, artifacts=artifacts,
+                           reference_set=reference_set, int8=int8, fp16=fp16, parity=parity)
     for path in variants.values():
         onnx_model = onnx.load(str(path))
-        embed_metadata(onnx_model, sidecar)
+        embed_metadata(onnx_model, description)
         onnx.save(onnx_model, str(path))
-    write_json(staging / SIDECAR_NAME, sidecar)
-    return sidecar, tensorrt_error
+    hashed = [name for name in artifacts.values() if name] + ([PLAN_INFO_NAME] if plan_built else [])
+    description = replace(description, sha256={name: file_sha256(staging / name) for name in hashed})
+    description.write(staging)
+    return description, tensorrt_error
 
 
-def _quantize(fp32_path: Path, int8_path: Path, fp32_session, dataset, config: ExportConfig) -> dict[str, Any]:
-    """Write the INT8 model and measure its accuracy against FP32; refuse it past --int8-max-drop."""
+def _write_reference(path: Path, fp32_session, dataset: Dataset, names: tuple[str, ...]) -> dict[str, Any]:
+    """The images `capsnet serve` checks its backend with before it reports SERVING, and their FP32 outputs."""
+    images = spread(dataset.test.images, REFERENCE_IMAGES)  # (128, C, H, W)
+    (outputs,) = onnxruntime_outputs(fp32_session, [images], names)
+    np.savez_compressed(path, images=images, **outputs)
+    return {"images": len(images), "dataset": dataset.name, "split": "test"}
+
+
+def _quantize(fp32_path: Path, int8_path: Path, fp32_session, dataset: Dataset, config: ExportConfig) -> dict[str, Any]:
+    """Write the INT8 model and measure its accuracy against FP32 on this CPU; refuse it past --int8-max-drop."""
     calibration = dataset.train.images[: config.calibration_images]
     quantize_int8(fp32_path, int8_path, calibration)
     test = dataset.test
@@ -198,14 +247,20 @@ def _quantize(fp32_path: Path, int8_path: Path, fp32_session, dataset, config: E
     change = 100 * (accuracy_int8 - accuracy_fp32)
     summary = (f"accuracy on {len(test)} {dataset.name} test images: fp32 {accuracy_fp32:.2%}, "
                f"int8 {accuracy_int8:.2%} ({change:+.2f} points)")
-    log.info("INT8 %s", summary)
+    cpu = CpuKind.this_host()
+    log.info("INT8 %s (on %s)", summary, cpu.describe())
     if -change > config.int8_max_drop:
         raise CapsNetError(f"INT8 model refused: {summary}, more than --int8-max-drop {config.int8_max_drop:g}")
     return {
         "accuracy_fp32": accuracy_fp32,
         "accuracy_int8": accuracy_int8,
         "accuracy_change_points": round(change, 4),
+        "max_drop_points": config.int8_max_drop,
+        "dataset": dataset.name,
         "calibration_images": len(calibration),
+        "test_images": len(test),
+        "cpu": cpu.to_dict(),
+        "scheme": SCHEME,
     }
 
 
@@ -229,7 +284,7 @@ def _build_tensorrt(staging: Path, variants: dict[str, Path], model_config, data
     if not engine_parity.passes(tolerance, min_agreement):
         raise CapsNetError(f"the TensorRT {precision} engine disagrees with ONNX Runtime beyond {tolerance:g}: "
                            f"{engine_parity.describe()}")
-    write_json(staging / PLAN_INFO_NAME, plan_info)
+    (staging / PLAN_INFO_NAME).write_text(json.dumps(plan_info, indent=2) + "\n")
     return {"precision": precision, "reference": f"onnxruntime {source.name}", "batch_sizes": batch_sizes,
             "tolerance": tolerance, **engine_parity.to_dict()}
 

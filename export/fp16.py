@@ -1,63 +1,49 @@
 """FP16 variant of the ONNX graph for GPU execution providers and strongly typed TensorRT.
 
-Every float32 weight, constant, cast and intermediate tensor becomes float16; the input and
-outputs stay float32 behind Cast nodes at the graph's edges, so clients and the server's input
-handling are the same for every variant. Our graph has no op whose float16 form needs care
-(no Range/Resize/TopK-style shape inputs in float), which is what makes this short pass enough.
+ONNX Runtime's float16 converter (onnxruntime.transformers.float16) turns weights and activations
+into float16, keeps the input and outputs float32 (`keep_io_types`, so clients and the server's
+input handling are the same for every variant), and leaves the ops in FP32_OPS in float32 behind
+Cast nodes: squash and the capsule lengths (sums of squares, square roots, divisions) and the
+routing softmax, which the model computes in float32 for the same reason it guards its norms.
+The export refuses the result unless it agrees with FP32 within FP16_TOLERANCE.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
 
-FLOAT16_MAX = float(np.finfo(np.float16).max)
+from capsnet.export.logs import quiet
 
-
-def _to_float16(tensor: onnx.TensorProto) -> onnx.TensorProto:
-    values = np.clip(numpy_helper.to_array(tensor), -FLOAT16_MAX, FLOAT16_MAX)  # inf would poison every sum
-    return numpy_helper.from_array(values.astype(np.float16), tensor.name)
-
-
-def _rename_inputs(graph: onnx.GraphProto, old: str, new: str) -> None:
-    for node in graph.node:
-        node.input[:] = [new if name == old else name for name in node.input]
+# squash: ReduceL2 or ReduceSum(s²) -> Sqrt -> Div; capsule lengths: ReduceL2; routing: Softmax
+FP32_OPS = ("ReduceSum", "ReduceL2", "Sqrt", "Div", "Pow", "Softmax")
+FP16_TOLERANCE = 1e-2  # max |diff| of any output against FP32 on the parity images
+FP16_MIN_ARGMAX_AGREEMENT = 0.99
 
 
 def convert_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A float16 copy of `model` (float32 input and outputs)."""
-    fp16 = onnx.ModelProto()
-    fp16.CopyFrom(model)
-    graph = fp16.graph
+    """A float16 copy of `model` (float32 input and outputs, FP32_OPS in float32)."""
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+    from onnxruntime.transformers.onnx_model import OnnxModel
 
-    for index, initializer in enumerate(graph.initializer):
-        if initializer.data_type == TensorProto.FLOAT:
-            graph.initializer[index].CopyFrom(_to_float16(initializer))
-    for node in graph.node:
-        for attribute in node.attribute:
-            if node.op_type == "Cast" and attribute.name == "to" and attribute.i == TensorProto.FLOAT:
-                attribute.i = TensorProto.FLOAT16
-            if attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_type == TensorProto.FLOAT:
-                attribute.t.CopyFrom(_to_float16(attribute.t))
-    for value in graph.value_info:
-        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
-            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)  # the converter changes the model it is given
+    with quiet("onnxruntime.transformers"):
+        fp16 = OnnxModel(convert_float_to_float16(copy, keep_io_types=True,
+                                                  op_block_list=[*DEFAULT_OP_BLOCK_LIST, *FP32_OPS]))
+        fp16.topological_sort()  # the converter appends its edge casts after their consumers
+    _retype_value_info(fp16.model)
+    return fp16.model
 
-    # Edges: the float32 input is cast once, each float16 result is cast back once.
-    edge_casts = []
-    for graph_input in graph.input:
-        internal = f"{graph_input.name}_fp16"
-        _rename_inputs(graph, graph_input.name, internal)
-        edge_casts.append(helper.make_node("Cast", [graph_input.name], [internal], to=TensorProto.FLOAT16))
-    for graph_output in graph.output:
-        internal = f"{graph_output.name}_fp16"
-        _rename_inputs(graph, graph_output.name, internal)  # e.g. probabilities are read from poses
-        for node in graph.node:
-            node.output[:] = [internal if name == graph_output.name else name for name in node.output]
-        edge_casts.append(helper.make_node("Cast", [internal], [graph_output.name], to=TensorProto.FLOAT))
-    inputs_cast = len(graph.input)
-    nodes = [*edge_casts[:inputs_cast], *graph.node, *edge_casts[inputs_cast:]]  # keep topological order
-    del graph.node[:]
-    graph.node.extend(nodes)
-    return fp16
+
+def _retype_value_info(model: onnx.ModelProto) -> None:
+    """Correct the element types the converter leaves stale on intermediate tensors, keeping their shapes
+    (the exporter's symbolic batch expressions such as 144*batch, which shape inference cannot redo)."""
+    bare = onnx.ModelProto()
+    bare.CopyFrom(model)
+    del bare.graph.value_info[:]
+    types = {value.name: value.type.tensor_type.elem_type
+             for value in onnx.shape_inference.infer_shapes(bare).graph.value_info}
+    types.update({initializer.name: initializer.data_type for initializer in model.graph.initializer})
+    for value in model.graph.value_info:
+        if value.name in types:
+            value.type.tensor_type.elem_type = types[value.name]

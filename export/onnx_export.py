@@ -14,16 +14,10 @@ import onnx
 from capsnet.errors import CapsNetError
 from capsnet.export.config import check_opset
 from capsnet.export.logs import quiet
+from capsnet.model_description import INPUT_NAME, output_names
 
-INPUT_NAME = "images"
-OUTPUT_NAMES = ("probabilities", "poses")
-RECONSTRUCTION_NAME = "reconstruction"
 BATCH_DIM = "batch"
 CONTROL_FLOW_OPS = frozenset({"Loop", "If", "Scan"})
-
-
-def output_names(reconstruction: bool) -> tuple[str, ...]:
-    return OUTPUT_NAMES + ((RECONSTRUCTION_NAME,) if reconstruction else ())
 
 
 def graph_opset(model: onnx.ModelProto) -> int:

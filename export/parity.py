@@ -38,10 +38,14 @@ class Parity:
         return {"max_abs_diff": self.max_abs_diff, "argmax_agreement": self.argmax_agreement, "images": self.images}
 
 
+def spread(images_uint8: np.ndarray, count: int) -> Batch:
+    """`count` images spread evenly over the split (splits may be sorted by class), as [0, 1] floats."""
+    return to_float(images_uint8[np.arange(count) * len(images_uint8) // count]).numpy()  # (count, C, H, W)
+
+
 def parity_batches(images_uint8: np.ndarray, batch_sizes=PARITY_BATCH_SIZES) -> list[Batch]:
-    """Different images for each batch size, spread evenly over the split (splits may be sorted by class)."""
-    total = sum(batch_sizes)
-    picked = to_float(images_uint8[np.arange(total) * len(images_uint8) // total]).numpy()  # (total, C, H, W)
+    """Different images for each batch size, spread evenly over the split."""
+    picked = spread(images_uint8, sum(batch_sizes))  # (total, C, H, W)
     bounds = np.cumsum((0, *batch_sizes))
     return [picked[start:stop] for start, stop in zip(bounds[:-1], bounds[1:])]
 

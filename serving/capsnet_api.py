@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 from google.protobuf.duration_pb2 import Duration
 
+from capsnet.cpu import CpuKind
 from capsnet.serving.images import decode_images
 from capsnet.serving.service import InferenceResult, InferenceService, ServingError
 from capsnet.v1 import capsnet_pb2 as pb
@@ -62,6 +63,7 @@ class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
 
     async def GetModelInfo(self, request, context):
         spec = self.service.spec
+        check = spec.self_check
         return pb.GetModelInfoResponse(
             name=spec.name,
             version=spec.version,
@@ -75,6 +77,10 @@ class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
             precision=spec.precision,
             routing=pb.Routing(variant=spec.routing.get("variant", ""), iterations=spec.routing.get("iterations", 0),
                                squash_constant=spec.routing.get("squash_constant", 0.0)),
+            self_check=pb.SelfCheck(precision=check.precision, images=check.images,
+                                    argmax_agreement=check.argmax_agreement, max_abs_diff=check.max_abs_diff,
+                                    passed=check.passed, cpu=CpuKind.this_host().describe()),
+            choice=spec.choice,
         )
 
     async def _classify(self, request: pb.ClassifyRequest, context) -> pb.ClassifyResponse:

@@ -27,7 +27,8 @@ def register(subparsers) -> None:
                        help=f"Prometheus /metrics port (default {defaults['metrics_port']}; env {ENV_VARS['metrics_port']})")
     serve.add_argument("--backend", choices=BACKENDS, help="inference backend (default auto: the fastest available)")
     serve.add_argument("--precision", choices=PRECISIONS,
-                       help="model precision (default fp32; tensorrt: the plan's); fp16/int8 need those exports")
+                       help="model precision (default auto: INT8 where the export has it, it passes its self-check "
+                            "and is faster on this CPU, else FP32; tensorrt: the plan's); fp16/int8 need those exports")
     serve.add_argument("--max-batch-size", type=int, metavar="N",
                        help=f"images per backend run and per request (default {defaults['max_batch_size']})")
     serve.add_argument("--max-queue-delay-us", type=int, metavar="US",

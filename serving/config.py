@@ -9,7 +9,7 @@ from pathlib import Path
 from capsnet.errors import CapsNetError
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
-PRECISIONS = ("fp32", "fp16", "int8")
+PRECISIONS = ("auto", "fp32", "fp16", "int8")
 
 # Settings an operator may also give as environment variables (container images, Kubernetes).
 ENV_VARS = {"host": "CAPSNET_HOST", "grpc_port": "CAPSNET_GRPC_PORT", "metrics_port": "CAPSNET_METRICS_PORT"}
@@ -23,7 +23,8 @@ class ServerConfig:
     grpc_port: int = 8001  # Triton's ports, so KServe tooling finds us where it looks
     metrics_port: int = 8002
     backend: str = "auto"
-    precision: str | None = None  # None: the backend's natural one (fp32, or the TensorRT plan's)
+    # auto: INT8 where exported, self-checked and faster on this CPU, else FP32 (TensorRT: the plan's)
+    precision: str = "auto"
     # dynamic batching
     max_batch_size: int = 32  # images per backend run, and per request
     # How long the oldest request waits for batch-mates. 0, as Triton: batches still form from the
@@ -43,7 +44,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise CapsNetError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.precision is not None and self.precision not in PRECISIONS:
+        if self.precision not in PRECISIONS:
             raise CapsNetError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         for name in ("grpc_port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:

@@ -55,6 +55,19 @@ class Metrics:
         self.model_info = Gauge("capsnet_model_info", "The served model (value 1)",
                                 ["model", "version", "backend", "precision", "routing_iterations"], registry=registry)
 
+        self.self_check_agreement = Gauge(
+            "capsnet_self_check_argmax_agreement_ratio",
+            "Share of the export's reference images the served backend gives the FP32 reference's class (at startup)",
+            registry=registry)
+        self.self_check_diff = Gauge(
+            "capsnet_self_check_max_abs_diff", "Largest difference from the FP32 reference outputs at startup, by output",
+            ["output"], registry=registry)
+
+    def record_self_check(self, check) -> None:
+        self.self_check_agreement.set(check.argmax_agreement)
+        for output, diff in check.max_abs_diff.items():
+            self.self_check_diff.labels(output).set(diff)
+
     def interceptor(self) -> grpc.aio.ServerInterceptor:
         return _RequestMetricsInterceptor(self)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from capsnet.model_description import ModelDescription
 from capsnet.serving.artifacts import load_artifacts
 from capsnet.serving.backends import load_backend
 from capsnet.serving.backends.base import Backend
@@ -21,6 +22,7 @@ from capsnet.serving.batcher import Batcher, BatcherConfig
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.errors import ServingError
 from capsnet.serving.metrics import Metrics
+from capsnet.serving.self_check import SelfCheck
 
 __all__ = ["InferenceResult", "InferenceService", "ModelSpec", "ServingError"]
 
@@ -30,20 +32,16 @@ log = logging.getLogger(__name__)
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "torch": "pytorch_libtorch"}
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    version: str
-    input_name: str
-    input_shape: tuple[int, int, int]  # (C, H, W)
-    class_names: tuple[str, ...]
-    pose_dim: int
-    output_names: tuple[str, ...]  # as served: probabilities, poses[, reconstruction]
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec(ModelDescription):
+    """The served model: its description (model.json) and how this server runs it."""
+
     max_batch_size: int  # per backend run and per request
     backend: str
     precision: str
-    routing: dict  # variant, iterations, squash_constant (EM: variant "em", iterations, inverse_temperature)
     platform: str
+    self_check: SelfCheck  # the reference images through this backend, before SERVING
+    choice: str  # why this backend and precision
 
 
 @dataclass
@@ -69,26 +67,24 @@ class InferenceService:
         Called inside the server's event loop (the batcher's scheduler is a task of it).
         """
         artifacts = load_artifacts(config.model_dir)
-        backend = load_backend(artifacts, config)
-        log.info("loaded %s %s with %s: %s", artifacts.name, artifacts.version, backend.name, backend.description)
+        loaded = load_backend(artifacts, config)
+        backend = loaded.backend
+        log.info("loaded %s %s with %s (%s): %s", artifacts.name, artifacts.version, backend.name, backend.precision,
+                 backend.description)
         spec = ModelSpec(
-            name=artifacts.name,
-            version=artifacts.version,
-            input_name=artifacts.input_name,
-            input_shape=artifacts.input_shape,
-            class_names=artifacts.class_names,
-            pose_dim=artifacts.pose_dim,
-            output_names=artifacts.output_names,
+            **artifacts.description_fields(),
             max_batch_size=config.max_batch_size,
             backend=backend.name,
             precision=backend.precision,
-            routing=artifacts.routing,
             platform=PLATFORMS[backend.name],
+            self_check=loaded.check,
+            choice=loaded.why,
         )
         batcher = Batcher(backend, BatcherConfig(config.max_batch_size, config.max_queue_delay_us / 1e6,
                                                  config.max_queue_size), metrics)
         metrics.model_info.labels(spec.name, spec.version, spec.backend, spec.precision,
                                   str(spec.routing.get("iterations", ""))).set(1)
+        metrics.record_self_check(loaded.check)
         return cls(spec, backend, batcher)
 
     async def warmup(self) -> None:

@@ -35,7 +35,7 @@ def save_random_checkpoint(config, path: Path) -> Path:
     """An untrained model of `config` (weights seeded with 0) saved as a checkpoint of the 10 digits at `path`."""
     torch.manual_seed(0)
     save_checkpoint(Checkpoint(config=config, state_dict=create_model(config).state_dict(),
-                               class_names=list(DIGIT_NAMES)), path)
+                               class_names=list(DIGIT_NAMES), dataset="embedded-mnist-5k"), path)
     return path
 
 

@@ -8,7 +8,6 @@ It loads with `torch.load(weights_only=True)`: plain containers and tensors only
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -134,10 +133,3 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise CapsNetError(f"checkpoint {path} is damaged: {len(checkpoint.class_names)} class names for {config.num_classes} classes")
     return checkpoint
 
-
-def file_sha256(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -61,7 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "(default: mean 0, std 1)")
     execution = train.add_argument_group("execution")
     execution.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
-    execution.add_argument("--amp", action="store_true", help="mixed precision: fp16 on CUDA, bf16 on CPU")
+    execution.add_argument("--amp", action="store_true",
+                           help="mixed precision: fp16 on CUDA; bf16 on a CPU with native bf16 (AVX512_BF16 or AMX), "
+                           "else fp32 with a note")
     execution.add_argument("--compile", action="store_true", help="torch.compile the training step")
     execution.add_argument("--threads", type=int, metavar="N",
                            help="CPU threads per process (default: torch's; under torchrun the cores shared out)")

@@ -144,6 +144,11 @@ def load_dataset(spec: str) -> Dataset:
     return load_embedded() if spec == "embedded" else load_idx_directory(spec)
 
 
+def data_location(spec: str) -> str:
+    """`spec` as load_dataset will find it again from another working directory."""
+    return spec if spec == "embedded" else str(Path(spec).resolve())
+
+
 def to_float(images: np.ndarray | Tensor) -> Tensor:
     """uint8 (N, C, H, W) -> float32 in [0, 1]."""
     return torch.as_tensor(images).float().div_(255.0)

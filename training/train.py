@@ -15,7 +15,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,11 +24,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
+from capsnet.cpu import CpuKind, bf16_autocast_pays
 from capsnet.errors import CapsNetError
 from capsnet.training import distributed
 from capsnet.training.checkpoint import Checkpoint, create_model, load_checkpoint, save_checkpoint
 from capsnet.training.config import CapsNetConfig, preset
-from capsnet.training.data import (Dataset, Split, channel_mean_std, load_dataset, random_shift,
+from capsnet.training.data import (Dataset, Split, channel_mean_std, data_location, load_dataset, random_shift,
                                    skip_random_shifts, to_float)
 from capsnet.training.distributed import DistributedContext
 from capsnet.training.evaluate import check_dataset_fits, evaluate
@@ -67,7 +68,7 @@ class TrainOptions:
     seed: int = 0
     # execution
     device: str = "auto"
-    amp: bool = False  # fp16 autocast + gradient scaling on CUDA, bf16 autocast on CPU
+    amp: bool = False  # fp16 autocast + gradient scaling on CUDA, bf16 autocast on a CPU with native bf16
     compile: bool = False
     threads: int | None = None
     resume: Path | None = None
@@ -245,6 +246,11 @@ def train(options: TrainOptions) -> Checkpoint:
     if device.type == "cpu" and (options.threads or context.local_world_size > 1):
         # The processes on one machine share its cores.
         torch.set_num_threads(options.threads or max(1, (os.cpu_count() or 1) // context.local_world_size))
+    if options.amp and device.type == "cpu":
+        native, why = bf16_autocast_pays(CpuKind.this_host(), torch.backends.cpu.get_cpu_capability())
+        if not native:
+            announce(context, f"--amp: training in fp32: {why}; emulated bf16 is many times slower than fp32")
+            options = replace(options, amp=False)
     prepare_output(options.out)
     dataset = load_dataset(options.data)
     if options.max_shift >= min(dataset.image_shape[1:]):
@@ -323,7 +329,9 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
         step_model = torch.compile(step_model)
     per_rank_batch = options.batch_size // context.world_size
     run_info = {
-        "dataset": dataset.name, "train_images": len(dataset.train), "test_images": len(dataset.test),
+        # where the data is, so `capsnet export` calibrates and gates INT8 on the model's own data by default
+        "dataset": dataset.name, "data": data_location(options.data),
+        "train_images": len(dataset.train), "test_images": len(dataset.test),
         "parameters": count_parameters(model), "batch_size": options.batch_size, "initial_lr": initial_lr,
         "lr_decay": options.lr_decay, "max_shift": options.max_shift, "seed": options.seed,
         "device": device.type, "world_size": context.world_size, "amp": options.amp, "compile": options.compile,

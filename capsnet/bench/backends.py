@@ -51,12 +51,12 @@ def load_backend(name: str, model_dir: str, threads: int, max_batch_size: int) -
         reason = unavailable_reason() or (None if artifacts.tensorrt_plan else f"{model_dir} has no TensorRT plan")
         if reason:
             raise BackendUnavailable(reason)
-    from capsnet.serving.backends import load_backend as load_server_backend
+    from capsnet.serving.backends import create_backend
     from capsnet.serving.config import ServerConfig
 
     config = ServerConfig(model_dir=Path(model_dir), backend=server_backend, precision=precision, threads=threads,
                           max_batch_size=max_batch_size)
-    backend = load_server_backend(artifacts, config)
+    backend = create_backend(server_backend, precision, artifacts, config)
     return (lambda images: backend.run(images)["probabilities"]), backend.description
 
 

@@ -7,8 +7,8 @@ import os
 import platform
 from pathlib import Path
 
-# CPU features that decide which fp32/int8 kernels oneDNN and MLAS can use.
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
+from capsnet.cpu import CpuKind, bf16_autocast_pays, read_cpuinfo
+
 PACKAGES = ("capsnet-serve", "torch", "onnxruntime", "onnx", "numpy", "grpcio", "tensorrt")
 
 
@@ -38,16 +38,16 @@ def cpu_shares(before: dict[str, int], after: dict[str, int]) -> dict[str, float
 
 
 def machine_facts() -> dict:
-    cpuinfo = _cpuinfo()
-    flags = set(cpuinfo.get("flags", "").split())
+    cpuinfo = read_cpuinfo()
+    cpu = CpuKind.this_host()
     return {
-        "cpu_model": cpuinfo.get("model name", platform.processor() or "unknown"),
+        "cpu_model": cpu.model,
         # The model name can be generic under a hypervisor; family/model/stepping still tell the generation.
         "cpu_id": f"family {cpuinfo.get('cpu family', '?')} model {cpuinfo.get('model', '?')} stepping {cpuinfo.get('stepping', '?')}",
         "cores": cores(),
-        "isa": [flag for flag in ISA_FLAGS if flag in flags],
-        "cpu_flags": sorted(flags),
-        "torch_cpu": _torch_cpu(),
+        "isa": cpu.to_dict()["flags"],
+        "cpu_flags": sorted(cpuinfo.get("flags", "").split()),
+        "torch_cpu": _torch_cpu(cpu),
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "gpu": _gpu_name(),
         "platform": platform.platform(),
@@ -56,25 +56,15 @@ def machine_facts() -> dict:
     }
 
 
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    fields = {}
-    for line in text.split("\n\n")[0].splitlines():
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
-    return fields
-
-
-def _torch_cpu() -> dict:
-    """What torch's CPU kernels use here: its vector ISA and whether oneDNN has native bf16 (else emulated)."""
+def _torch_cpu(cpu: CpuKind) -> dict:
+    """What torch's CPU kernels use here: their vector ISA, and whether bf16 would run natively (oneDNN's own
+    answer, and the CPU flags' with the ISA caps) or be emulated."""
     import torch
 
-    return {"capability": torch.backends.cpu.get_cpu_capability(),
-            "onednn_native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
+    capability = torch.backends.cpu.get_cpu_capability()
+    native, why = bf16_autocast_pays(cpu, capability)
+    return {"capability": capability, "onednn_native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+            "native_bf16": native, "bf16_why": why}
 
 
 def _gpu_name() -> str | None:

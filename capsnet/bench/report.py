@@ -97,8 +97,10 @@ def _cpu_lines(machine: dict) -> list[str]:
     if machine.get("cpu_flags"):
         lines += [f"CPU flags: {' '.join(machine['cpu_flags'])}.", ""]
     if machine.get("torch_cpu"):
-        native = "yes" if machine["torch_cpu"]["onednn_native_bf16"] else "no (bf16 would be emulated)"
-        lines += [f"torch's CPU kernels: {machine['torch_cpu']['capability']}; oneDNN native bf16: {native}.", ""]
+        torch_cpu = machine["torch_cpu"]
+        lines += [f"torch's CPU kernels: {torch_cpu['capability']}; oneDNN reports native bf16: "
+                  f"{'yes' if torch_cpu['onednn_native_bf16'] else 'no'}; bf16 {'runs natively' if torch_cpu['native_bf16'] else 'would be emulated'}: "
+                  f"{torch_cpu['bf16_why']}.", ""]
     return lines
 
 

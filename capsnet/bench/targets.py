@@ -7,6 +7,7 @@ what bounds it (`bound`), from the same run's profile and server metrics.
 from __future__ import annotations
 
 from capsnet.bench.ortprofile import CONV_OP_TYPES
+from capsnet.cpu import CpuKind
 
 FP32, INT8, PUBLIC = "onnxruntime-fp32", "onnxruntime-int8", "pytorch-public"
 MIN_BATCH = 8  # throughput targets apply at batch >= 8
@@ -14,7 +15,6 @@ CEILING_SHARE = 0.90
 PUBLIC_SPEEDUP = 3.0
 # int8 dot products: VNNI/AMX hosts multiply-add u8×s8 in one instruction; AVX2 needs three, with an int16 step
 INT8_SPEEDUP = {"vnni": 3.0, "avx2": 2.0}
-INT8_ISA = ("avx512_vnni", "avx_vnni", "amx_int8")
 INT8_MAX_ACCURACY_LOSS_POINTS = 0.3
 GRPC_CONCURRENCY, GRPC_SHARE = 16, 0.90
 GRPC_P50_EXTRA_MS = 1.0
@@ -53,8 +53,8 @@ def evaluate(results: dict) -> list[dict]:
               "(XifengGuo/CapsNet-Pytorch formulation)", FP32, public.get, PUBLIC_SPEEDUP, _times,
               f"at 100% of the ceiling ONNX Runtime would be {ceiling / max(public.values()):.2f}× the baseline at "
               "the baseline's fastest batch" if public else "")
-    isa = set(results.get("machine", {}).get("isa", ()))
-    kind = "vnni" if isa & set(INT8_ISA) else "avx2"
+    isa = frozenset(results.get("machine", {}).get("isa", ()))
+    kind = "vnni" if CpuKind("", isa).vnni else "avx2"
     int8_speedup = INT8_SPEEDUP[kind]
     per_batch(f"INT8 at batch ≥ {MIN_BATCH}: ≥ {int8_speedup:g}× FP32 throughput "
               f"({'a VNNI/AMX' if kind == 'vnni' else 'an AVX2, no-VNNI'} host)", INT8,

@@ -114,7 +114,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("name", "version", "input_name", "input_shape", "class_names", "pose_dim", "output_names", "max_batch_size", "backend", "precision", "routing")
+    __slots__ = ("name", "version", "input_name", "input_shape", "class_names", "pose_dim", "output_names", "max_batch_size", "backend", "precision", "routing", "self_check", "choice")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INPUT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,8 @@ class GetModelInfoResponse(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
+    SELF_CHECK_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     input_name: str
@@ -137,7 +139,32 @@ class GetModelInfoResponse(_message.Message):
     backend: str
     precision: str
     routing: Routing
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., input_name: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., class_names: _Optional[_Iterable[str]] = ..., pose_dim: _Optional[int] = ..., output_names: _Optional[_Iterable[str]] = ..., max_batch_size: _Optional[int] = ..., backend: _Optional[str] = ..., precision: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ...) -> None: ...
+    self_check: SelfCheck
+    choice: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., input_name: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., class_names: _Optional[_Iterable[str]] = ..., pose_dim: _Optional[int] = ..., output_names: _Optional[_Iterable[str]] = ..., max_batch_size: _Optional[int] = ..., backend: _Optional[str] = ..., precision: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., self_check: _Optional[_Union[SelfCheck, _Mapping]] = ..., choice: _Optional[str] = ...) -> None: ...
+
+class SelfCheck(_message.Message):
+    __slots__ = ("precision", "images", "argmax_agreement", "max_abs_diff", "passed", "cpu")
+    class MaxAbsDiffEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    ARGMAX_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    MAX_ABS_DIFF_FIELD_NUMBER: _ClassVar[int]
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    CPU_FIELD_NUMBER: _ClassVar[int]
+    precision: str
+    images: int
+    argmax_agreement: float
+    max_abs_diff: _containers.ScalarMap[str, float]
+    passed: bool
+    cpu: str
+    def __init__(self, precision: _Optional[str] = ..., images: _Optional[int] = ..., argmax_agreement: _Optional[float] = ..., max_abs_diff: _Optional[_Mapping[str, float]] = ..., passed: _Optional[bool] = ..., cpu: _Optional[str] = ...) -> None: ...
 
 class Routing(_message.Message):
     __slots__ = ("variant", "iterations", "squash_constant")

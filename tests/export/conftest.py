@@ -27,10 +27,14 @@ def embedded() -> Dataset:
 
 @pytest.fixture(scope="session")
 def tiny_export(trained_tiny_checkpoint, tmp_path_factory) -> TinyExport:
-    """`capsnet export` with every CPU option: reconstruction, INT8, FP16 and a Triton repository."""
+    """`capsnet export` with every CPU option: reconstruction, INT8, FP16 and a Triton repository.
+
+    The INT8 gate is opened wide: these tests check the artifacts, and how many points the tiny model's
+    INT8 loses depends on the host's int8 kernels (test_export_int8 checks the gate itself).
+    """
     root = tmp_path_factory.mktemp("export")
     out, repo = root / "model", root / "triton"
     code = main(["export", str(trained_tiny_checkpoint), "--out", str(out), "--reconstruction", "--int8", "--fp16",
-                 "--triton", str(repo)])
+                 "--int8-max-drop", "100", "--triton", str(repo)])
     assert code == 0
     return TinyExport(trained_tiny_checkpoint, out, repo, json.loads((out / "model.json").read_text()))

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 
+from capsnet.cpu import CpuKind
 from capsnet.export.metadata import read_metadata
-from capsnet.training.checkpoint import file_sha256, load_checkpoint
+from capsnet.export.parity import onnxruntime_session
+from capsnet.model_description import ModelDescription, file_sha256
+from capsnet.training.checkpoint import load_checkpoint
 
 CONTRACT_KEYS = {
     "format", "format_version", "name", "version", "exporter_version", "created", "opset", "input", "outputs",
-    "class_names", "routing", "checkpoint", "training_metrics", "artifacts", "int8", "parity",
+    "class_names", "routing", "training_metrics", "artifacts", "sha256", "reference_set", "int8", "fp16", "parity",
 }
+FILES = ["model.ckpt", "model.fp16.onnx", "model.int8.onnx", "model.json", "model.onnx", "reference.npz"]
 
 
 def test_export_sidecar_describes_the_checkpoint(tiny_export):
@@ -19,7 +24,7 @@ def test_export_sidecar_describes_the_checkpoint(tiny_export):
     config = checkpoint.config
     assert set(sidecar) == CONTRACT_KEYS
     identity = (sidecar["format"], sidecar["format_version"], sidecar["name"], sidecar["version"])
-    assert identity == ("capsnet-model", 1, "capsnet", "1")
+    assert identity == ("capsnet-model", 2, "capsnet", "1")
     assert sidecar["input"] == {"name": "images", "datatype": "FP32", "layout": "NCHW",
                                 "shape": [config.in_channels, config.height, config.width], "value_range": [0.0, 1.0]}
     assert sidecar["outputs"] == [
@@ -31,12 +36,36 @@ def test_export_sidecar_describes_the_checkpoint(tiny_export):
     assert sidecar["routing"] == {"variant": config.routing, "iterations": config.routing_iterations,
                                   "squash_constant": config.squash_constant}
     assert sidecar["training_metrics"] == checkpoint.metrics and checkpoint.metrics
-    assert sidecar["checkpoint"] == {"file": "model.ckpt", "sha256": file_sha256(tiny_export.checkpoint)}
     assert (tiny_export.out / "model.ckpt").read_bytes() == tiny_export.checkpoint.read_bytes()
-    assert sidecar["artifacts"] == {"onnx": "model.onnx", "onnx_int8": "model.int8.onnx",
-                                    "onnx_fp16": "model.fp16.onnx", "tensorrt": None}
-    assert sorted(path.name for path in tiny_export.out.iterdir()) == [
-        "model.ckpt", "model.fp16.onnx", "model.int8.onnx", "model.json", "model.onnx"]
+    assert sidecar["artifacts"] == {"onnx": "model.onnx", "onnx_int8": "model.int8.onnx", "onnx_fp16": "model.fp16.onnx",
+                                    "tensorrt": None, "checkpoint": "model.ckpt", "reference": "reference.npz"}
+    assert sorted(path.name for path in tiny_export.out.iterdir()) == FILES
+    # every file but model.json itself, with its digest
+    assert sidecar["sha256"] == {name: file_sha256(tiny_export.out / name) for name in FILES if name != "model.json"}
+    assert sidecar["sha256"]["model.ckpt"] == file_sha256(tiny_export.checkpoint)
+    assert ModelDescription.read(tiny_export.out).to_json() == sidecar  # the reader gives back what export wrote
+
+
+def test_export_reference_set_holds_test_images_and_their_fp32_outputs(tiny_export, embedded):
+    assert tiny_export.sidecar["reference_set"] == {"images": 128, "dataset": "embedded-mnist-5k", "split": "test"}
+    with np.load(tiny_export.out / "reference.npz") as archive:
+        reference = {name: archive[name] for name in archive.files}
+    assert set(reference) == {"images", "probabilities", "poses", "reconstruction"}
+    images = reference["images"]
+    assert images.shape == (128, 1, 28, 28) and images.dtype == np.float32
+    test_images = embedded.test.images.reshape(len(embedded.test), -1).astype(np.float32) / 255  # (N, 784)
+    assert all((test_images == image.reshape(1, -1)).all(axis=1).any() for image in images)  # each a test image
+    assert len(set(embedded.test.labels[np.arange(128) * len(embedded.test) // 128])) == 10  # every class
+    outputs = onnxruntime_session(str(tiny_export.out / "model.onnx")).run(None, {"images": images})
+    for name, output in zip(("probabilities", "poses", "reconstruction"), outputs):
+        assert np.array_equal(reference[name], output), name
+
+
+def test_export_int8_record_names_its_data_and_cpu(tiny_export):
+    int8 = tiny_export.sidecar["int8"]
+    assert int8["dataset"] == "embedded-mnist-5k" and int8["test_images"] == 1000 and int8["max_drop_points"] == 100
+    assert int8["cpu"] == CpuKind.this_host().to_dict()
+    assert "reduce_range" in int8["scheme"]["weights"]
 
 
 def test_export_sidecar_records_the_parity_check(tiny_export):
@@ -50,5 +79,6 @@ def test_export_sidecar_records_the_parity_check(tiny_export):
 def test_export_every_onnx_file_carries_the_sidecar(tiny_export):
     for name in ("model.onnx", "model.int8.onnx", "model.fp16.onnx"):
         model = onnx.load(str(tiny_export.out / name))
-        assert read_metadata(model) == tiny_export.sidecar, name
+        embedded = {key: value for key, value in tiny_export.sidecar.items() if key != "sha256"}
+        assert read_metadata(model) == embedded, name  # all but the hashes: a file cannot hold its own
         assert model.producer_name == "capsnet-serve"

@@ -42,7 +42,7 @@ def test_export_tensorrt_unavailable_fails_in_one_line_after_the_other_artifacts
     errors = [line for line in stderr.splitlines() if line.startswith("capsnet export: error:")]
     assert code == 2 and "Traceback" not in stderr
     assert len(errors) == 1 and tensorrt_unavailable() in errors[0]
-    assert sorted(path.name for path in out.iterdir()) == ["model.ckpt", "model.json", "model.onnx"]
+    assert sorted(path.name for path in out.iterdir()) == ["model.ckpt", "model.json", "model.onnx", "reference.npz"]
     assert json.loads((out / "model.json").read_text())["artifacts"]["tensorrt"] is None
     assert sorted(path.name for path in tmp_path.iterdir()) == ["model"]  # no staging or previous copy left
 

@@ -1,0 +1,78 @@
+"""What this CPU can do, for choices that differ between x86 kinds (AVX2 only; AVX-512 + VNNI; AMX).
+
+Export records it beside the INT8 accuracy gate, serving beside its self-check, training decides from
+it whether bf16 autocast pays. Dependency-free: torch is asked only when a caller passes it in.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+# Features that decide which fp32/int8/bf16 kernels oneDNN and ONNX Runtime's MLAS can use.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) that still allow its bf16 kernels; lower caps (e.g. AVX2, AVX512_CORE,
+# AVX512_CORE_VNNI) make bf16 run through slow emulation. https://oneapi-src.github.io/oneDNN/dev_guide_cpu_dispatcher_control.html
+ONEDNN_BF16_ISAS = ("AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX512_CORE_AMX",
+                    "AVX10_1_512_AMX_FP16", "AVX512_CORE_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2", "ALL")
+
+
+def read_cpuinfo(path: str | Path = "/proc/cpuinfo") -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return {}
+    fields = {}
+    for line in text.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+@dataclass(frozen=True)
+class CpuKind:
+    model: str  # e.g. "AMD EPYC" (generic under some hypervisors)
+    flags: frozenset[str]  # the ISA_FLAGS this CPU has
+
+    @classmethod
+    def this_host(cls) -> "CpuKind":
+        info = read_cpuinfo()
+        flags = set(info.get("flags", "").split())
+        return cls(info.get("model name", platform.processor() or "unknown"), frozenset(f for f in ISA_FLAGS if f in flags))
+
+    @property
+    def vnni(self) -> bool:
+        """int8 dot products without the 16-bit intermediate sums that saturate on AVX2 (VPMADDUBSW)."""
+        return bool(self.flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+    @property
+    def native_bf16(self) -> bool:
+        return bool(self.flags & {"avx512_bf16", "amx_bf16"})
+
+    def describe(self) -> str:
+        """One line for logs, errors and model.json, e.g. "AMD EPYC [avx2 fma]"."""
+        return f"{self.model} [{' '.join(f for f in ISA_FLAGS if f in self.flags) or 'no AVX2'}]"
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "flags": [f for f in ISA_FLAGS if f in self.flags]}
+
+
+def bf16_autocast_pays(cpu: CpuKind, aten_capability: str, environ: dict[str, str] | None = None) -> tuple[bool, str]:
+    """(whether bf16 autocast on this CPU runs native bf16 kernels, why).
+
+    Without native bf16 (AVX512_BF16 or AMX) torch emulates it, which measured ~17x slower than fp32 on an
+    AVX2-only EPYC. `aten_capability` is what torch reports (torch.backends.cpu.get_cpu_capability(),
+    capped by ATEN_CPU_CAPABILITY); oneDNN's own cap is ONEDNN_MAX_CPU_ISA (or its old name DNNL_MAX_CPU_ISA).
+    """
+    environ = os.environ if environ is None else environ
+    if not cpu.native_bf16:
+        return False, f"this CPU has no native bf16 (no avx512_bf16 or amx_bf16: {cpu.describe()})"
+    if not aten_capability.upper().startswith("AVX512"):
+        return False, f"torch's CPU kernels are capped at {aten_capability} (ATEN_CPU_CAPABILITY)"
+    onednn_cap = (environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    if onednn_cap not in ONEDNN_BF16_ISAS:
+        return False, f"oneDNN is capped at {onednn_cap} (ONEDNN_MAX_CPU_ISA), below its bf16 kernels"
+    return True, f"native bf16 ({cpu.describe()})"

@@ -1,0 +1,250 @@
+"""model.json: the one description of an exported model (docs/artifacts.md), as Triton's model config
+is for Triton. Export builds a ModelDescription and writes it; serving, bench and deployment read it
+back through `ModelDescription.from_json`, which checks every key. Dependency-free (no torch, onnx
+or grpc), so every stage can import it.
+
+Every file an export writes is listed with its SHA-256 under `sha256`; readers resolve names only
+inside the model directory (`resolve`), so a model.json cannot point at other files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from capsnet.errors import CapsNetError
+
+SIDECAR_NAME = "model.json"
+FORMAT_NAME = "capsnet-model"
+# 2: file hashes, the self-check reference set, the INT8 gate's data and CPU, the FP16 gate
+FORMAT_VERSION = 2
+MODEL_NAME = "capsnet"
+MODEL_VERSION = "1"
+INPUT_NAME = "images"
+OUTPUT_NAMES = ("probabilities", "poses")
+RECONSTRUCTION_NAME = "reconstruction"
+
+CHECKPOINT_NAME = "model.ckpt"
+ONNX_NAME = "model.onnx"
+ONNX_INT8_NAME = "model.int8.onnx"
+ONNX_FP16_NAME = "model.fp16.onnx"
+PLAN_NAME = "model.plan"
+PLAN_INFO_NAME = "model.plan.json"
+REFERENCE_NAME = "reference.npz"  # self-check images and their FP32 outputs
+# `artifacts` key of each precision's ONNX file
+ONNX_KEYS = {"fp32": "onnx", "fp16": "onnx_fp16", "int8": "onnx_int8"}
+ARTIFACT_KEYS = ("onnx", "onnx_int8", "onnx_fp16", "tensorrt", "checkpoint", "reference")
+# model.plan.json: what the engine was built for (TensorRT rejects a plan from another GPU or version)
+PLAN_INFO_KEYS = ("tensorrt_version", "gpu_name", "compute_capability", "precision", "min_batch", "opt_batch", "max_batch")
+
+
+def output_names(reconstruction: bool) -> tuple[str, ...]:
+    return OUTPUT_NAMES + ((RECONSTRUCTION_NAME,) if reconstruction else ())
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    input_shape: tuple[int, int, int]  # (C, H, W), float32 in [0, 1], NCHW
+    class_names: tuple[str, ...]
+    output_shapes: dict[str, tuple[int, ...]]  # without the batch axis: probabilities (J,), poses (J, D)[, reconstruction]
+    routing: dict  # {"variant", "iterations", "squash_constant"}, or EM's {"variant": "em", "iterations", "inverse_temperature"}
+    artifacts: dict[str, str | None]  # ARTIFACT_KEYS -> file name in the model directory (None: not exported)
+    opset: int
+    name: str = MODEL_NAME
+    version: str = MODEL_VERSION
+    input_name: str = INPUT_NAME
+    exporter_version: str = ""
+    created: str = ""  # ISO-8601 UTC
+    sha256: dict[str, str] = field(default_factory=dict)  # file name -> digest, for every listed file
+    training_metrics: dict = field(default_factory=dict)
+    reference_set: dict | None = None  # {"images", "dataset", "split"} of reference.npz
+    int8: dict | None = None  # the INT8 accuracy gate: data, CPU, scheme, accuracies
+    fp16: dict | None = None  # the FP16 gate: tolerances and what was measured
+    parity: dict = field(default_factory=dict)  # exported graphs against their reference
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(self.output_shapes)
+
+    @property
+    def pose_dim(self) -> int:
+        return self.output_shapes["poses"][1]
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """The precisions exported as ONNX, fp32 first."""
+        return tuple(p for p, key in ONNX_KEYS.items() if self.artifacts.get(key))
+
+    def to_json(self, with_hashes: bool = True) -> dict[str, Any]:
+        """model.json's content; without the hashes it is what each ONNX file embeds (a file cannot hold its own hash)."""
+        channels, height, width = self.input_shape
+        values = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "name": self.name,
+            "version": self.version,
+            "exporter_version": self.exporter_version,
+            "created": self.created,
+            "opset": self.opset,
+            "input": {"name": self.input_name, "datatype": "FP32", "layout": "NCHW",
+                      "shape": [channels, height, width], "value_range": [0.0, 1.0]},
+            "outputs": [{"name": name, "datatype": "FP32", "shape": list(shape)} for name, shape in self.output_shapes.items()],
+            "class_names": list(self.class_names),
+            "routing": self.routing,
+            "artifacts": {key: self.artifacts.get(key) for key in ARTIFACT_KEYS},
+            "sha256": self.sha256,
+            "reference_set": self.reference_set,
+            "training_metrics": self.training_metrics,
+            "int8": self.int8,
+            "fp16": self.fp16,
+            "parity": self.parity,
+        }
+        if not with_hashes:
+            del values["sha256"]
+        return values
+
+    def write(self, directory: Path) -> None:
+        (directory / SIDECAR_NAME).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, directory: str | os.PathLike) -> "ModelDescription":
+        """DIR/model.json, checked; CapsNetError naming the file and the key otherwise."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise CapsNetError(f"model directory {directory} does not exist" if not directory.exists()
+                               else f"model directory {directory} is not a directory")
+        path = directory / SIDECAR_NAME
+        if not path.is_file():
+            raise CapsNetError(f"{directory} is not a capsnet model directory (no {SIDECAR_NAME}); make one with `capsnet export`")
+        return cls.from_json(read_json(path), str(path))
+
+    @classmethod
+    def from_json(cls, values: Any, source: str) -> "ModelDescription":
+        reader = _Reader(source)
+        if not isinstance(values, dict) or values.get("format") != FORMAT_NAME:
+            raise reader.fail(f"'format' is not {FORMAT_NAME!r}")
+        if values.get("format_version") != FORMAT_VERSION:
+            raise CapsNetError(f"{source} has format version {values.get('format_version')!r}; this capsnet-serve reads "
+                               f"version {FORMAT_VERSION} (re-export the checkpoint with `capsnet export`)")
+        model_input = reader.get(values, "input", dict)
+        input_shape = tuple(reader.get(model_input, "shape", list, "input."))
+        if len(input_shape) != 3 or not all(isinstance(d, int) and d > 0 for d in input_shape):
+            raise reader.fail(f"input.shape must be [C, H, W] of positive integers, got {list(input_shape)}")
+        if model_input.get("datatype") != "FP32" or model_input.get("layout") != "NCHW":
+            raise reader.fail("input must be FP32 NCHW")
+        class_names = tuple(reader.get(values, "class_names", list))
+        if not class_names or not all(isinstance(n, str) for n in class_names):
+            raise reader.fail("class_names must be a non-empty list of strings")
+        output_shapes = reader.output_shapes(values, len(class_names), input_shape)
+        artifacts = reader.get(values, "artifacts", dict)
+        for key, name in artifacts.items():
+            if key not in ARTIFACT_KEYS or not (name is None or isinstance(name, str)):
+                raise reader.fail(f"artifacts.{key} is not one of {', '.join(ARTIFACT_KEYS)} with a file name or null")
+        for key in ("onnx", "checkpoint", "reference"):
+            if not artifacts.get(key):
+                raise reader.fail(f"artifacts.{key} is not set")
+        sha256 = reader.get(values, "sha256", dict)
+        unhashed = [name for name in artifacts.values() if name and not isinstance(sha256.get(name), str)]
+        if unhashed:
+            raise reader.fail(f"sha256 has no digest for {', '.join(unhashed)}")
+        optional = {key: reader.get(values, key, (dict, type(None))) for key in ("reference_set", "int8", "fp16")}
+        return cls(
+            input_shape=input_shape,
+            class_names=class_names,
+            output_shapes=output_shapes,
+            routing=dict(reader.get(values, "routing", dict)),
+            artifacts={key: artifacts.get(key) for key in ARTIFACT_KEYS},
+            opset=reader.get(values, "opset", int),
+            name=reader.get(values, "name", str),
+            version=str(reader.get(values, "version", (str, int))),
+            input_name=reader.get(model_input, "name", str, "input."),
+            exporter_version=str(values.get("exporter_version", "")),
+            created=str(values.get("created", "")),
+            sha256=dict(sha256),
+            training_metrics=dict(values.get("training_metrics") or {}),
+            parity=dict(values.get("parity") or {}),
+            **optional,
+        )
+
+    def description_fields(self) -> dict[str, Any]:
+        """The description's own fields (a subclass's left out), to build a subclass that adds to them."""
+        return {name: getattr(self, name) for name in ModelDescription.__dataclass_fields__}
+
+    def resolve(self, directory: Path, name: str, what: str) -> Path:
+        """`name` inside `directory`, existing, and with the digest model.json records; CapsNetError otherwise."""
+        source = directory / SIDECAR_NAME
+        root = directory.resolve()
+        path = (root / name).resolve()
+        if Path(name).is_absolute() or root not in path.parents:
+            raise CapsNetError(f"{source} is damaged: {what} {name!r} is not a file inside {directory}")
+        if not path.is_file():
+            raise CapsNetError(f"{source} is damaged: it lists {what} {name!r}, which is missing from {directory}")
+        digest = file_sha256(path)
+        if digest != self.sha256.get(name):
+            raise CapsNetError(f"{path} does not match {source} (sha256 {digest[:12]}…, recorded "
+                               f"{str(self.sha256.get(name))[:12]}…): the file was changed after export; re-export it")
+        return path
+
+
+class _Reader:
+    """Typed access to model.json fields, with errors that name the file and the key."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, message: str) -> CapsNetError:
+        return CapsNetError(f"{self.source} is damaged: {message}")
+
+    def get(self, table: dict, key: str, kind: type | tuple[type, ...], where: str = ""):
+        if key not in table:
+            raise self.fail(f"missing key {where}{key!r}")
+        value = table[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise self.fail(f"{where}{key!r} has the wrong type ({type(value).__name__})")
+        return value
+
+    def output_shapes(self, values: dict, classes: int, input_shape: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
+        shapes = {}
+        for index, output in enumerate(self.get(values, "outputs", list)):
+            if not isinstance(output, dict):
+                raise self.fail(f"outputs[{index}] is not an object")
+            shape = self.get(output, "shape", list, f"outputs[{index}].")
+            if not all(isinstance(d, int) and d > 0 for d in shape):
+                raise self.fail(f"outputs[{index}].shape must be positive integers, got {shape}")
+            shapes[self.get(output, "name", str, f"outputs[{index}].")] = tuple(shape)
+        poses = shapes.get("poses", ())
+        if shapes.get("probabilities") != (classes,) or len(poses) != 2 or poses[0] != classes:
+            raise self.fail(f"outputs must include probabilities [{classes}] and poses [{classes}, D]")
+        channels, height, width = input_shape
+        if RECONSTRUCTION_NAME in shapes and shapes[RECONSTRUCTION_NAME] != (channels * height * width,):
+            raise self.fail(f"output reconstruction must have shape [{channels * height * width}]")
+        return shapes
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CapsNetError(f"{path} is damaged: not valid JSON ({err})") from None
+
+
+def read_plan_info(path: Path) -> dict:
+    """model.plan.json (a resolved path): the GPU and TensorRT version the engine was built for."""
+    info = read_json(path)
+    missing = [key for key in PLAN_INFO_KEYS if not isinstance(info, dict) or key not in info]
+    if missing:
+        raise CapsNetError(f"{path} is damaged: missing {', '.join(missing)}")
+    return info
+

@@ -1,0 +1,145 @@
+"""The self-check before SERVING, --precision auto, and model.json's file hashes and paths, on real
+`capsnet serve` runs. An INT8 file whose weights went wrong at export (its hash rewritten to match, as an
+exporter bug would) must be refused at startup, or with --precision auto be replaced by FP32."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import grpc
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from capsnet.cli import main
+from capsnet.cpu import CpuKind
+from capsnet.model_description import file_sha256
+from capsnet.v1 import capsnet_pb2 as pb
+from capsnet.v1 import capsnet_pb2_grpc
+from serving_helpers import ServerThread, metric, scrape, server_config
+
+
+@pytest.fixture(scope="module")
+def int8_model_dir(trained_tiny_checkpoint, tmp_path_factory) -> Path:
+    from capsnet.export.exporter import export_model
+
+    out = tmp_path_factory.mktemp("self-check") / "model"
+    export_model(trained_tiny_checkpoint, out, int8=True, int8_max_drop=100.0)  # the gate is not under test here
+    return out
+
+
+def _copy(model_dir: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    return copy
+
+
+def _rehash(model_dir: Path, name: str) -> None:
+    sidecar = json.loads((model_dir / "model.json").read_text())
+    sidecar["sha256"][name] = file_sha256(model_dir / name)
+    (model_dir / "model.json").write_text(json.dumps(sidecar))
+
+
+def _scale_int8_weights(model_dir: Path, factor: float) -> None:
+    """Multiply the dequantisation scales of the INT8 convolution weights, i.e. the weights themselves."""
+    path = model_dir / "model.int8.onnx"
+    model = onnx.load(str(path))
+    scales = {node.input[1] for node in model.graph.node
+              if node.op_type == "DequantizeLinear" and node.input[0].endswith("weight_quantized")}
+    for index, init in enumerate(model.graph.initializer):
+        if init.name in scales:
+            model.graph.initializer[index].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * factor, init.name))
+    onnx.save(model, str(path))
+    _rehash(model_dir, "model.int8.onnx")
+
+
+def _serve_errors(model_dir: Path, capsys, *flags: str) -> tuple[int, list[str]]:
+    code = main(["serve", "--model", str(model_dir), "--grpc-port", "0", "--metrics-port", "0", *flags])
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet serve: error: ")]
+
+
+def test_a_corrupted_int8_model_is_refused_at_startup_with_one_line(int8_model_dir, tmp_path, capsys):
+    copy = _copy(int8_model_dir, tmp_path)
+    _scale_int8_weights(copy, 3.0)
+    code, errors = _serve_errors(copy, capsys, "--precision", "int8")
+    assert code == 2 and len(errors) == 1, errors
+    assert "self-check failed: int8 against the FP32 reference on 128 images" in errors[0]
+    assert f"this CPU: {CpuKind.this_host().describe()}" in errors[0]
+
+
+def test_precision_auto_falls_back_to_fp32_when_the_int8_self_check_fails(int8_model_dir, tmp_path, caplog):
+    copy = _copy(int8_model_dir, tmp_path)
+    _scale_int8_weights(copy, 3.0)
+    with caplog.at_level(logging.INFO, logger="capsnet.serving"):
+        server = ServerThread(server_config(copy, precision="auto"))
+    try:
+        spec = server.server.service.spec
+        assert spec.precision == "fp32" and spec.self_check.passed
+        assert "the INT8 self-check failed on this CPU" in spec.choice
+        assert any(r.levelno == logging.WARNING and "precision auto: fp32" in r.message for r in caplog.records)
+    finally:
+        server.stop()
+
+
+def test_the_self_check_is_exposed_in_model_info_and_metrics(int8_model_dir):
+    server = ServerThread(server_config(int8_model_dir, precision="int8"))
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            info = capsnet_pb2_grpc.CapsNetServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        check = info.self_check
+        assert info.precision == check.precision == "int8" and check.passed and check.images == 128
+        assert check.argmax_agreement >= 0.99 and 0 < check.max_abs_diff["probabilities"] <= 0.1
+        assert check.cpu == CpuKind.this_host().describe() and info.choice.startswith("onnxruntime")
+        samples = scrape(server.metrics_url)
+        assert metric(samples, "capsnet_self_check_argmax_agreement_ratio") == pytest.approx(check.argmax_agreement)
+        assert metric(samples, "capsnet_self_check_max_abs_diff", output="probabilities") == pytest.approx(
+            check.max_abs_diff["probabilities"])
+    finally:
+        server.stop()
+
+
+def test_precision_auto_serves_a_checked_precision_and_says_why(int8_model_dir):
+    server = ServerThread(server_config(int8_model_dir))  # auto is the default
+    try:
+        spec = server.server.service.spec
+        assert spec.self_check.passed and spec.self_check.precision == spec.precision
+        # which one wins depends on this CPU's int8 kernels; the choice says what was measured
+        assert spec.precision in ("fp32", "int8") and "INT8" in spec.choice and "ms" in spec.choice
+    finally:
+        server.stop()
+
+
+def test_fp32_must_match_the_reference_exactly_enough(int8_model_dir, tmp_path, capsys):
+    import numpy as np
+
+    copy = _copy(int8_model_dir, tmp_path)
+    with np.load(copy / "reference.npz") as archive:
+        reference = {name: archive[name] for name in archive.files}
+    reference["poses"] = reference["poses"] + 1e-3  # FP32 outputs that another model would give
+    np.savez_compressed(copy / "reference.npz", **reference)
+    _rehash(copy, "reference.npz")
+    code, errors = _serve_errors(copy, capsys, "--precision", "fp32")
+    assert code == 2 and len(errors) == 1 and "self-check failed: fp32" in errors[0] and "allowed 0.0001" in errors[0]
+
+
+def test_a_file_changed_after_export_is_refused(int8_model_dir, tmp_path, capsys):
+    copy = _copy(int8_model_dir, tmp_path)
+    path = copy / "model.int8.onnx"
+    path.write_bytes(path.read_bytes() + b"\0")
+    code, errors = _serve_errors(copy, capsys)
+    assert code == 2 and len(errors) == 1 and "model.int8.onnx does not match" in errors[0] and "re-export" in errors[0]
+
+
+@pytest.mark.parametrize("name", ["../outside.onnx", "/etc/hostname", "sub/../../outside.onnx"])
+def test_model_json_cannot_point_outside_the_model_directory(int8_model_dir, tmp_path, capsys, name):
+    copy = _copy(int8_model_dir, tmp_path)
+    shutil.copy(copy / "model.onnx", tmp_path / "outside.onnx")
+    sidecar = json.loads((copy / "model.json").read_text())
+    sidecar["artifacts"]["onnx"] = name
+    sidecar["sha256"][name] = file_sha256(copy / "model.onnx")
+    (copy / "model.json").write_text(json.dumps(sidecar))
+    code, errors = _serve_errors(copy, capsys)
+    assert code == 2 and len(errors) == 1 and f"artifacts.onnx {name!r} is not a file inside" in errors[0], errors
