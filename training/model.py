@@ -56,7 +56,7 @@ def route(u_hat: Tensor, iterations: int, variant: str = "sabour", squash_consta
     """
     batch, num_out, num_in, dim = u_hat.shape
     # Flattened after û's transpose, so ONNX Runtime materialises û once instead of fusing the
-    # transpose into every MatMul below (each would then re-gather û: measured about twice the time).
+    # transpose into every MatMul below (each would then re-gather û; measured slower).
     flat = u_hat.reshape(batch * num_out, num_in, dim)  # (B*J, I, D)
     leaky = variant == "leaky"
     logits = coupling = v = None
