@@ -62,25 +62,21 @@ def test_bench_targets_int8_speedup_depends_on_the_hosts_int8_instructions(isa, 
     assert int8_speed["met"] == (required == 2.0)
 
 
+def _grpc_row(api, batching, concurrency, p50_ms, ratio, server_ms, server_cpu, busy, mean_batch, client_cpu):
+    return {"api": api, "dynamic_batching": batching, "concurrency": concurrency, "p50_ms": p50_ms,
+            "ratio_to_inprocess": ratio, "server_mean_ms": server_ms, "server_cpu_per_s": server_cpu,
+            "server_compute_busy": busy, "server_mean_batch": mean_batch, "client_cpu_per_s": client_cpu}
+
+
 def test_bench_targets_grpc_cpu_and_memory():
     grpc = {
         "inprocess_reference": [{"batch_size": 1, "p50_ms": 2.0}, {"batch_size": 16, "p50_ms": 40.0}],
         "results": [
-            {"api": "capsnet", "dynamic_batching": True, "concurrency": 1, "p50_ms": 2.5, "ratio_to_inprocess": 0.8,
-             "server_mean_ms": 2.2, "server_cpu_per_s": 1.1, "server_compute_busy": 0.6, "server_mean_batch": 1.0,
-             "client_cpu_per_s": 0.3},
-            {"api": "kserve", "dynamic_batching": True, "concurrency": 1, "p50_ms": 3.5, "ratio_to_inprocess": 0.7,
-             "server_mean_ms": 2.9, "server_cpu_per_s": 1.5, "server_compute_busy": 0.5, "server_mean_batch": 1.0,
-             "client_cpu_per_s": 0.3},
-            {"api": "capsnet", "dynamic_batching": True, "concurrency": 16, "p50_ms": 45.0, "ratio_to_inprocess": 0.92,
-             "server_mean_ms": 40.0, "server_cpu_per_s": 1.9, "server_compute_busy": 0.9, "server_mean_batch": 7.0,
-             "client_cpu_per_s": 0.1},
-            {"api": "kserve", "dynamic_batching": True, "concurrency": 16, "p50_ms": 46.0, "ratio_to_inprocess": 0.86,
-             "server_mean_ms": 41.0, "server_cpu_per_s": 1.9, "server_compute_busy": 0.9, "server_mean_batch": 6.5,
-             "client_cpu_per_s": 0.1},
-            {"api": "capsnet", "dynamic_batching": False, "concurrency": 16, "p50_ms": 90.0, "ratio_to_inprocess": 0.2,
-             "server_mean_ms": 80.0, "server_cpu_per_s": 1.9, "server_compute_busy": 0.9, "server_mean_batch": 1.0,
-             "client_cpu_per_s": 0.1},
+            _grpc_row("capsnet", True, 1, 2.5, 0.8, 2.2, 1.1, 0.6, 1.0, 0.3),
+            _grpc_row("kserve", True, 1, 3.5, 0.7, 2.9, 1.5, 0.5, 1.0, 0.3),
+            _grpc_row("capsnet", True, 16, 45.0, 0.92, 40.0, 1.9, 0.9, 7.0, 0.1),
+            _grpc_row("kserve", True, 16, 46.0, 0.86, 41.0, 1.9, 0.9, 6.5, 0.1),
+            _grpc_row("capsnet", False, 16, 90.0, 0.2, 80.0, 1.9, 0.9, 1.0, 0.1),
         ],
         "server_memory": {"idle_rss_mib": 300.0, "peak_rss_mib": 1100.0},
     }
