@@ -114,8 +114,9 @@ def _limit_section(results: dict) -> list[str]:
         f"- FLOPs per image, counted from the exported graph (Conv/MatMul/Gemm/Einsum shapes, 2 per multiply-add): "
         f"**{flops['flops_per_image'] / 1e6:.1f} MFLOP**; the largest node, `{largest['name']}` ({largest['op_type']}), "
         f"is {largest['share'] * 100:.1f}% of it.",
-        f"- fp32 peak on {peak['threads']} threads (the better of a measurement before and one after the in-process "
-        f"backends): {peak['matmul']['gflops']:.0f} GFLOP/s on a "
+        f"- fp32 peak on {peak['threads']} threads (the median of {len(peak.get('runs', [peak]))} measurements, one after "
+        f"each interleaved round of the in-process backends, so under the load they ran under; the PrimaryCaps-shaped "
+        f"conv ranged {_range(peak, 'gflops')} GFLOP/s over them): {peak['matmul']['gflops']:.0f} GFLOP/s on a "
         f"{'×'.join(map(str, peak['matmul']['shape']))} matmul; {conv['gflops_torch']:.0f} (PyTorch) and "
         f"{conv['gflops_onnxruntime']:.0f} (ONNX Runtime) GFLOP/s on a PrimaryCaps-shaped conv "
         f"({'×'.join(map(str, conv['input_shape']))} input, {'×'.join(map(str, conv['weight_shape']))} weights, "
@@ -123,6 +124,11 @@ def _limit_section(results: dict) -> list[str]:
         f"- Ceiling: {conv['gflops']:.0f} GFLOP/s ÷ {flops['flops_per_image'] / 1e6:.1f} MFLOP = "
         f"**{ceiling['images_per_s']:.0f} images/s**.",
     ]
+
+
+def _range(peak: dict, key: str) -> str:
+    values = [run["conv"][key] for run in peak.get("runs", [peak])]
+    return f"{min(values):.0f}–{max(values):.0f}"
 
 
 def _inprocess_section(results: dict) -> list[str]:
