@@ -44,35 +44,45 @@ class RoutingResult(NamedTuple):
 
 
 def route(u_hat: Tensor, iterations: int, variant: str = "sabour", squash_constant: float = 1.0,
-          detach_agreement: bool = False) -> RoutingResult:
-    """Routing by agreement over predictions u_hat (B, I, J, D), per sample.
+          detach_agreement: bool = False, uniform_sum: Tensor | None = None) -> RoutingResult:
+    """Routing by agreement over predictions u_hat (B, J, I, D), per sample.
 
+    With û laid out class-major, both sums over the input capsules are batched matrix products over
+    (B, J): s_j = c_j · û_j and the agreement û_j · v_j. Each reads û once and writes only the small
+    result, where an elementwise product then a sum would write and re-read a temporary of û's size.
     b starts at 0, so the first coupling is uniform (1/J, or 1/(J+1) with the leaky extra logit)
-    and needs no softmax; the logits of every later iteration are each sample's own.
+    and needs no softmax; `uniform_sum` (B, J, D) is Σ_i û_j|i where the caller has it cheaper than
+    a pass over û. The logits of every later iteration are each sample's own.
     """
-    batch, num_in, num_out, _ = u_hat.shape
+    batch, num_out, num_in, dim = u_hat.shape
+    # Flattened after û's transpose, so ONNX Runtime materialises û once instead of fusing the
+    # transpose into every MatMul below (each would then re-gather û; measured slower).
+    flat = u_hat.reshape(batch * num_out, num_in, dim)  # (B*J, I, D)
     leaky = variant == "leaky"
     logits = coupling = v = None
     for iteration in range(iterations):
         if logits is None:
-            s = u_hat.sum(dim=1) / (num_out + leaky)  # (B, J, D): uniform coupling
+            total = u_hat.sum(dim=2) if uniform_sum is None else uniform_sum  # (B, J, D)
+            s = total / (num_out + leaky)  # (B, J, D): uniform coupling
         else:
             if leaky:
                 # A zero logit for an extra "none of these" parent absorbs votes that fit no class.
-                padded = F.pad(logits, (0, 1))  # (B, I, J+1)
-                coupling = torch.softmax(padded, dim=-1)[..., :num_out]  # (B, I, J)
+                padded = F.pad(logits, (0, 0, 0, 1))  # (B, J+1, I)
+                coupling = torch.softmax(padded, dim=1)[:, :num_out]  # (B, J, I)
             else:
-                coupling = torch.softmax(logits, dim=-1)  # (B, I, J)
-            s = (coupling.unsqueeze(-1) * u_hat).sum(dim=1)  # (B, J, D)
+                coupling = torch.softmax(logits, dim=1)  # (B, J, I): over the classes
+            s = torch.matmul(coupling.reshape(batch * num_out, 1, num_in), flat)  # (B*J, 1, I) @ (B*J, I, D) -> (B*J, 1, D)
+            s = s.view(batch, num_out, dim)  # (B, J, D)
         v = squash(s, squash_constant)  # (B, J, D)
         if iteration < iterations - 1:
-            agreement = (u_hat * v.unsqueeze(1)).sum(dim=-1)  # (B, I, J)
+            agreement = torch.matmul(flat, v.view(batch * num_out, dim, 1))  # (B*J, I, D) @ (B*J, D, 1) -> (B*J, I, 1)
+            agreement = agreement.view(batch, num_out, num_in)  # (B, J, I)
             if detach_agreement:
                 agreement = agreement.detach()
             logits = agreement if (logits is None or variant == "su") else logits + agreement
     if coupling is None:
-        coupling = u_hat.new_full((batch, num_in, num_out), 1.0 / (num_out + leaky))  # (B, I, J)
-    return RoutingResult(poses=v, coupling=coupling)
+        return RoutingResult(v, u_hat.new_full((batch, num_in, num_out), 1.0 / (num_out + leaky)))  # (B, I, J)
+    return RoutingResult(poses=v, coupling=coupling.transpose(1, 2))  # (B, I, J)
 
 
 class PrimaryCaps(nn.Module):
@@ -112,17 +122,21 @@ class DigitCaps(nn.Module):
         )
 
     def predictions(self, u: Tensor) -> Tensor:
-        """û_j|i = W_ij · u_i for every pair, as one MatMul."""
+        """û_j|i = W_ij · u_i for every pair, as one MatMul, laid out class-major for `route`."""
         cfg = self.config
         batch = u.shape[0]
         u_hat = torch.matmul(u.transpose(0, 1), self.weight)  # (I, B, P) @ (I, P, J*D) -> (I, B, J*D)
-        u_hat = u_hat.transpose(0, 1)  # (B, I, J*D)
-        return u_hat.reshape(batch, cfg.num_primary_caps, cfg.num_classes, cfg.digit_caps_dim)  # (B, 1152, 10, 16)
+        u_hat = u_hat.view(cfg.num_primary_caps, batch, cfg.num_classes, cfg.digit_caps_dim)  # (1152, B, 10, 16)
+        return u_hat.permute(1, 2, 0, 3)  # (B, 10, 1152, 16)
 
     def forward(self, u: Tensor) -> RoutingResult:
         cfg = self.config
+        batch, num_in, caps_dim = u.shape
+        # Σ_i û_j|i = Σ_i W_ij u_i is one GEMM of u by W, so the uniform first iteration reads W, not û.
+        total = u.reshape(batch, num_in * caps_dim) @ self.weight.view(num_in * caps_dim, -1)  # (B, I*P) @ (I*P, J*D)
         return route(
             self.predictions(u),
+            uniform_sum=total.view(batch, cfg.num_classes, cfg.digit_caps_dim),  # (B, J, D)
             iterations=cfg.routing_iterations,
             variant=cfg.routing,
             squash_constant=cfg.squash_constant,

@@ -1,4 +1,4 @@
-"""The backends `capsnet bench` times in-process: the server's own, plus the public-style PyTorch baseline.
+"""The backends `capsnet bench` times in-process: the server's own, plus the public PyTorch CapsNet baseline.
 
 Each loads from an export directory (docs/artifacts.md) through the server's backend factory and
 becomes a function images (N, C, H, W) float32 -> probabilities (N, J). Heavy imports stay inside
@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from capsnet.errors import CapsNetError
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -24,7 +26,7 @@ SERVER_BACKENDS = {
     "tensorrt-fp16": ("tensorrt", "fp16"),
     "tensorrt-int8": ("tensorrt", "int8"),
 }
-PUBLIC_REFERENCE = "pytorch-public"  # public_reference.py: the formulation of popular public implementations
+PUBLIC_REFERENCE = "pytorch-public"  # public_reference.py: the most-used public PyTorch CapsNet's formulation
 BACKEND_NAMES = ("pytorch", PUBLIC_REFERENCE, "onnxruntime-fp32", "onnxruntime-int8",
                  "tensorrt-fp32", "tensorrt-fp16", "tensorrt-int8")  # the order of tables and plots
 
@@ -61,14 +63,17 @@ def load_backend(name: str, model_dir: str, threads: int, max_batch_size: int) -
 def _public_reference(checkpoint_path: Path, threads: int):
     import torch
 
-    from capsnet.bench.public_reference import PublicStyleCapsNet
+    from capsnet.bench.public_reference import SOURCE, PublicCapsNet
     from capsnet.training.checkpoint import load_checkpoint
 
     torch.set_num_threads(threads)
-    model = PublicStyleCapsNet.from_capsnet(load_checkpoint(checkpoint_path).build_model())
+    try:
+        model = PublicCapsNet(load_checkpoint(checkpoint_path).build_model())
+    except CapsNetError as err:  # a routing variant the public code does not have
+        raise BackendUnavailable(str(err)) from None
 
     def infer(images: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
             return model(torch.from_numpy(images))[0].numpy()
 
-    return infer, f"public-style PyTorch CapsNet (capsnet/bench/public_reference.py) on CPU, {threads} threads"
+    return infer, f"{SOURCE}'s formulation, eager PyTorch (capsnet/bench/public_reference.py) on CPU, {threads} threads"

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -39,9 +40,9 @@ class BackendPlan:
 
 
 def run_inprocess(plans: dict[str, BackendPlan], threads: int, images: np.ndarray, labels: np.ndarray,
-                  schedule: Schedule, accuracy_images: int) -> dict:
+                  schedule: Schedule, accuracy_images: int, after_round: Callable[[], None] = lambda: None) -> dict:
     """Time each backend (name -> plan) on images (N, C, H, W) float32 at its batch sizes, and measure its
-    accuracy on the first `accuracy_images`."""
+    accuracy on the first `accuracy_images`. `after_round` runs after each round, while the workers wait."""
     workers, skipped = {}, {}
     max_batch = max(batch for plan in plans.values() for batch in plan.batch_sizes)
     try:
@@ -58,6 +59,8 @@ def run_inprocess(plans: dict[str, BackendPlan], threads: int, images: np.ndarra
             for batch, name in cells:
                 time.sleep(SETTLE_SECONDS)
                 durations[batch, name] += workers[name].call("time", tile(images, batch), chunk_seconds)
+            time.sleep(SETTLE_SECONDS)
+            after_round()
         accuracy = {}
         eval_images, eval_labels = images[:accuracy_images], labels[:accuracy_images]
         for name, worker in workers.items():

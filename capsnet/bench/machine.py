@@ -7,7 +7,7 @@ import os
 import platform
 from pathlib import Path
 
-from capsnet.cpu import CpuKind, read_cpuinfo
+from capsnet.cpu import CpuKind, bf16_autocast_pays, read_cpuinfo
 
 PACKAGES = ("capsnet-serve", "torch", "onnxruntime", "onnx", "numpy", "grpcio", "tensorrt")
 
@@ -46,12 +46,25 @@ def machine_facts() -> dict:
         "cpu_id": f"family {cpuinfo.get('cpu family', '?')} model {cpuinfo.get('model', '?')} stepping {cpuinfo.get('stepping', '?')}",
         "cores": cores(),
         "isa": cpu.to_dict()["flags"],
+        "cpu_flags": sorted(cpuinfo.get("flags", "").split()),
+        "torch_cpu": _torch_cpu(cpu),
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "gpu": _gpu_name(),
         "platform": platform.platform(),
         "versions": {"python": platform.python_version(), **_versions()},
         "load_before": load_average(),
     }
+
+
+def _torch_cpu(cpu: CpuKind) -> dict:
+    """What torch's CPU kernels use here: their vector ISA, and whether bf16 would run natively (oneDNN's own
+    answer, and the CPU flags' with the ISA caps) or be emulated."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    native, why = bf16_autocast_pays(cpu, capability)
+    return {"capability": capability, "onednn_native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+            "native_bf16": native, "bf16_why": why}
 
 
 def _gpu_name() -> str | None:

@@ -1,75 +1,88 @@
-"""A CapsNet written the way popular public PyTorch implementations write it: the speed baseline.
+"""The most-used public PyTorch CapsNet's formulation, re-implemented as the speed baseline.
 
-NOT our model and not code taken from any project: a re-implementation, for benchmarking only, of the
-formulation that the widely copied public PyTorch CapsNets share (e.g. gram-ai/capsule-networks,
-higgsfield/Capsule-Network-Tutorial):
-- PrimaryCaps as a list of 8 separate convolutions (one per capsule dimension), stacked;
-- DigitCaps weights as one (1, 1152, 10, 16, 8) parameter;
-- u repeated once per class to (B, 1152, 10, 8, 1) and û = W @ u as a broadcast `torch.matmul` of
-  (1, 1152, 10, 16, 8) by (B, 1152, 10, 8, 1), i.e. one tiny 16×8 product per capsule pair.
-Routing follows the same math as ours (per sample, b starting at 0), so that, loaded with our weights
-through `from_capsnet`, it computes the same probabilities and poses: only the formulation differs.
+NOT our model and no code taken from the project: a re-implementation, for benchmarking only, of how
+XifengGuo/CapsNet-Pytorch (`capsulelayers.py`, `capsulenet.py`), the most-used public PyTorch CapsNet,
+computes a forward pass:
+- PrimaryCaps as one 256-channel Conv2d, its output cut into 8-dimensional capsules and squashed as
+  |s|² / (1 + |s|²) / (|s| + 1e-8) · s;
+- DigitCaps weights W as one (10, 1152, 16, 8) parameter, û = W @ u[:, None, :, :, None] as a broadcast
+  `torch.matmul` (one 16×8 by 8×1 product per capsule pair), û (B, 10, 1152, 16);
+- routing logits b (B, 10, 1152) from zeros, c = softmax(b) over the 10 classes in every iteration
+  (the first one too), s = Σ_i c·û as an elementwise product then a sum, b += Σ_d v·û, and û detached in
+  every iteration but the last;
+- lengths as the class probabilities, then the decoder on the capsules masked by a one-hot of the
+  predicted class, as the public code's evaluation runs it.
+
+One deviation, so that our weights give our outputs and both backends' accuracies compare: the public code
+cuts capsules with `x.view(B, -1, 8)`, which groups 8 neighbouring grid positions of one channel; a
+capsule here is 8 channels at one position (Sabour et al.'s grouping, our model's). That costs one copy of
+the (B, 256, 6, 6) PrimaryCaps output, under 0.1% of the work. Its routing is the paper's (b += û·v,
+squash constant 1): a model trained with another routing variant has no public counterpart.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from capsnet.training.model import CapsNet, capsule_lengths, route
+from capsnet.errors import CapsNetError
+from capsnet.training.model import CapsNet
+
+SOURCE = "XifengGuo/CapsNet-Pytorch"
 
 
-class PublicStyleCapsNet(nn.Module):
+class PublicCapsNet(nn.Module):
     def __init__(self, model: CapsNet):
+        """The same network with copies of `model`'s weights, laid out the public way."""
         super().__init__()
         cfg = model.config
+        if cfg.routing != "sabour" or cfg.squash_constant != 1.0:
+            raise CapsNetError(f"{SOURCE} routes as the paper does (b += û·v, squash constant 1); this model uses "
+                               f"routing {cfg.routing!r} with squash constant {cfg.squash_constant:g}")
         self.config = cfg
-        self.normalised = model.normalised
-        self.conv1 = model.conv1
-        self.primary_caps = nn.ModuleList(
-            nn.Conv2d(cfg.conv1_channels, cfg.primary_caps_channels, cfg.primary_caps_kernel, cfg.primary_caps_stride)
-            for _ in range(cfg.primary_caps_dim)
-        )
-        self.W = nn.Parameter(
-            torch.zeros(1, cfg.num_primary_caps, cfg.num_classes, cfg.digit_caps_dim, cfg.primary_caps_dim)
-        )
+        self.normalised = copy.deepcopy(model.input_normalisation)  # the identity for [0, 1] images, as the public code takes
+        self.conv1 = copy.deepcopy(model.conv1)
+        self.primary_caps = copy.deepcopy(model.primary_caps.conv)  # one Conv2d, 256 output channels
+        self.decoder = copy.deepcopy(model.decoder.net)
+        # Ours is (I, P, J*D) with [i, p, j*D + d] = W_ij[d, p].
+        ours = model.digit_caps.weight.detach().view(
+            cfg.num_primary_caps, cfg.primary_caps_dim, cfg.num_classes, cfg.digit_caps_dim
+        )  # (1152, 8, 10, 16)
+        self.weight = nn.Parameter(ours.permute(2, 0, 3, 1).clone(memory_format=torch.contiguous_format))  # (10, 1152, 16, 8)
+        self.eval()
 
-    @classmethod
-    def from_capsnet(cls, model: CapsNet) -> "PublicStyleCapsNet":
-        """The same network with `model`'s weights laid out the public way."""
-        cfg = model.config
-        public = cls(model)
-        conv = model.primary_caps.conv
-        caps, dim = cfg.primary_caps_channels, cfg.primary_caps_dim
-        # Our conv's output channel c*dim + k is capsule channel c, dimension k.
-        weight = conv.weight.detach().view(caps, dim, *conv.weight.shape[1:])  # (32, 8, 256, 9, 9)
-        bias = conv.bias.detach().view(caps, dim)  # (32, 8)
-        with torch.no_grad():
-            for k, capsule_conv in enumerate(public.primary_caps):
-                capsule_conv.weight.copy_(weight[:, k])
-                capsule_conv.bias.copy_(bias[:, k])
-            # Ours is (I, P, J*D) with [i, p, j*D + d] = W_ij[d, p].
-            ours = model.digit_caps.weight.detach().view(
-                cfg.num_primary_caps, cfg.primary_caps_dim, cfg.num_classes, cfg.digit_caps_dim
-            )  # (1152, 8, 10, 16)
-            public.W.copy_(ours.permute(0, 2, 3, 1).unsqueeze(0))  # (1, 1152, 10, 16, 8)
-        return public.eval()
-
-    def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
-        """images (B, C, H, W) in [0, 1] -> probabilities (B, J), poses (B, J, D)."""
+    def forward(self, images: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """images (B, C, H, W) in [0, 1] -> probabilities (B, J), poses (B, J, D), reconstruction (B, C*H*W)."""
         cfg = self.config
-        features = torch.relu(self.conv1(self.normalised(images)))  # (B, 256, 20, 20)
-        u = torch.stack([conv(features) for conv in self.primary_caps], dim=-1)  # (B, 32, 6, 6, 8)
-        batch = u.shape[0]
-        u = u.view(batch, cfg.num_primary_caps, cfg.primary_caps_dim)  # (B, 1152, 8)
-        u = _squash(u, cfg.squash_constant)
-        u = torch.stack([u] * cfg.num_classes, dim=2).unsqueeze(-1)  # (B, 1152, 10, 8, 1)
-        u_hat = torch.matmul(self.W, u).squeeze(-1)  # (1, 1152, 10, 16, 8) @ (B, 1152, 10, 8, 1) -> (B, 1152, 10, 16)
-        poses = route(u_hat, cfg.routing_iterations, cfg.routing, cfg.squash_constant).poses  # (B, 10, 16)
-        return capsule_lengths(poses), poses
+        features = F.relu(self.conv1(self.normalised(images)))  # (B, 256, 20, 20)
+        x = self.primary_caps(features)  # (B, 256, 6, 6)
+        batch, _, grid_h, grid_w = x.shape
+        x = x.view(batch, cfg.primary_caps_channels, cfg.primary_caps_dim, grid_h, grid_w)  # (B, 32, 8, 6, 6)
+        u = _squash(x.permute(0, 1, 3, 4, 2).reshape(batch, -1, cfg.primary_caps_dim))  # (B, 1152, 8)
+        poses = self._route(u)  # (B, 10, 16)
+        probabilities = poses.norm(dim=-1)  # (B, 10)
+        one_hot = torch.zeros_like(probabilities).scatter_(1, probabilities.argmax(dim=1, keepdim=True), 1.0)  # (B, 10)
+        reconstruction = self.decoder((poses * one_hot[:, :, None]).view(batch, -1))  # (B, 784)
+        return probabilities, poses, reconstruction
+
+    def _route(self, u: Tensor) -> Tensor:
+        u_hat = torch.matmul(self.weight, u[:, None, :, :, None]).squeeze(-1)  # (10, 1152, 16, 8) @ (B, 1, 1152, 8, 1) -> (B, 10, 1152, 16)
+        u_hat_detached = u_hat.detach()
+        b = u.new_zeros(u.shape[0], self.config.num_classes, self.config.num_primary_caps)  # (B, 10, 1152)
+        iterations = self.config.routing_iterations
+        for iteration in range(iterations):
+            c = F.softmax(b, dim=1)  # (B, 10, 1152): over the classes
+            votes = u_hat if iteration == iterations - 1 else u_hat_detached
+            outputs = _squash(torch.sum(c[:, :, :, None] * votes, dim=-2, keepdim=True))  # (B, 10, 1, 16)
+            if iteration < iterations - 1:
+                b = b + torch.sum(outputs * u_hat_detached, dim=-1)  # (B, 10, 1152)
+        return outputs.squeeze(-2)  # (B, 10, 16)
 
 
-def _squash(s: Tensor, constant: float) -> Tensor:
-    """The public implementations' squash: |s|² / (constant + |s|²) · s / |s|."""
-    squared_norm = (s * s).sum(dim=-1, keepdim=True)
-    return squared_norm / (constant + squared_norm) * s / torch.sqrt(squared_norm)
+def _squash(s: Tensor) -> Tensor:
+    """The public code's squash: |s|² / (1 + |s|²) / (|s| + 1e-8) · s."""
+    norm = torch.norm(s, p=2, dim=-1, keepdim=True)
+    return norm**2 / (1 + norm**2) / (norm + 1e-8) * s

@@ -55,6 +55,7 @@ def markdown(results: dict, plot_files: list[str], has_notes: bool) -> str:
             ", ".join(machine["isa"]) or "none", machine["gpu"] or "none",
         ]]),
         "",
+        *_cpu_lines(machine),
         "The load average counts this benchmark's own processes. Stolen time is time the hypervisor ran other "
         "virtual machines on this machine's cores: every figure below shrinks with it.",
         "",
@@ -71,10 +72,12 @@ def markdown(results: dict, plot_files: list[str], has_notes: bool) -> str:
         "Each backend runs in its own process, so its RSS is its own: at start (Python + numpy), after "
         "importing its runtime and loading the model, and the peak over the whole run.",
         "",
-        "`pytorch-public` is not our model: it is `capsnet/bench/public_reference.py`, a re-implementation of "
-        "the formulation that popular public PyTorch CapsNets use (PrimaryCaps as 8 separate convolutions; W as a "
-        "(1, 1152, 10, 16, 8) parameter; u repeated to (B, 1152, 10, 8, 1); û by a broadcast `torch.matmul` "
-        "per capsule pair), loaded with our weights and routing with our math, so it computes the same outputs. "
+        "`pytorch-public` is not our model: it is `capsnet/bench/public_reference.py`, a re-implementation of how "
+        "the most-used public PyTorch CapsNet (XifengGuo/CapsNet-Pytorch) computes a forward pass, run eagerly: "
+        "PrimaryCaps as one convolution; W as a (J, I, D, P) parameter, (10, 1152, 16, 8) in the paper model; û by a broadcast "
+        "`torch.matmul` of W with u[:, None, :, :, None]; logits (B, 10, 1152) with a softmax over the classes in "
+        "every iteration; sums over û as elementwise products then sums; the masked decoder. It is loaded with our "
+        "weights (capsules grouped as ours, its one deviation), so it computes the same outputs. "
         "`pytorch` is the server's torch backend: our `CapsNet.forward`, whose decoder (under 1% of the FLOPs) "
         "also runs.",
     ]
@@ -85,8 +88,9 @@ def markdown(results: dict, plot_files: list[str], has_notes: bool) -> str:
         lines += ["", *_profile_section(results["profiles"], results["ceiling"]["gflops"])]
     if results.get("grpc"):
         lines += ["", *_grpc_section(results["grpc"])]
-    lines += ["", "## Targets", "", _table(["target", "measured", "met"], [
-        [t["target"], t["measured"], QUICK_VERDICT if results["quick"] else "yes" if t["met"] else "**no**"]
+    lines += ["", "## Targets", "", _table(["target", "measured", "met", "short by", "what bounds it"], [
+        [t["target"], t["measured"], QUICK_VERDICT, "", ""] if results["quick"] else
+        [t["target"], t["measured"], "yes" if t["met"] else "**no**", t.get("short_by", ""), t.get("bound", "")]
         for t in results["targets"]
     ])]
     if plot_files:
@@ -94,6 +98,19 @@ def markdown(results: dict, plot_files: list[str], has_notes: bool) -> str:
     if has_notes and not results["quick"]:
         lines += ["", f"What bounds each missed target, and what would move it: [{NOTES}]({NOTES})."]
     return "\n".join(lines) + "\n"
+
+
+def _cpu_lines(machine: dict) -> list[str]:
+    """The host's CPU flags and what torch's kernels use, each a paragraph (runs before these were recorded have neither)."""
+    lines = []
+    if machine.get("cpu_flags"):
+        lines += [f"CPU flags: {' '.join(machine['cpu_flags'])}.", ""]
+    if machine.get("torch_cpu"):
+        torch_cpu = machine["torch_cpu"]
+        lines += [f"torch's CPU kernels: {torch_cpu['capability']}; oneDNN reports native bf16: "
+                  f"{'yes' if torch_cpu['onednn_native_bf16'] else 'no'}; bf16 {'runs natively' if torch_cpu['native_bf16'] else 'would be emulated'}: "
+                  f"{torch_cpu['bf16_why']}.", ""]
+    return lines
 
 
 def _limit_section(results: dict) -> list[str]:
@@ -106,8 +123,9 @@ def _limit_section(results: dict) -> list[str]:
         f"- FLOPs per image, counted from the exported graph (Conv/MatMul/Gemm/Einsum shapes, 2 per multiply-add): "
         f"**{flops['flops_per_image'] / 1e6:.1f} MFLOP**; the largest node, `{largest['name']}` ({largest['op_type']}), "
         f"is {largest['share'] * 100:.1f}% of it.",
-        f"- fp32 peak on {peak['threads']} threads (the better of a measurement before and one after the in-process "
-        f"backends): {peak['matmul']['gflops']:.0f} GFLOP/s on a "
+        f"- fp32 peak on {peak['threads']} threads (the median of {len(peak.get('runs', [peak]))} measurements, one after "
+        f"each interleaved round of the in-process backends, so under the load they ran under; the PrimaryCaps-shaped "
+        f"conv ranged {_range(peak, 'gflops')} GFLOP/s over them): {peak['matmul']['gflops']:.0f} GFLOP/s on a "
         f"{'×'.join(map(str, peak['matmul']['shape']))} matmul; {conv['gflops_torch']:.0f} (PyTorch) and "
         f"{conv['gflops_onnxruntime']:.0f} (ONNX Runtime) GFLOP/s on a PrimaryCaps-shaped conv "
         f"({'×'.join(map(str, conv['input_shape']))} input, {'×'.join(map(str, conv['weight_shape']))} weights, "
@@ -115,6 +133,11 @@ def _limit_section(results: dict) -> list[str]:
         f"- Ceiling: {conv['gflops']:.0f} GFLOP/s ÷ {flops['flops_per_image'] / 1e6:.1f} MFLOP = "
         f"**{ceiling['images_per_s']:.0f} images/s**.",
     ]
+
+
+def _range(peak: dict, key: str) -> str:
+    values = [run["conv"][key] for run in peak.get("runs", [peak])]
+    return f"{min(values):.0f}–{max(values):.0f}"
 
 
 def _inprocess_section(results: dict) -> list[str]:

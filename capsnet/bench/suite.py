@@ -17,7 +17,7 @@ from capsnet.bench.grpc_load import SERVER_BACKEND, run_grpc_load
 from capsnet.bench.inprocess import BackendPlan, Schedule, run_inprocess, tile
 from capsnet.bench.machine import cpu_shares, cpu_times, load_average, machine_facts
 from capsnet.bench.ortprofile import conv_rate, profile_onnx
-from capsnet.bench.peak import best_peak, measure_peak
+from capsnet.bench.peak import measure_peak, median_peak
 from capsnet.bench.report import write_report
 from capsnet.bench.targets import evaluate
 from capsnet.errors import CapsNetError
@@ -49,7 +49,7 @@ class BenchOptions:
 
 
 def _check_dynamic_routing(model: Path, checkpoint: Path) -> None:
-    """The targets compare with a public-style dynamic-routing CapsNet and its convolution peak: EM and CNN
+    """The targets compare with the public dynamic-routing CapsNet and its convolution peak: EM and CNN
     models have neither, so they are refused before anything is exported or timed."""
     from capsnet.training.checkpoint import load_checkpoint
 
@@ -75,8 +75,12 @@ def run_bench(options: BenchOptions) -> dict:
         images = dataset.test.images.astype(np.float32) / 255.0  # (N, C, H, W) in [0, 1]
 
         flops = count_flops(artifacts.onnx["fp32"])
-        log.info("%.1f MFLOP per image; measuring the fp32 peak", flops.total / 1e6)
-        first_peak = measure_peak(config, batch=PEAK_BATCH, threads=options.threads, min_seconds=options.peak_seconds)
+        log.info("%.1f MFLOP per image", flops.total / 1e6)
+        peaks = []
+
+        def measure_round_peak() -> None:
+            """The fp32 peak once per interleaved round, so it meets the same load as the backends' cells."""
+            peaks.append(measure_peak(config, batch=PEAK_BATCH, threads=options.threads, min_seconds=options.peak_seconds))
 
         reference_batches = options.concurrency if options.grpc else ()
         plans = {
@@ -84,14 +88,13 @@ def run_bench(options: BenchOptions) -> dict:
                 set(reference_batches) if name == SERVER_BACKEND else set()))))
             for name in options.backends if name in model_dirs
         }
-        log.info("in-process: %s at batch sizes %s", ", ".join(plans), ", ".join(map(str, options.batch_sizes)))
+        log.info("in-process: %s at batch sizes %s, the fp32 peak after each round", ", ".join(plans),
+                 ", ".join(map(str, options.batch_sizes)))
         inprocess = run_inprocess(plans, options.threads, images, dataset.test.labels,
-                                  Schedule(options.seconds, options.rounds), options.accuracy_images or len(images))
+                                  Schedule(options.seconds, options.rounds), options.accuracy_images or len(images),
+                                  after_round=measure_round_peak)
         inprocess["skipped"] = {**skipped, **inprocess["skipped"]}
-        # Measured again after the backends, so a slow spell of a shared machine at the start does
-        # not lower the ceiling: the better of the two counts.
-        peak = best_peak(first_peak, measure_peak(config, batch=PEAK_BATCH, threads=options.threads,
-                                                  min_seconds=options.peak_seconds))
+        peak = median_peak(peaks)
         ceiling = peak["conv"]["gflops"] * 1e9 / flops.total
         for row in inprocess["results"]:
             row["share_of_ceiling"] = row["images_per_s"] / ceiling

@@ -33,6 +33,9 @@ class OnnxRuntimeBackend(Backend):
         # The batcher runs one batch at a time, so parallelism is within operators.
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        # Spinning intra-op threads busy-wait for the next operator's work, and so between requests too: a
+        # server then burns its cores while idle and takes them from the RPC threads. Off, they sleep.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         try:
             self.session = ort.InferenceSession(str(path), options, providers=self._providers(artifacts, precision, max_batch_size))

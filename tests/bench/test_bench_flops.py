@@ -20,11 +20,14 @@ def test_bench_flops_of_exported_capsnet_match_its_config(tiny_export):
     primary = (2 * config.primary_caps_channels * config.primary_caps_dim * grid_h * grid_w
                * config.conv1_channels * config.primary_caps_kernel**2)
     predictions = 2 * config.num_primary_caps * config.primary_caps_dim * config.num_classes * config.digit_caps_dim
+    uniform_sum = predictions  # Σ_i û as one GEMM of u (B, I*P) by W (I*P, J*D)
+    # s = c·û in each iteration after the first, the agreement û·v in each but the last
+    routing = [2 * config.num_classes * config.num_primary_caps * config.digit_caps_dim] * 2 * (config.routing_iterations - 1)
 
     count = count_flops(tiny_export / "model.onnx")
 
-    assert sorted(node.flops for node in count.nodes) == sorted([conv1, primary, predictions])
-    assert count.total == conv1 + primary + predictions
+    assert sorted(node.flops for node in count.nodes) == sorted([conv1, primary, predictions, uniform_sum, *routing])
+    assert count.total == conv1 + primary + predictions + uniform_sum + sum(routing)
     assert count.largest().flops == max(conv1, primary)
     assert sum(node["share"] for node in count.to_dict()["nodes"]) == pytest.approx(1.0)
 

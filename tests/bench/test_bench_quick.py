@@ -43,7 +43,7 @@ def test_bench_quick_reports_accuracy_and_memory_per_backend(quick_run):
     for info in backends.values():
         assert 0.0 <= info["accuracy"] <= 1.0
         assert 0 < info["rss_start_mib"] < info["rss_loaded_mib"] <= info["peak_rss_mib"]
-    # Same weights and math: the public-style baseline classifies exactly like our model.
+    # Same weights and math: the public baseline classifies exactly like our model.
     assert backends["pytorch-public"]["accuracy"] == backends["pytorch"]["accuracy"]
     # Each backend in its own process: ONNX Runtime's workers do not carry torch.
     assert backends["onnxruntime-fp32"]["peak_rss_mib"] < backends["pytorch"]["rss_loaded_mib"]
@@ -85,11 +85,13 @@ def test_bench_quick_writes_the_report(quick_run):
     for heading in ("## Machine", "## The CPU's limit", "## In-process throughput and latency", "## End-to-end gRPC",
                     "## Targets"):
         assert heading in readme
+    flags = readme.split("CPU flags: ")[1].split(".\n")[0].split()
+    assert flags == results["machine"]["cpu_flags"] and set(results["machine"]["isa"]) <= set(flags)
     assert readme.count("| onnxruntime-int8 | 8 |") == 1
-    assert len(results["targets"]) == 7 and all(isinstance(t["met"], bool) for t in results["targets"])
+    assert len(results["targets"]) == 8 and all(isinstance(t["met"], bool) for t in results["targets"])
     # Fractions of a second of timing: no verdict on the console or in the report, only the figures.
-    assert stdout.count("[not judged: --quick]") == 7 and "[met]" not in stdout and "[MISSED]" not in stdout
-    assert readme.count("| not judged: --quick |") == 7 and "**no**" not in readme
+    assert stdout.count("[not judged: --quick]") == 8 and "[met]" not in stdout and "[MISSED]" not in stdout
+    assert readme.count("| not judged: --quick |") == 8 and "**no**" not in readme
     for plot in ("inprocess.png", "grpc.png"):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({plot})" in readme

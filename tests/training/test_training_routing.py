@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from capsnet.training.config import ROUTING_VARIANTS
-from capsnet.training.model import route
+from capsnet.training.config import ROUTING_VARIANTS, preset
+from capsnet.training.model import DigitCaps, route
 
 
 def naive_route(u_hat, iterations, variant, squash_constant, detach_agreement):
@@ -52,7 +52,7 @@ def test_route_equals_naive_loop_values_and_gradients(variant, iterations, detac
     constant = 0.5 if variant == "su" else 1.0
 
     fast_input = u_hat.clone().requires_grad_()
-    poses, coupling = route(fast_input, iterations, variant, constant, detach_agreement)
+    poses, coupling = route(fast_input.transpose(1, 2), iterations, variant, constant, detach_agreement)  # (B, J, I, D)
     (poses * weights).sum().backward()
 
     naive_input = u_hat.clone().requires_grad_()
@@ -70,14 +70,14 @@ def test_detaching_the_agreement_changes_the_gradient():
     gradients = []
     for detach in (False, True):
         leaf = u_hat.clone().requires_grad_()
-        route(leaf, 3, "sabour", 1.0, detach).poses.sum().backward()
+        route(leaf.transpose(1, 2), 3, "sabour", 1.0, detach).poses.sum().backward()
         gradients.append(leaf.grad)
     assert not torch.allclose(gradients[0], gradients[1])
 
 
 @pytest.mark.parametrize("variant", ROUTING_VARIANTS)
 def test_coupling_is_a_distribution_over_parents(variant):
-    u_hat = torch.randn(4, 50, 10, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))  # (B, I, J, D)
+    u_hat = torch.randn(4, 10, 50, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))  # (B, J, I, D)
     coupling = route(u_hat, 3, variant).coupling  # (B, I, J)
     totals = coupling.sum(dim=-1)  # (B, I)
     assert (coupling > 0).all()
@@ -87,3 +87,25 @@ def test_coupling_is_a_distribution_over_parents(variant):
     else:
         torch.testing.assert_close(totals, torch.ones_like(totals), rtol=0, atol=1e-12)
     assert not torch.allclose(coupling, coupling.mean(dim=-1, keepdim=True)), "routing left the coupling uniform"
+
+
+@pytest.mark.parametrize("variant", ROUTING_VARIANTS)
+def test_digit_caps_predicts_every_pair_and_its_uniform_sum_equals_summing_the_predictions(variant):
+    """DigitCaps lays û out class-major and hands routing Σ_i û_j|i computed from W; both must be what
+    the paper's per-pair û_j|i = W_ij u_i gives."""
+    config = preset("tiny", routing=variant)
+    torch.manual_seed(2)
+    caps = DigitCaps(config).double()
+    with torch.no_grad():
+        caps.weight.normal_()  # far from the 0.01 init, so a wrong layout cannot hide in rounding
+    u = torch.randn(3, config.num_primary_caps, config.primary_caps_dim, dtype=torch.float64)  # (B, I, P)
+    weight = caps.weight.view(config.num_primary_caps, config.primary_caps_dim, config.num_classes,
+                              config.digit_caps_dim)  # (I, P, J, D)
+    u_hat = caps.predictions(u)  # (B, J, I, D)
+    for i, j in itertools.product(range(0, config.num_primary_caps, 7), range(config.num_classes)):
+        torch.testing.assert_close(u_hat[:, j, i], u[:, i] @ weight[i, :, j], rtol=0, atol=1e-12)
+
+    fast = caps(u)
+    plain = route(u_hat, config.routing_iterations, variant, config.squash_constant, config.detach_agreement)
+    torch.testing.assert_close(fast.poses, plain.poses, rtol=0, atol=1e-12)
+    torch.testing.assert_close(fast.coupling, plain.coupling, rtol=0, atol=1e-12)
