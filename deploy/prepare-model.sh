@@ -45,5 +45,9 @@ if [ ! -f "$checkpoint" ]; then
 fi
 
 echo "==> exporting $checkpoint -> $model_dir"
-# --int8 too: `capsnet serve --precision auto` (the default) serves it where it passes its self-check and is faster
-capsnet export "$checkpoint" --out "$model_dir" --int8 "$@"
+# --int8 too: `capsnet serve --precision auto` (the default) serves it where it passes its self-check and is faster.
+# A model whose INT8 fails the export's accuracy gate is still served, in FP32.
+if ! capsnet export "$checkpoint" --out "$model_dir" --int8 "$@"; then
+    echo "==> exporting again without --int8 (see the error above): the server will run FP32"
+    capsnet export "$checkpoint" --out "$model_dir" "$@"
+fi
