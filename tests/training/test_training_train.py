@@ -10,8 +10,10 @@ import torch
 from capsnet.cli import main
 from capsnet.training import train as train_module
 from capsnet.training.checkpoint import load_checkpoint
+from capsnet.training.data import load_embedded, to_float
 
-# Measured with the conftest command (tiny, 2 epochs, batch 64, seed 0): 73.5% held-out accuracy; chance is 10%.
+# Measured with the conftest command (tiny, 2 epochs, batch 64, seed 0, 3,600 training digits): XX% test accuracy;
+# chance is 10%.
 TINY_TWO_EPOCH_ACCURACY_FLOOR = 0.60
 TRAIN_ARGS = ["train", "--data", "embedded", "--preset", "tiny", "--batch-size", "64", "--seed", "0", "--no-progress"]
 
@@ -42,7 +44,7 @@ def test_tiny_model_beats_chance_by_a_wide_margin(trained_tiny_checkpoint, capsy
     metrics = load_checkpoint(trained_tiny_checkpoint).metrics
     assert report["accuracy"] == metrics["test_accuracy"]
     assert report["loss"] == pytest.approx(metrics["test_loss"], rel=1e-5)
-    assert report["per_class_accuracy"] == pytest.approx(metrics["per_class_accuracy"])
+    assert report["per_class_accuracy"] == pytest.approx(metrics["test_per_class_accuracy"])
     confusion = torch.tensor(report["confusion_matrix"])
     assert confusion.shape == (10, 10) and confusion.sum() == 1000 and confusion.trace() == report["correct"]
     assert confusion.sum(dim=1).tolist() == [100] * 10  # rows are true classes
@@ -51,9 +53,9 @@ def test_tiny_model_beats_chance_by_a_wide_margin(trained_tiny_checkpoint, capsy
 def test_eval_text_report(trained_tiny_checkpoint, capsys):
     assert main(["eval", str(trained_tiny_checkpoint), "--split", "train", "--batch-size", "500"]) == 0
     text = capsys.readouterr().out
-    assert "train split" in text and "/4000)" in text
+    assert "train split" in text and "/3600)" in text  # the 4,000 training digits less the validation split's 400
     assert "confusion matrix (rows: true class, columns: predicted class):" in text
-    assert sum(line.rstrip().endswith("/400)") for line in text.splitlines()) == 10  # one line per class
+    assert sum(line.rstrip().endswith("/360)") for line in text.splitlines()) == 10  # one line per class
 
 
 def test_last_checkpoint_holds_the_whole_history(trained_tiny_checkpoint):
@@ -61,10 +63,62 @@ def test_last_checkpoint_holds_the_whole_history(trained_tiny_checkpoint):
     assert last.epoch == 2 and [record["epoch"] for record in last.history] == [1, 2]
     lrs = [record["lr"] for record in last.history]
     assert lrs == pytest.approx([1e-3, 1e-3 * 0.9])  # ExponentialLR, default --lr-decay 0.9
-    best = max(last.history, key=lambda record: record["test_accuracy"])
+    best = max(last.history, key=lambda record: record["validation_accuracy"])
     assert load_checkpoint(trained_tiny_checkpoint).epoch == best["epoch"]
     for record in last.history:
         assert record["train_images_per_second"] > 0 and 0 <= record["train_accuracy"] <= 1
+
+
+def test_eval_scores_the_training_runs_own_validation_split(trained_tiny_checkpoint, capsys):
+    metrics = load_checkpoint(trained_tiny_checkpoint).metrics
+    assert main(["eval", str(trained_tiny_checkpoint), "--split", "validation", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["split"] == "validation" and report["validation_fraction"] == 0.1
+    assert report["images"] == 400 and report["accuracy"] == metrics["validation_accuracy"]
+    assert report["per_class_accuracy"] == pytest.approx(metrics["validation_per_class_accuracy"])
+    assert torch.tensor(report["confusion_matrix"]).sum(dim=1).tolist() == [40] * 10  # stratified: 10% of each class
+
+
+def test_the_test_split_never_chooses_the_best_checkpoint(trained_tiny_checkpoint, idx_dataset, tmp_path, capsys):
+    """The same run with test labels that the best epoch's model gets all wrong saves the same best checkpoint."""
+    best = load_checkpoint(trained_tiny_checkpoint)
+    digits = load_embedded()
+    with torch.no_grad():
+        predicted = best.build_model()(to_float(digits.test.images)).probabilities.argmax(dim=1).numpy()  # (1000,)
+    wrong = (predicted + 1) % 10
+    directory = idx_dataset(digits.train.images[:, 0], digits.train.labels, digits.test.images[:, 0], wrong)
+    out = tmp_path / "model.ckpt"
+    assert main([*TRAIN_ARGS, "--epochs", "2", "--data", str(directory), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| validation loss " in printed and "| test loss " in printed
+    assert f"best validation accuracy {100 * best.metrics['validation_accuracy']:.2f}% after epoch {best.epoch}" in printed
+    corrupted = load_checkpoint(out)
+    assert corrupted.epoch == best.epoch and corrupted.metrics["test_accuracy"] == 0.0
+    assert_same_weights(corrupted, best)
+    # chosen by the test split, the best would be another epoch: one that scores above 0 on these labels
+    history = load_checkpoint(out.with_name("model.last.ckpt")).history
+    assert max(record["test_accuracy"] for record in history) > 0.0
+    clean = load_checkpoint(trained_tiny_checkpoint.with_name("model.last.ckpt")).history
+    assert [r["validation_accuracy"] for r in history] == [r["validation_accuracy"] for r in clean]
+
+
+def test_resume_refuses_another_validation_split(trained_tiny_checkpoint, copy_of, capsys):
+    last = copy_of(trained_tiny_checkpoint.with_name("model.last.ckpt"))
+    out = last.with_name("model.ckpt")
+    assert main([*TRAIN_ARGS, "--epochs", "3", "--out", str(out), "--resume", str(last), "--val-fraction", "0.2"]) == 2
+    assert "--val-fraction 0.2 (checkpoint: 0.1)" in capsys.readouterr().err
+
+
+def test_a_checkpoint_from_before_the_validation_split_evaluates(trained_tiny_checkpoint, tmp_path, capsys):
+    payload = torch.load(trained_tiny_checkpoint, weights_only=True)
+    for key in ("validation_fraction", "validation_images", "validation_accuracy", "validation_loss"):
+        del payload["metrics"][key]
+    old = tmp_path / "old.ckpt"
+    torch.save(payload, old)
+    assert main(["eval", str(old), "--split", "train", "--batch-size", "1000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["images"] == 4000  # it trained on every training digit
+    assert main(["eval", str(old), "--split", "validation"]) == 2
+    assert f"checkpoint {old} was trained without a validation split" in capsys.readouterr().err
 
 
 def test_resume_continues_the_same_run(trained_tiny_checkpoint, tmp_path, capsys):
