@@ -12,7 +12,6 @@ ARCHITECTURES = ("capsnet", "em", "cnn-baseline")  # em: training/em_model.py; c
 # Those with capsule poses and routing to export, serve and draw; the CNN baseline has neither.
 CAPSULE_ARCHITECTURES = ("capsnet", "em")
 EM_POSE_SIZE = 16  # EM capsules carry 4×4 pose matrices
-EM_COSTS = ("sum", "per-parent")
 
 
 @dataclass(frozen=True)
@@ -51,9 +50,6 @@ class CapsNetConfig:
     # primary capsules have primary_caps_channels types, routing_iterations EM iterations per capsule layer.
     conv_caps_types: tuple[int, ...] = (16, 16)  # ConvCaps1 (3×3, stride 2) and ConvCaps2 (3×3, stride 1)
     em_inverse_temperature: float = 0.01  # the limit of λ's schedule over the EM iterations
-    # the M-step's cost (em_route): "sum" as in the paper (and checkpoints written before this field), or
-    # "per-parent": Σ_i R_ij a_i divided by the inputs per parent
-    em_cost: str = "sum"
     # spread loss (arch "em"): the margin starts at spread_margin_start, grows by spread_margin_step per epoch
     spread_margin_start: float = 0.2
     spread_margin_step: float = 0.1
@@ -92,8 +88,6 @@ class CapsNetConfig:
             raise CapsNetError(f"config: conv_caps_types must be two positive integers, got {self.conv_caps_types!r}")
         if self.primary_caps_dim != EM_POSE_SIZE or self.digit_caps_dim != EM_POSE_SIZE:
             raise CapsNetError("config: EM capsules have 4x4 poses: primary_caps_dim and digit_caps_dim must be 16")
-        if self.em_cost not in EM_COSTS:
-            raise CapsNetError(f"config: em_cost must be one of {', '.join(EM_COSTS)}, got {self.em_cost!r}")
         if not self.em_inverse_temperature > 0:
             raise CapsNetError(f"config: em_inverse_temperature must be > 0, got {self.em_inverse_temperature}")
         if not 0 <= self.spread_margin_start <= self.spread_margin_end or self.spread_margin_step < 0:

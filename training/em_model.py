@@ -53,14 +53,11 @@ def full_precision(device_type: str) -> contextlib.AbstractContextManager:
 
 
 def em_route(votes: Tensor, activations: Tensor, beta_u: Tensor, beta_a: Tensor, iterations: int,
-             final_inverse_temperature: float, cost: str = "sum") -> EMResult:
+             final_inverse_temperature: float) -> EMResult:
     """EM routing of votes V (..., J, I, H) from I capsules with activations a (..., I) to J parents.
 
     M-step: μ, σ² as the R·a-weighted mean and variance of the votes per dimension h;
     cost_j = Σ_h (β_u + log σ_jh) Σ_i R_ij a_i; a_j = logistic(λ(β_a − cost_j)).
-    `cost` "sum" is the paper's. "per-parent" divides Σ_i R_ij a_i by I/J, the inputs per parent: as written,
-    the cost grows with the fan-in (from 4.5 inputs per parent in a convolutional layer to 25.6 in the
-    class layer), so one λ cannot suit every layer.
     E-step: R_ij ∝ a_j p_j(V_ij), p a Gaussian with diagonal σ², normalised over j (in log space).
     R starts uniform; the E-step after the last M-step is skipped. Leading axes (batch, positions)
     are independent, so every sample and patch is routed on its own.
@@ -86,10 +83,8 @@ def em_route(votes: Tensor, activations: Tensor, beta_u: Tensor, beta_a: Tensor,
             mean, mean_square = weighted_moments.split(pose_size, dim=-1)  # (..., J, H) each
             variance = (mean_square - mean.square()).clamp_min(0.0) + EPSILON  # (..., J, H)
             log_sigma = 0.5 * torch.log(variance)  # (..., J, H)
-            cost_j = (pose_size * beta_u + log_sigma.sum(dim=-1)) * weight_sums.select(-1, 0)  # (..., J)
-            if cost == "per-parent":
-                cost_j = cost_j * (num_parents / votes.shape[-2])
-            parent_activations = torch.sigmoid(inverse_temperature * (beta_a - cost_j))  # (..., J)
+            cost = (pose_size * beta_u + log_sigma.sum(dim=-1)) * weight_sums.select(-1, 0)  # (..., J)
+            parent_activations = torch.sigmoid(inverse_temperature * (beta_a - cost))  # (..., J)
             if iteration == iterations - 1:
                 break
             # E-step: −Σ_h (V − μ)²/(2σ²) = Σ_h (2μ/(2σ²))·V − (1/(2σ²))·V² − μ²/(2σ²)
@@ -141,11 +136,9 @@ class EMCapsLayer(nn.Module):
         self.beta_a = nn.Parameter(torch.zeros(num_parents))
         self.iterations = config.routing_iterations
         self.inverse_temperature = config.em_inverse_temperature
-        self.cost = config.em_cost
 
     def route(self, votes: Tensor, activations: Tensor) -> EMResult:
-        return em_route(votes, activations, self.beta_u, self.beta_a, self.iterations, self.inverse_temperature,
-                        self.cost)
+        return em_route(votes, activations, self.beta_u, self.beta_a, self.iterations, self.inverse_temperature)
 
 
 class ConvCaps(EMCapsLayer):

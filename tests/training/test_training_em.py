@@ -18,9 +18,8 @@ from capsnet.training.em_model import EPSILON, ClassCaps, em_route, inverse_temp
 from capsnet.training.loss import capsnet_loss, spread_loss
 
 
-def naive_em_route(votes, activations, beta_u, beta_a, iterations, final_inverse_temperature, cost):
-    """One group of I input and J parent capsules, one scalar at a time, (V − μ)² and Gaussians as written;
-    `cost` "per-parent": Σ_i R_ij a_i divided by I/J.
+def naive_em_route(votes, activations, beta_u, beta_a, iterations, final_inverse_temperature):
+    """One group of I input and J parent capsules, one scalar at a time, (V − μ)² and Gaussians as written.
 
     votes (I, J, H), activations (I,) -> means (J, H), parent activations (J,), assignments R (I, J).
     """
@@ -28,19 +27,17 @@ def naive_em_route(votes, activations, beta_u, beta_a, iterations, final_inverse
     schedule = inverse_temperatures(iterations, final_inverse_temperature)
     assignments = [[1.0 / num_out] * num_out for _ in range(num_in)]
     for iteration in range(iterations):
-        means, variances, costs = [], [], []
+        means, variances, parent_activations = [], [], []
         for j in range(num_out):
             weights = [assignments[i][j] * float(activations[i]) for i in range(num_in)]
             total = max(sum(weights), EPSILON)
             mean = [sum(weights[i] * float(votes[i, j, h]) for i in range(num_in)) / total for h in range(size)]
             variance = [sum(weights[i] * (float(votes[i, j, h]) - mean[h]) ** 2 for i in range(num_in)) / total
                         + EPSILON for h in range(size)]
-            share = sum(weights) / (num_in / num_out) if cost == "per-parent" else sum(weights)
-            costs.append(sum(float(beta_u[j]) + 0.5 * math.log(v) for v in variance) * share)
+            cost = sum(float(beta_u[j]) + 0.5 * math.log(v) for v in variance) * sum(weights)
+            parent_activations.append(1 / (1 + math.exp(-schedule[iteration] * (float(beta_a[j]) - cost))))
             means.append(mean)
             variances.append(variance)
-        parent_activations = [1 / (1 + math.exp(-schedule[iteration] * (float(beta_a[j]) - costs[j])))
-                              for j in range(num_out)]
         if iteration == iterations - 1:
             break
         for i in range(num_in):
@@ -56,9 +53,8 @@ def naive_em_route(votes, activations, beta_u, beta_a, iterations, final_inverse
     return as_tensor(means), as_tensor(parent_activations), as_tensor(assignments)
 
 
-@pytest.mark.parametrize("cost", ["sum", "per-parent"])
 @pytest.mark.parametrize("iterations", [1, 2, 3])
-def test_em_route_equals_the_naive_procedure(iterations, cost):
+def test_em_route_equals_the_naive_procedure(iterations):
     generator = torch.Generator().manual_seed(iterations)
     batch, num_in, num_out, size = 3, 7, 4, 16
     votes = torch.randn(batch, num_in, num_out, size, generator=generator, dtype=torch.float64)  # (B, I, J, H)
@@ -67,10 +63,10 @@ def test_em_route_equals_the_naive_procedure(iterations, cost):
     beta_a = torch.randn(num_out, generator=generator, dtype=torch.float64)
     # λ large enough that the activations differ, so the E-step's prior matters
     final = 0.5
-    routed = em_route(votes.transpose(1, 2), activations, beta_u, beta_a, iterations, final, cost)  # votes (B, J, I, H)
+    routed = em_route(votes.transpose(1, 2), activations, beta_u, beta_a, iterations, final)  # votes (B, J, I, H)
     for sample in range(batch):
         means, parent_activations, assignments = naive_em_route(votes[sample], activations[sample], beta_u, beta_a,
-                                                                iterations, final, cost)
+                                                                iterations, final)
         torch.testing.assert_close(routed.poses[sample], means, rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(routed.activations[sample], parent_activations, rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(routed.assignments[sample], assignments, rtol=1e-9, atol=1e-9)
