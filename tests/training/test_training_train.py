@@ -12,7 +12,7 @@ from capsnet.training import train as train_module
 from capsnet.training.checkpoint import load_checkpoint
 from capsnet.training.data import load_embedded, to_float
 
-# Measured with the conftest command (tiny, 2 epochs, batch 64, seed 0, 3,600 training digits): XX% test accuracy;
+# Measured with the conftest command (tiny, 2 epochs, batch 64, seed 0, 3,600 training digits): 73.8% test accuracy;
 # chance is 10%.
 TINY_TWO_EPOCH_ACCURACY_FLOOR = 0.60
 TRAIN_ARGS = ["train", "--data", "embedded", "--preset", "tiny", "--batch-size", "64", "--seed", "0", "--no-progress"]
