@@ -24,10 +24,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "Under torchrun every process runs this command (DistributedDataParallel).",
     )
     train.add_argument("--data", default="embedded", metavar="embedded|DIR", help=DATA_HELP)
-    train.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
+    train.add_argument("--val-fraction", type=float, metavar="F",
                        help="share of the training images held out (per class, with a fixed seed) as the validation "
-                            "split that chooses the best epoch; the test split is only reported (default 0.1; "
-                            "0: no validation split and no selection, --out is the last epoch)")
+                            "split that chooses the best epoch; the test split is only reported (default 0.1, or "
+                            "the resumed checkpoint's; 0: no validation split and no selection, --out is the last "
+                            "epoch)")
     train.add_argument("--preset", metavar="paper|tiny|em|em-tiny",
                        help="model size: paper (Sabour et al., 8.2M parameters) or tiny, em or em-tiny for "
                             "--arch em; default paper (em for --arch em), or the resumed checkpoint's")

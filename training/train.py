@@ -45,6 +45,7 @@ DYNAMIC_ROUTING_FLAGS = ("routing", "squash_constant", "detach_agreement")
 # EM routing's activations move through a small inverse temperature λ, so it learns at 10× the rate
 # (0.01, as public EM implementations train; at 0.001 a small EM model barely learns in an epoch).
 DEFAULT_LR = {"capsnet": 1e-3, "em": 1e-2, "cnn-baseline": 1e-3}
+DEFAULT_VAL_FRACTION = 0.1
 
 
 @dataclass
@@ -60,7 +61,9 @@ class TrainOptions:
     reconstruction_weight: float | None = None
     detach_agreement: bool | None = None
     normalize: bool = False  # standardise inputs with the training split's per-channel mean/std
-    val_fraction: float = 0.1  # share of the training images held out to choose the best epoch; 0: none
+    # share of the training images held out to choose the best epoch; 0: none; None: the resumed
+    # checkpoint's (0 for one from before the split), else DEFAULT_VAL_FRACTION
+    val_fraction: float | None = None
     # optimisation
     epochs: int = 10
     batch_size: int = 64
@@ -83,7 +86,7 @@ class TrainOptions:
         self.resume = None if self.resume is None else Path(self.resume)
         checks = {
             "--epochs must be at least 1": self.epochs >= 1,
-            "--val-fraction must be at least 0 and below 1": 0 <= self.val_fraction < 1,
+            "--val-fraction must be at least 0 and below 1": self.val_fraction is None or 0 <= self.val_fraction < 1,
             "--batch-size must be at least 1": self.batch_size >= 1,
             "--lr must be a positive number": self.lr is None or (self.lr > 0 and np.isfinite(self.lr)),
             "--lr-decay must be in (0, 1]": 0 < self.lr_decay <= 1,
@@ -251,11 +254,14 @@ def train(options: TrainOptions) -> Checkpoint:
         # The processes on one machine share its cores.
         torch.set_num_threads(options.threads or max(1, (os.cpu_count() or 1) // context.local_world_size))
     prepare_output(options.out)
+    resumed = load_checkpoint(options.resume) if options.resume is not None else None
+    if options.val_fraction is None:
+        # checkpoints from before the validation split trained on every training image
+        options.val_fraction = resumed.metrics.get("validation_fraction", 0.0) if resumed else DEFAULT_VAL_FRACTION
     dataset = load_dataset(options.data, options.val_fraction)
     if options.max_shift >= min(dataset.image_shape[1:]):
         raise CapsNetError(f"--max-shift {options.max_shift} is not smaller than the {dataset.image_shape[1]}x"
                            f"{dataset.image_shape[2]} images")
-    resumed = load_checkpoint(options.resume) if options.resume is not None else None
     config = model_config(options, dataset, resumed.config if resumed else None)
     progress = EpochProgress()
     if resumed is not None:
@@ -282,7 +288,6 @@ def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOp
         raise CapsNetError(f"--resume continues the checkpoint's model; these flags change it: {listed}")
     if resumed.optimizer_state is None or resumed.scheduler_state is None:
         raise CapsNetError(f"{options.resume} holds no optimizer state to resume from")
-    # checkpoints from before the validation split trained on every training image
     recorded_fraction = resumed.metrics.get("validation_fraction", 0.0)
     if recorded_fraction != options.val_fraction:
         raise CapsNetError(f"--resume continues the checkpoint's training images: --val-fraction "
