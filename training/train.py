@@ -355,7 +355,7 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
             epoch_progress=None if partial is None else {**asdict(partial), "batch_plan": plan},
         )
 
-    # The best epoch by validation accuracy (the earliest of equals); without a validation split, the last.
+    # The best epoch by validation accuracy (the earliest of equals); without a validation split every epoch is.
     best = max(history, key=lambda record: record.get("validation_accuracy", -1.0), default=None)
     processes = f"{context.world_size} process{'es' if context.is_distributed else ''}"
     announce(context, f"training {run_info['parameters']:,} parameters on {len(dataset.train):,} images of "
