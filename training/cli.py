@@ -18,11 +18,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser(
         "train",
         help="train a CapsNet and write checkpoints",
-        description="Train a CapsNet (Adam, per-epoch learning-rate decay, random shifts), validate after each "
-                    "epoch, keep the best checkpoint at --out and the last at <out stem>.last.ckpt. "
+        description="Train a CapsNet (Adam, per-epoch learning-rate decay, random shifts), score the validation "
+                    "and test splits after each epoch, keep the best checkpoint by validation accuracy at --out "
+                    "and the last at <out stem>.last.ckpt. "
                     "Under torchrun every process runs this command (DistributedDataParallel).",
     )
     train.add_argument("--data", default="embedded", metavar="embedded|DIR", help=DATA_HELP)
+    train.add_argument("--val-fraction", type=float, metavar="F",
+                       help="share of the training images held out (per class, with a fixed seed) as the validation "
+                            "split that chooses the best epoch; the test split is only reported (default 0.1, or "
+                            "the resumed checkpoint's; 0: no validation split and no selection, --out is the last "
+                            "epoch)")
     train.add_argument("--preset", metavar="paper|tiny|em|em-tiny",
                        help="model size: paper (Sabour et al., 8.2M parameters) or tiny, em or em-tiny for "
                             "--arch em; default paper (em for --arch em), or the resumed checkpoint's")
@@ -34,7 +40,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--lr-decay", type=float, default=0.9, metavar="FACTOR",
                        help="learning-rate factor per epoch (default 0.9)")
     train.add_argument("--max-shift", type=int, default=2, metavar="PIXELS",
-                       help="random shift augmentation in pixels (default 2)")
+                       help="random shift augmentation in pixels: a random crop of the image zero-padded by PIXELS "
+                            "(default 2)")
+    train.add_argument("--hflip", action="store_true",
+                       help="also mirror each training image left-right with probability 1/2 (for clothes such as "
+                            "Fashion-MNIST; not for digits)")
     train.add_argument("--seed", type=int, default=0, metavar="N",
                        help="seed for weights, shuffling and shifts (default 0)")
     train.add_argument("--out", type=Path, default=Path("model.ckpt"), metavar="CKPT",
@@ -77,7 +87,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     evaluate.add_argument("checkpoint", type=Path, help="a checkpoint written by capsnet train")
     evaluate.add_argument("--data", default="embedded", metavar="embedded|DIR", help=DATA_HELP)
-    evaluate.add_argument("--split", choices=["test", "train"], default="test", help="which split (default test)")
+    evaluate.add_argument("--split", choices=("train", "validation", "test"), default="test",
+                          help="which split (default test); validation and train are the checkpoint's: the "
+                               "training images less the share its training run held out (--val-fraction)")
     evaluate.add_argument("--batch-size", type=int, default=256, metavar="B",
                           help="images per forward pass (default 256)")
     evaluate.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
@@ -96,9 +108,9 @@ def run_train(args: argparse.Namespace) -> int:
         data=args.data, out=args.out, preset=args.preset, arch=args.arch, routing=args.routing,
         routing_iterations=args.routing_iterations, squash_constant=args.squash_constant,
         reconstruction_weight=args.reconstruction_weight, detach_agreement=args.detach_agreement,
-        normalize=args.normalize,
+        normalize=args.normalize, val_fraction=args.val_fraction,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, lr_decay=args.lr_decay, max_shift=args.max_shift,
-        seed=args.seed, device=args.device, amp=args.amp, compile=args.compile, threads=args.threads,
+        hflip=args.hflip,        seed=args.seed, device=args.device, amp=args.amp, compile=args.compile, threads=args.threads,
         resume=resume, checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
     ))
     return 0
@@ -115,14 +127,17 @@ def run_eval(args: argparse.Namespace) -> int:
         raise CapsNetError("--batch-size must be at least 1")
     device = resolve_device(args.device, DistributedContext())
     checkpoint = load_checkpoint(args.checkpoint)
-    dataset = load_dataset(args.data)
+    # the training run's own split of the training images; checkpoints from before it held none out
+    dataset = load_dataset(args.data, checkpoint.metrics.get("validation_fraction", 0.0))
     check_dataset_fits(checkpoint.config, dataset, f"checkpoint {args.checkpoint}")
-    split = dataset.test if args.split == "test" else dataset.train
+    if args.split == "validation" and dataset.validation is None:
+        raise CapsNetError(f"checkpoint {args.checkpoint} was trained without a validation split")
+    split = {"train": dataset.train, "validation": dataset.validation, "test": dataset.test}[args.split]
     model = checkpoint.build_model().to(device)
     result = evaluate(model, split, tuple(checkpoint.class_names), args.batch_size, device)
     if args.json:
         print(json.dumps({"checkpoint": str(args.checkpoint), "data": dataset.name, "split": args.split,
-                          **result.to_dict()}))
+                          "validation_fraction": dataset.validation_fraction, **result.to_dict()}))
     else:
         print(f"checkpoint {args.checkpoint} (epoch {checkpoint.epoch}) on {dataset.name}, {args.split} split")
         print(result.format_report())

@@ -1,10 +1,13 @@
 """Datasets: MNIST-format IDX files from a directory, or the embedded 5,000 MNIST digits.
 
 Images stay uint8 (N, C, H, W) in memory; batches are converted to float32 in [0, 1] on the fly.
+A seeded, class-stratified share of the training images can be held out as a validation split
+(`with_validation`): model selection uses it, so the test split is only ever reported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import struct
 from dataclasses import dataclass
@@ -30,6 +33,8 @@ IDX_FILES = {
 }
 _IDX_DTYPES = {0x08: np.uint8}
 EMBEDDED_TRAIN_PER_CLASS = 400
+# Fixed, not --seed: runs with different seeds are selected on the same validation images.
+VALIDATION_SEED = 0
 
 
 @dataclass
@@ -47,6 +52,8 @@ class Dataset:
     train: Split
     test: Split
     class_names: tuple[str, ...]
+    validation: Split | None = None  # held out of the training images by with_validation
+    validation_fraction: float = 0.0
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -139,9 +146,33 @@ def load_embedded() -> Dataset:
     )
 
 
-def load_dataset(spec: str) -> Dataset:
-    """`embedded` or a directory of MNIST-format IDX files."""
-    return load_embedded() if spec == "embedded" else load_idx_directory(spec)
+def load_dataset(spec: str, validation_fraction: float = 0.0) -> Dataset:
+    """`embedded` or a directory of MNIST-format IDX files, with `validation_fraction` of the training
+    images held out for validation."""
+    dataset = load_embedded() if spec == "embedded" else load_idx_directory(spec)
+    return with_validation(dataset, validation_fraction)
+
+
+def with_validation(dataset: Dataset, fraction: float) -> Dataset:
+    """Hold out round(fraction · n_k) training images of every class k, chosen with VALIDATION_SEED; the
+    rest stay for training in their original order. The same training files always give the same split."""
+    if not 0 <= fraction < 1:
+        raise CapsNetError(f"the validation fraction must be at least 0 and below 1, got {fraction}")
+    if fraction == 0:
+        return dataset
+    labels = dataset.train.labels
+    rng = np.random.default_rng(VALIDATION_SEED)
+    held = []
+    for label in np.unique(labels):
+        members = np.flatnonzero(labels == label)
+        held.append(rng.choice(members, size=round(fraction * len(members)), replace=False))
+    held = np.sort(np.concatenate(held))
+    kept = np.setdiff1d(np.arange(len(labels)), held)  # sorted
+    if not len(held) or not len(kept):
+        raise CapsNetError(f"a validation fraction of {fraction} leaves {len(kept)} training and {len(held)} "
+                           f"validation images of the {len(labels)} in {dataset.name!r}")
+    train, validation = (Split(dataset.train.images[i], labels[i]) for i in (kept, held))
+    return dataclasses.replace(dataset, train=train, validation=validation, validation_fraction=fraction)
 
 
 def data_location(spec: str) -> str:
@@ -181,9 +212,27 @@ def _shift_offsets(batch: int, max_shift: int, generator: torch.Generator | None
     return torch.randint(0, 2 * max_shift + 1, (batch, 2), generator=generator)  # (B, 2): dy, dx
 
 
-def skip_random_shifts(batch_sizes: list[int], max_shift: int, generator: torch.Generator) -> None:
-    """Advance `generator` past the draws random_shift makes for these batches (a run resumed mid-epoch)."""
-    if max_shift <= 0:
-        return
+def random_flip(images: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Mirror each image left to right with probability 1/2: for data without a handedness (clothes), not digits."""
+    flipped = _flip_draws(len(images), generator)  # (B,)
+    return torch.where(flipped[:, None, None, None], images.flip(-1), images)  # (B, C, H, W)
+
+
+def _flip_draws(batch: int, generator: torch.Generator | None) -> Tensor:
+    return torch.rand(batch, generator=generator) < 0.5  # (B,)
+
+
+def augment(images: Tensor, max_shift: int, hflip: bool, generator: torch.Generator) -> Tensor:
+    """The training augmentation: a random shift of up to `max_shift` pixels (a random crop of the image
+    zero-padded by `max_shift`), then, with `hflip`, a random left-right mirror."""
+    shifted = random_shift(images, max_shift, generator)
+    return random_flip(shifted, generator) if hflip else shifted
+
+
+def skip_augmentation(batch_sizes: list[int], max_shift: int, hflip: bool, generator: torch.Generator) -> None:
+    """Advance `generator` past the draws `augment` makes for these batches (a run resumed mid-epoch)."""
     for batch in batch_sizes:
-        _shift_offsets(batch, max_shift, generator)
+        if max_shift > 0:
+            _shift_offsets(batch, max_shift, generator)
+        if hflip:
+            _flip_draws(batch, generator)

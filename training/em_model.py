@@ -89,8 +89,9 @@ def em_route(votes: Tensor, activations: Tensor, beta_u: Tensor, beta_a: Tensor,
                 break
             # E-step: −Σ_h (V − μ)²/(2σ²) = Σ_h (2μ/(2σ²))·V − (1/(2σ²))·V² − μ²/(2σ²)
             precision = 0.5 / variance  # (..., J, H)
-            linear = torch.cat([2 * precision * mean, -precision], dim=-1).unsqueeze(-1)  # (..., J, 2H, 1)
-            exponent = torch.matmul(moments, linear).select(-1, 0)  # (..., J, I)
+            linear = torch.cat([2 * precision * mean, -precision], dim=-1).unsqueeze(-2)  # (..., J, 1, 2H)
+            # a row times the transposed moments: as a matrix-vector product over [V, V²] this ran ~1.4x slower
+            exponent = torch.matmul(linear, moments.transpose(-1, -2)).select(-2, 0)  # (..., J, I)
             offsets = (mean.square() * precision + log_sigma).sum(dim=-1, keepdim=True) + log_norm  # (..., J, 1)
             log_p = exponent - offsets  # (..., J, I)
             log_prior = torch.log(parent_activations + EPSILON).unsqueeze(-1)  # (..., J, 1)

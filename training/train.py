@@ -1,6 +1,9 @@
 """`capsnet train`: Adam with per-epoch exponential learning-rate decay, random-shift augmentation,
 validation after every epoch, and the best and the last checkpoints.
 
+The best checkpoint is chosen on a validation split held out of the training images (`--val-fraction`);
+the test split is scored after every epoch for the report and never takes part in the choice.
+
 The same code runs as one process or as N under torchrun: the model is wrapped in
 DistributedDataParallel, a DistributedSampler gives each rank its share of every epoch, and only
 rank 0 prints and writes files. `--batch-size` is the global batch, split evenly across ranks.
@@ -29,8 +32,8 @@ from capsnet.errors import CapsNetError
 from capsnet.training import distributed
 from capsnet.training.checkpoint import Checkpoint, create_model, load_checkpoint, save_checkpoint
 from capsnet.training.config import CapsNetConfig, preset
-from capsnet.training.data import (Dataset, Split, channel_mean_std, data_location, load_dataset, random_shift,
-                                   skip_random_shifts, to_float)
+from capsnet.training.data import (Dataset, Split, augment, channel_mean_std, data_location, load_dataset,
+                                   skip_augmentation, to_float)
 from capsnet.training.distributed import DistributedContext
 from capsnet.training.evaluate import check_dataset_fits, evaluate
 from capsnet.training.loss import capsnet_loss
@@ -44,6 +47,7 @@ DYNAMIC_ROUTING_FLAGS = ("routing", "squash_constant", "detach_agreement")
 # EM routing's activations move through a small inverse temperature λ, so it learns at 10× the rate
 # (0.01, as public EM implementations train; at 0.001 a small EM model barely learns in an epoch).
 DEFAULT_LR = {"capsnet": 1e-3, "em": 1e-2, "cnn-baseline": 1e-3}
+DEFAULT_VAL_FRACTION = 0.1
 
 
 @dataclass
@@ -59,12 +63,16 @@ class TrainOptions:
     reconstruction_weight: float | None = None
     detach_agreement: bool | None = None
     normalize: bool = False  # standardise inputs with the training split's per-channel mean/std
+    # share of the training images held out to choose the best epoch; 0: none; None: the resumed
+    # checkpoint's (0 for one from before the split), else DEFAULT_VAL_FRACTION
+    val_fraction: float | None = None
     # optimisation
     epochs: int = 10
     batch_size: int = 64
     lr: float | None = None  # Adam's learning rate; None: DEFAULT_LR of the architecture
     lr_decay: float = 0.9  # multiplies the learning rate after every epoch
     max_shift: int = 2
+    hflip: bool = False  # random left-right mirror (clothes, not digits)
     seed: int = 0
     # execution
     device: str = "auto"
@@ -80,6 +88,7 @@ class TrainOptions:
         self.resume = None if self.resume is None else Path(self.resume)
         checks = {
             "--epochs must be at least 1": self.epochs >= 1,
+            "--val-fraction must be at least 0 and below 1": self.val_fraction is None or 0 <= self.val_fraction < 1,
             "--batch-size must be at least 1": self.batch_size >= 1,
             "--lr must be a positive number": self.lr is None or (self.lr > 0 and np.isfinite(self.lr)),
             "--lr-decay must be in (0, 1]": 0 < self.lr_decay <= 1,
@@ -106,7 +115,7 @@ def last_checkpoint_path(out: Path) -> Path:
 
 
 # The settings that fix an epoch's batches and shifts; a run resumed mid-epoch must keep them.
-BATCH_PLAN_FLAGS = {"batch_size": "--batch-size", "seed": "--seed", "max_shift": "--max-shift",
+BATCH_PLAN_FLAGS = {"batch_size": "--batch-size", "seed": "--seed", "max_shift": "--max-shift", "hflip": "--hflip",
                     "world_size": "processes", "train_images": "training images"}
 
 
@@ -183,7 +192,7 @@ def train_one_epoch(step_model: torch.nn.Module, config: CapsNetConfig, optimize
     summed over ranks. Every `options.checkpoint_every` steps, `save_progress` gets the progress so far."""
     batches = epoch_batches(len(split), options.batch_size // context.world_size, context, options.seed, epoch)
     generator = augmentation_generator(options.seed, epoch, context.rank)
-    skip_random_shifts([len(indices) for indices in batches[:progress.step]], options.max_shift, generator)
+    skip_augmentation([len(indices) for indices in batches[:progress.step]], options.max_shift, options.hflip, generator)
     step_model.train()
     # loss sum, correct, images on this rank; a resumed epoch's totals (already summed over ranks) go to rank 0
     earlier = [progress.loss_sum, progress.correct, progress.images] if context.is_main else [0.0, 0.0, 0.0]
@@ -192,7 +201,7 @@ def train_one_epoch(step_model: torch.nn.Module, config: CapsNetConfig, optimize
     bar = tqdm(batches[progress.step:], initial=progress.step, total=len(batches), desc=f"epoch {epoch + 1}/{options.epochs}",
                unit="batch", leave=False, dynamic_ncols=True, disable=not (options.progress and context.is_main))
     for step, indices in enumerate(bar, start=progress.step + 1):
-        images = random_shift(to_float(split.images[indices]), options.max_shift, generator).to(device)  # (B, C, H, W)
+        images = augment(to_float(split.images[indices]), options.max_shift, options.hflip, generator).to(device)  # (B, C, H, W)
         labels = torch.as_tensor(split.labels[indices]).to(device)  # (B,)
         with autocast_context(device, options.amp):
             output = step_model(images, labels)
@@ -252,11 +261,14 @@ def train(options: TrainOptions) -> Checkpoint:
             announce(context, f"--amp: training in fp32: {why}; emulated bf16 is many times slower than fp32")
             options = replace(options, amp=False)
     prepare_output(options.out)
-    dataset = load_dataset(options.data)
+    resumed = load_checkpoint(options.resume) if options.resume is not None else None
+    if options.val_fraction is None:
+        # checkpoints from before the validation split trained on every training image
+        options.val_fraction = resumed.metrics.get("validation_fraction", 0.0) if resumed else DEFAULT_VAL_FRACTION
+    dataset = load_dataset(options.data, options.val_fraction)
     if options.max_shift >= min(dataset.image_shape[1:]):
         raise CapsNetError(f"--max-shift {options.max_shift} is not smaller than the {dataset.image_shape[1]}x"
                            f"{dataset.image_shape[2]} images")
-    resumed = load_checkpoint(options.resume) if options.resume is not None else None
     config = model_config(options, dataset, resumed.config if resumed else None)
     progress = EpochProgress()
     if resumed is not None:
@@ -269,7 +281,7 @@ def train(options: TrainOptions) -> Checkpoint:
 def batch_plan(options: TrainOptions, context: DistributedContext, dataset: Dataset) -> dict[str, int]:
     """The values of BATCH_PLAN_FLAGS for this run."""
     return {"batch_size": options.batch_size, "seed": options.seed, "max_shift": options.max_shift,
-            "world_size": context.world_size, "train_images": len(dataset.train)}
+            "hflip": options.hflip, "world_size": context.world_size, "train_images": len(dataset.train)}
 
 
 def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOptions,
@@ -283,6 +295,10 @@ def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOp
         raise CapsNetError(f"--resume continues the checkpoint's model; these flags change it: {listed}")
     if resumed.optimizer_state is None or resumed.scheduler_state is None:
         raise CapsNetError(f"{options.resume} holds no optimizer state to resume from")
+    recorded_fraction = resumed.metrics.get("validation_fraction", 0.0)
+    if recorded_fraction != options.val_fraction:
+        raise CapsNetError(f"--resume continues the checkpoint's training images: --val-fraction "
+                           f"{options.val_fraction} (checkpoint: {recorded_fraction})")
     if resumed.epoch >= options.epochs:
         raise CapsNetError(f"{options.resume} has already trained {resumed.epoch} epochs; pass --epochs above that")
     if resumed.epoch_progress is None:
@@ -290,7 +306,8 @@ def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOp
     try:
         fields = dict(resumed.epoch_progress)
         recorded_plan = fields.pop("batch_plan")
-        planned = {name: recorded_plan[name] for name in plan}
+        # checkpoints from before --hflip existed trained without it
+        planned = {name: recorded_plan.get(name, False) if name == "hflip" else recorded_plan[name] for name in plan}
         progress = EpochProgress(**fields)
     except (KeyError, TypeError):
         raise CapsNetError(f"checkpoint {options.resume} is damaged: its progress into epoch {resumed.epoch + 1} "
@@ -332,8 +349,9 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
         # where the data is, so `capsnet export` calibrates and gates INT8 on the model's own data by default
         "dataset": dataset.name, "data": data_location(options.data),
         "train_images": len(dataset.train), "test_images": len(dataset.test),
+        "validation_images": len(dataset.validation or ()), "validation_fraction": dataset.validation_fraction,
         "parameters": count_parameters(model), "batch_size": options.batch_size, "initial_lr": initial_lr,
-        "lr_decay": options.lr_decay, "max_shift": options.max_shift, "seed": options.seed,
+        "lr_decay": options.lr_decay, "max_shift": options.max_shift, "hflip": options.hflip, "seed": options.seed,
         "device": device.type, "world_size": context.world_size, "amp": options.amp, "compile": options.compile,
     }
     plan = batch_plan(options, context, dataset)
@@ -346,7 +364,8 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
             epoch_progress=None if partial is None else {**asdict(partial), "batch_plan": plan},
         )
 
-    best_accuracy = max((record["test_accuracy"] for record in history), default=-1.0)
+    # The best epoch by validation accuracy (the earliest of equals); without a validation split every epoch is.
+    best = max(history, key=lambda record: record.get("validation_accuracy", -1.0), default=None)
     processes = f"{context.world_size} process{'es' if context.is_distributed else ''}"
     announce(context, f"training {run_info['parameters']:,} parameters on {len(dataset.train):,} images of "
                       f"{dataset.name} ({device}, {processes})")
@@ -366,27 +385,37 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
         progress = EpochProgress()
         scheduler.step()
         started = time.perf_counter()
-        validation = evaluate(model, dataset.test, dataset.class_names, per_rank_batch, device, context,
-                              autocast_context(device, options.amp))
-        record = {
-            "epoch": epoch + 1, "lr": lr,
-            "train_loss": trained.loss, "train_accuracy": trained.accuracy,
-            "test_loss": validation.loss, "test_accuracy": validation.accuracy,
-            "train_seconds": trained.seconds, "train_images_per_second": trained.images / trained.seconds,
-            "eval_seconds": time.perf_counter() - started,
-        }
+        scored = {name: evaluate(model, split, dataset.class_names, per_rank_batch, device, context,
+                                 autocast_context(device, options.amp))
+                  for name, split in (("validation", dataset.validation), ("test", dataset.test)) if split is not None}
+        record = {"epoch": epoch + 1, "lr": lr, "train_loss": trained.loss, "train_accuracy": trained.accuracy}
+        for name, result in scored.items():
+            record.update({f"{name}_loss": result.loss, f"{name}_accuracy": result.accuracy})
+        record.update({"train_seconds": trained.seconds, "train_images_per_second": trained.images / trained.seconds,
+                       "eval_seconds": time.perf_counter() - started})
         history.append(record)
-        is_best = validation.accuracy > best_accuracy or not options.out.exists()
-        best_accuracy = max(best_accuracy, validation.accuracy)
-        checkpoint = snapshot(epoch + 1, {**record, **run_info, "per_class_accuracy": validation.per_class_accuracy})
+        # selection sees the validation split only; the test split is reported
+        is_best = ("validation" not in scored or best is None
+                   or scored["validation"].accuracy > best["validation_accuracy"] or not options.out.exists())
+        if is_best:
+            best = record
+        per_class = {f"{name}_per_class_accuracy": result.per_class_accuracy for name, result in scored.items()}
+        checkpoint = snapshot(epoch + 1, {**record, **run_info, **per_class})
         if context.is_main:
             save_checkpoint(checkpoint, options.last_path)
             if is_best:
                 save_checkpoint(checkpoint, options.out)
+        figures = " | ".join(f"{name} loss {result.loss:.4f} acc {100 * result.accuracy:.2f}%"
+                             for name, result in scored.items())
         announce(context, f"epoch {epoch + 1}/{options.epochs}: "
-                          f"train loss {trained.loss:.4f} acc {100 * trained.accuracy:.2f}% | "
-                          f"test loss {validation.loss:.4f} acc {100 * validation.accuracy:.2f}% | "
+                          f"train loss {trained.loss:.4f} acc {100 * trained.accuracy:.2f}% | {figures} | "
                           f"{record['train_images_per_second']:.0f} images/s, {trained.seconds:.1f}s"
-                          + (f" | best -> {options.out}" if is_best else ""))
-    announce(context, f"best test accuracy {100 * best_accuracy:.2f}%: {options.out}; last epoch: {options.last_path}")
+                          + (f" | best -> {options.out}" if is_best and "validation" in scored else ""))
+    if dataset.validation is None:
+        announce(context, f"no validation split (--val-fraction 0), so no selection: {options.out} holds the last "
+                          f"epoch (test accuracy {100 * best['test_accuracy']:.2f}%)")
+    else:
+        announce(context, f"best validation accuracy {100 * best['validation_accuracy']:.2f}% after epoch "
+                          f"{best['epoch']} (its test accuracy, not used to choose: {100 * best['test_accuracy']:.2f}%): "
+                          f"{options.out}; last epoch: {options.last_path}")
     return checkpoint

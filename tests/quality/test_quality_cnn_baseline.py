@@ -14,25 +14,26 @@ from capsnet.training import visualize
 from capsnet.training.checkpoint import load_checkpoint, save_checkpoint
 from capsnet.training.cnn_baseline import CnnBaseline
 from capsnet.training.config import preset
-from capsnet.training.data import Dataset, Split, load_embedded, to_float
+from capsnet.training.data import Dataset, Split, load_embedded, to_float, with_validation
 from capsnet.training.loss import capsnet_loss
 from capsnet.training.model import CapsNet, count_parameters
 
 CONFIG = preset("paper", arch="cnn-baseline", reconstruction_weight=0.0)
 
 
-def small_embedded() -> Dataset:
-    """256 training and 63 test digits of every class: a CNN epoch in a second."""
+def small_embedded(spec: str = "embedded", validation_fraction: float = 0.0) -> Dataset:
+    """256 training and 63 test digits of every class: a CNN epoch in a second (load_dataset's signature)."""
     full = load_embedded()
-    return Dataset(full.name, Split(full.train.images[:256], full.train.labels[:256]),
-                   Split(full.test.images[::16], full.test.labels[::16]), full.class_names)
+    return with_validation(Dataset(full.name, Split(full.train.images[:256], full.train.labels[:256]),
+                                   Split(full.test.images[::16], full.test.labels[::16]), full.class_names),
+                           validation_fraction)
 
 
 @pytest.fixture(scope="module")
 def cnn_checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("cnn") / "cnn.ckpt"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("capsnet.training.train.load_dataset", lambda spec: small_embedded())
+        patch.setattr("capsnet.training.train.load_dataset", small_embedded)
         code = main(["train", "--arch", "cnn-baseline", "--epochs", "1", "--batch-size", "64",
                      "--out", str(path), "--no-progress"])
     assert code == 0
@@ -79,7 +80,7 @@ def test_train_records_the_architecture_and_eval_takes_it(cnn_checkpoint, monkey
     assert checkpoint.config.arch == "cnn-baseline" and checkpoint.config.reconstruction_weight == 0.0
     assert isinstance(checkpoint.build_model(), CnnBaseline)
     assert checkpoint.metrics["parameters"] == count_parameters(CnnBaseline(CONFIG))
-    monkeypatch.setattr("capsnet.training.data.load_dataset", lambda spec: small_embedded())
+    monkeypatch.setattr("capsnet.training.data.load_dataset", small_embedded)
     capsys.readouterr()
     assert main(["eval", str(cnn_checkpoint)]) == 0
     correct = round(checkpoint.metrics["test_accuracy"] * 63)
@@ -87,7 +88,7 @@ def test_train_records_the_architecture_and_eval_takes_it(cnn_checkpoint, monkey
 
 
 def test_resume_refuses_another_architecture(cnn_checkpoint, monkeypatch, capsys):
-    monkeypatch.setattr("capsnet.training.train.load_dataset", lambda spec: small_embedded())
+    monkeypatch.setattr("capsnet.training.train.load_dataset", small_embedded)
     last = cnn_checkpoint.with_name("cnn.last.ckpt")
     code = main(["train", "--arch", "capsnet", "--epochs", "2", "--out", str(cnn_checkpoint), "--resume", str(last)])
     assert code == 2 and "arch='capsnet' (checkpoint: 'cnn-baseline')" in capsys.readouterr().err

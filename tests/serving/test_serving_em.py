@@ -42,7 +42,7 @@ def test_em_model_served_equals_its_checkpoint(em_model_dir, trained_em_tiny_che
     try:
         with grpc.insecure_channel(server.target) as channel:
             info = capsnet_pb2_grpc.CapsNetServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
-            assert (info.routing.variant, info.routing.iterations, info.pose_dim) == ("em", 3, 16)
+            assert (info.routing.variant, info.routing.iterations, info.pose_dim) == ("em", 2, 16)  # em-tiny
         with CapsNetClient(server.target) as client:
             predictions = client.classify(list(digits), reconstruction=True)
     finally:

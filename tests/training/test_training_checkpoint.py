@@ -33,11 +33,15 @@ def test_training_records_what_export_and_serving_need(trained_tiny_checkpoint):
     assert checkpoint.dataset == "embedded-mnist-5k"
     assert checkpoint.optimizer_state is not None and checkpoint.scheduler_state is not None
     metrics = checkpoint.metrics
-    for key in ("test_accuracy", "test_loss", "train_loss", "train_accuracy", "train_images_per_second", "lr"):
+    for key in ("test_accuracy", "test_loss", "train_loss", "train_accuracy", "train_images_per_second", "lr",
+                "validation_fraction"):
         assert isinstance(metrics[key], float), key
     assert metrics["epoch"] == checkpoint.epoch
     assert metrics["parameters"] == sum(t.numel() for t in checkpoint.state_dict.values())
-    assert set(metrics["per_class_accuracy"]) == set(checkpoint.class_names)
+    assert set(metrics["test_per_class_accuracy"]) == set(checkpoint.class_names)
+    # the fixture trains on every training digit (--val-fraction 0): no validation figures
+    assert (metrics["train_images"], metrics["validation_images"], metrics["test_images"]) == (4000, 0, 1000)
+    assert "validation_accuracy" not in metrics and "validation_per_class_accuracy" not in metrics
     assert [record["epoch"] for record in checkpoint.history] == list(range(1, checkpoint.epoch + 1))
 
 

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from capsnet.errors import CapsNetError
-from capsnet.training.data import (FASHION_MNIST_NAMES, channel_mean_std, load_dataset, load_embedded,
-                                   random_shift)
+from capsnet.training.data import (FASHION_MNIST_NAMES, augment, channel_mean_std, load_dataset, load_embedded,
+                                   random_shift, skip_augmentation)
 
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 
@@ -126,3 +126,32 @@ def test_channel_mean_std():
     images[:, 1] = 51  # channel 1: constant 0.2
     mean, std = channel_mean_std(images)
     assert mean == pytest.approx((0.5, 0.2)) and std == pytest.approx((0.5, 1e-6))
+
+
+def test_hflip_mirrors_about_half_the_images_and_a_resume_replays_the_draws():
+    images = torch.rand(64, 1, 6, 5)  # (B, C, H, W)
+    flipped = augment(images, 0, True, torch.Generator().manual_seed(0))
+    mirrored = [torch.equal(after, before.flip(-1)) for after, before in zip(flipped, images)]
+    kept = [torch.equal(after, before) for after, before in zip(flipped, images)]
+    assert all(m != k for m, k in zip(mirrored, kept)) and 20 <= sum(mirrored) <= 44
+    # skipping two batches' draws leaves the generator where augmenting them would
+    generator, skipped = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for batch in (images[:10], images[10:30]):
+        augment(batch, 2, True, generator)
+    skip_augmentation([10, 20], 2, True, skipped)
+    assert torch.equal(augment(images, 2, True, generator), augment(images, 2, True, skipped))
+
+
+def test_the_validation_split_is_a_fixed_stratified_share_of_the_training_images():
+    full = load_embedded()
+    dataset = load_dataset("embedded", 0.1)
+    assert (len(dataset.train), len(dataset.validation), len(dataset.test)) == (3600, 400, 1000)
+    assert np.bincount(dataset.validation.labels).tolist() == [40] * 10
+    assert dataset.test.images.tobytes() == full.test.images.tobytes()  # the test split is untouched
+    # together the two are the training images, each once: no image is both trained on and validated on
+    rows = lambda split: {image.tobytes() for image in split.images}  # noqa: E731
+    assert rows(dataset.train) | rows(dataset.validation) == rows(full.train)
+    assert not rows(dataset.train) & rows(dataset.validation)
+    again = load_dataset("embedded", 0.1)
+    assert np.array_equal(again.validation.images, dataset.validation.images)  # the same every time
+    assert load_dataset("embedded", 0.0).validation is None

@@ -22,7 +22,7 @@ def run_rank(rank: int, world_size: int, port: int, out: str, states_dir: str) -
     """What torchrun does for each process: the environment names the rank, then the same training runs."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # mid-epoch checkpoints every 10 of the 31 steps: all ranks sum their running totals for rank 0 to write
+    # mid-epoch checkpoints every 10 of the 57 steps: all ranks sum their running totals for rank 0 to write
     checkpoint = train(TrainOptions(data="embedded", preset="tiny", epochs=1, batch_size=64, out=out,
                                     device="cpu", threads=1, checkpoint_every=10, progress=False))
     torch.save(checkpoint.state_dict, os.path.join(states_dir, f"rank{rank}.pt"))
@@ -40,5 +40,8 @@ def test_two_gloo_processes_train_and_agree_on_the_weights(tmp_path):
     checkpoint = load_checkpoint(out)
     assert all(torch.equal(checkpoint.state_dict[name], value) for name, value in rank0.items())
     metrics = checkpoint.metrics
-    assert metrics["world_size"] == 2 and metrics["train_images"] == 4000
+    assert metrics["world_size"] == 2 and (metrics["train_images"], metrics["validation_images"]) == (3600, 400)
     assert metrics["test_accuracy"] > 0.2  # evaluated over both ranks' shards of the 1,000 test images
+    # the validation split too: its per-class counts, summed over the ranks' shards, are all 40 digits of each class
+    per_class = metrics["validation_per_class_accuracy"]
+    assert all(round(accuracy * 40, 6).is_integer() for accuracy in per_class.values())
