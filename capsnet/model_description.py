@@ -82,11 +82,6 @@ class ModelDescription:
     def pose_dim(self) -> int:
         return self.output_shapes["poses"][1]
 
-    @property
-    def precisions(self) -> tuple[str, ...]:
-        """The precisions exported as ONNX, fp32 first."""
-        return tuple(p for p, key in ONNX_KEYS.items() if self.artifacts.get(key))
-
     def to_json(self, with_hashes: bool = True) -> dict[str, Any]:
         """model.json's content; without the hashes it is what each ONNX file embeds (a file cannot hold its own hash)."""
         channels, height, width = self.input_shape
