@@ -12,7 +12,6 @@ import grpc
 import numpy as np
 from google.protobuf.duration_pb2 import Duration
 
-from capsnet.cpu import CpuKind
 from capsnet.serving.errors import InvalidInput
 from capsnet.serving.images import decode_images
 from capsnet.serving.service import InferenceResult, InferenceService
@@ -82,7 +81,7 @@ class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
                                squash_constant=spec.routing.get("squash_constant", 0.0)),
             self_check=pb.SelfCheck(precision=check.precision, images=check.images,
                                     argmax_agreement=check.argmax_agreement, max_abs_diff=check.max_abs_diff,
-                                    passed=check.passed, cpu=CpuKind.this_host().describe()),
+                                    passed=check.passed, cpu=check.cpu),
             choice=spec.choice,
         )
 

@@ -30,6 +30,7 @@ class SelfCheck:
     images: int
     max_abs_diff: dict[str, float]  # per compared output
     argmax_agreement: float  # share of images with the FP32 reference's class
+    cpu: str  # the CPU that ran it, e.g. "AMD EPYC [avx2 fma]"
 
     @property
     def tolerance(self) -> float:
@@ -64,11 +65,12 @@ def self_check(backend: Backend, reference_path: Path, max_batch_size: int) -> S
         images=len(images),
         max_abs_diff={name: float(np.abs(outputs[name] - reference[name]).max()) for name in names},
         argmax_agreement=float(same_class.mean()),
+        cpu=CpuKind.this_host().describe(),
     )
 
 
 def refusal(check: SelfCheck) -> CapsNetError:
-    return CapsNetError(f"self-check failed: {check.describe()}; this CPU: {CpuKind.this_host().describe()}")
+    return CapsNetError(f"self-check failed: {check.describe()}; this CPU: {check.cpu}")
 
 
 def best_time(backend: Backend, images: np.ndarray, rounds: int) -> float:
