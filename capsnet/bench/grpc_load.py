@@ -3,7 +3,8 @@
 For dynamic batching on and off, one server is started; for each API (our Classify, KServe
 ModelInfer) and each concurrency, a closed-loop load generator (serving/loadgen.py) keeps that many
 one-image requests in flight for the timed seconds, after a few warm-up requests. Every row is compared with the in-process
-backend at batch size = concurrency (what perfect batching with no RPC cost would give).
+backend at batch size = concurrency (what perfect batching with no RPC cost would give), timed in a worker process
+for half the row's seconds just before the row and half just after, so both meet the same load on a shared machine.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import numpy as np
 
 from capsnet.bench.backends import SERVER_BACKENDS
+from capsnet.bench.inprocess import SETTLE_SECONDS, BackendWorker, tile
 from capsnet.bench.machine import cores
 from capsnet.bench.server_process import ServerProcess
 from capsnet.errors import CapsNetError
@@ -35,13 +37,30 @@ def server_flags(dynamic_batching: bool, max_concurrency: int) -> list[str]:
     return ["--max-batch-size", "1", "--max-queue-delay-us", "0"]
 
 
-def run_grpc_load(model_dir: str, images: np.ndarray, concurrency: tuple[int, ...], threads: int, seconds: float,
-                  inprocess_reference: list[dict]) -> dict:
+def run_grpc_load(model_dir: str, images: np.ndarray, concurrency: tuple[int, ...], threads: int, seconds: float) -> dict:
     from capsnet.serving.artifacts import load_artifacts
-    from capsnet.serving.loadgen import run_load
 
     artifacts = load_artifacts(model_dir)
-    reference = {row["batch_size"]: row for row in inprocess_reference}
+    reference = BackendWorker(SERVER_BACKEND, model_dir, threads, max(concurrency))
+    try:
+        rows, servers = _run_servers(artifacts, model_dir, images, concurrency, threads, seconds, reference)
+    finally:
+        reference.kill()
+    return {
+        "server": {"backend": SERVER_BACKEND, "threads": threads, "configs": servers},
+        "cores": cores(),
+        "images_per_request": 1,
+        "seconds": seconds,
+        "results": rows,
+        "server_memory": {"idle_rss_mib": servers["on"]["idle_rss_mib"],
+                          "peak_rss_mib": max(config["peak_rss_mib"] for config in servers.values())},
+    }
+
+
+def _run_servers(artifacts, model_dir: str, images: np.ndarray, concurrency: tuple[int, ...], threads: int,
+                 seconds: float, reference: BackendWorker) -> tuple[list[dict], dict]:
+    from capsnet.serving.loadgen import run_load
+
     rows, servers = [], {}
     for batching in (True, False):
         backend, precision = SERVER_BACKENDS[SERVER_BACKEND]
@@ -53,6 +72,8 @@ def run_grpc_load(model_dir: str, images: np.ndarray, concurrency: tuple[int, ..
             for api in APIS:
                 for clients in concurrency:
                     log.info("gRPC %s, dynamic batching %s, concurrency %d", api, "on" if batching else "off", clients)
+                    batch = tile(images, clients)
+                    durations = _time_inprocess(reference, batch, seconds / 2)
                     before, cpu, wall = server.scrape(), time.process_time(), time.perf_counter()
                     result = asyncio.run(run_load(
                         server.target, images, concurrency=clients, max_requests=MAX_REQUESTS, max_seconds=seconds,
@@ -62,23 +83,26 @@ def run_grpc_load(model_dir: str, images: np.ndarray, concurrency: tuple[int, ..
                     if not result.latencies_s:
                         raise CapsNetError(f"gRPC {api} at concurrency {clients}: every request failed ({result.errors})")
                     row = {**_row(result), **_server_view(before, server.scrape(), cpu, wall)}
-                    in_process = reference.get(clients)
+                    in_process = _inprocess_view(durations + _time_inprocess(reference, batch, seconds / 2), clients)
                     rows.append({
-                        "api": api, "dynamic_batching": batching, "concurrency": clients, **row,
-                        "ratio_to_inprocess": row["images_per_s"] / in_process["images_per_s"] if in_process else None,
+                        "api": api, "dynamic_batching": batching, "concurrency": clients, **row, "inprocess": in_process,
+                        "ratio_to_inprocess": row["images_per_s"] / in_process["images_per_s"],
                     })
             servers["on" if batching else "off"] = {"batching_flags": batching_flags, "idle_rss_mib": idle,
                                                     "peak_rss_mib": server.memory()["peak_rss_mib"]}
-    return {
-        "server": {"backend": SERVER_BACKEND, "threads": threads, "configs": servers},
-        "cores": cores(),
-        "images_per_request": 1,
-        "seconds": seconds,
-        "inprocess_reference": inprocess_reference,
-        "results": rows,
-        "server_memory": {"idle_rss_mib": servers["on"]["idle_rss_mib"],
-                          "peak_rss_mib": max(config["peak_rss_mib"] for config in servers.values())},
-    }
+    return rows, servers
+
+
+def _time_inprocess(worker: BackendWorker, batch: np.ndarray, seconds: float) -> list[float]:
+    time.sleep(SETTLE_SECONDS)
+    return worker.call("time", batch, seconds)
+
+
+def _inprocess_view(durations: list[float], batch_size: int) -> dict:
+    """The in-process reference beside a gRPC row: throughput over the whole timed span, as the row's own
+    (not from the median call), and the p50 call latency."""
+    return {"batch_size": batch_size, "calls": len(durations), "images_per_s": batch_size * len(durations) / sum(durations),
+            "p50_ms": float(np.median(durations)) * 1e3}
 
 
 def _server_view(before: dict, after: dict, client_cpu_s: float, wall_s: float) -> dict:

@@ -48,7 +48,7 @@ def run_inprocess(plans: dict[str, BackendPlan], threads: int, images: np.ndarra
     try:
         for name, plan in plans.items():
             try:
-                workers[name] = _Worker(name, plan.model_dir, threads, max_batch)
+                workers[name] = BackendWorker(name, plan.model_dir, threads, max_batch)
             except BackendUnavailable as err:
                 skipped[name] = str(err)
         cells = sorted({(batch, name) for name in workers for batch in plans[name].batch_sizes},
@@ -93,7 +93,7 @@ def tile(images: np.ndarray, batch: int) -> np.ndarray:
     return images[np.arange(batch) % len(images)]  # (batch, C, H, W), a contiguous copy
 
 
-class _Worker:
+class BackendWorker:
     """A child process (capsnet.bench.worker) holding one backend, answering commands over a socket pair."""
 
     def __init__(self, name: str, model_dir: str, threads: int, max_batch: int):

@@ -13,7 +13,7 @@ import numpy as np
 
 from capsnet.bench.backends import SERVER_BACKENDS
 from capsnet.bench.flops import count_flops
-from capsnet.bench.grpc_load import SERVER_BACKEND, run_grpc_load
+from capsnet.bench.grpc_load import run_grpc_load
 from capsnet.bench.inprocess import BackendPlan, Schedule, run_inprocess, tile
 from capsnet.bench.machine import cpu_shares, cpu_times, load_average, machine_facts
 from capsnet.bench.ortprofile import conv_rate, profile_onnx
@@ -82,12 +82,8 @@ def run_bench(options: BenchOptions) -> dict:
             """The fp32 peak once per interleaved round, so it meets the same load as the backends' cells."""
             peaks.append(measure_peak(config, batch=PEAK_BATCH, threads=options.threads, min_seconds=options.peak_seconds))
 
-        reference_batches = options.concurrency if options.grpc else ()
-        plans = {
-            name: BackendPlan(str(model_dirs[name]), tuple(sorted(set(options.batch_sizes) | (
-                set(reference_batches) if name == SERVER_BACKEND else set()))))
-            for name in options.backends if name in model_dirs
-        }
+        plans = {name: BackendPlan(str(model_dirs[name]), tuple(sorted(set(options.batch_sizes))))
+                 for name in options.backends if name in model_dirs}
         log.info("in-process: %s at batch sizes %s, the fp32 peak after each round", ", ".join(plans),
                  ", ".join(map(str, options.batch_sizes)))
         inprocess = run_inprocess(plans, options.threads, images, dataset.test.labels,
@@ -112,10 +108,8 @@ def run_bench(options: BenchOptions) -> dict:
 
         grpc_results = None
         if options.grpc:
-            reference = [row for row in inprocess["results"]
-                         if row["backend"] == SERVER_BACKEND and row["batch_size"] in options.concurrency]
-            grpc_results = run_grpc_load(str(model_dir), images, options.concurrency,
-                                         options.threads, options.grpc_seconds, reference)
+            grpc_results = run_grpc_load(str(model_dir), images, options.concurrency, options.threads,
+                                         options.grpc_seconds)
 
     facts["load_after"] = load_average()
     facts["cpu_during_run"] = cpu_shares(cpu_before, cpu_times())
