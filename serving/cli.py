@@ -28,7 +28,8 @@ def register(subparsers) -> None:
     serve.add_argument("--backend", choices=BACKENDS, help="inference backend (default auto: the fastest available)")
     serve.add_argument("--precision", choices=PRECISIONS,
                        help="model precision (default auto: INT8 where the export has it, it passes its self-check "
-                            "and is faster on this CPU, else FP32; tensorrt: the plan's); fp16/int8 need those exports")
+                            "and is faster on this CPU, else FP32; tensorrt: the plan's); fp16/int8 need those exports; "
+                            "bf16: --backend torch on a CPU with native bf16 (AVX512_BF16 or AMX)")
     serve.add_argument("--gpu", type=int, metavar="N",
                        help=f"CUDA device the tensorrt backend runs on (default {defaults['gpu']})")
     serve.add_argument("--max-batch-size", type=int, metavar="N",

@@ -9,7 +9,7 @@ from pathlib import Path
 from capsnet.errors import CapsNetError
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
-PRECISIONS = ("auto", "fp32", "fp16", "int8")
+PRECISIONS = ("auto", "fp32", "fp16", "int8", "bf16")  # bf16: the torch backend on a CPU with native bf16
 
 # Settings an operator may also give as environment variables (container images, Kubernetes).
 ENV_VARS = {"host": "CAPSNET_HOST", "grpc_port": "CAPSNET_GRPC_PORT", "metrics_port": "CAPSNET_METRICS_PORT"}
@@ -56,6 +56,9 @@ class ServerConfig:
             raise CapsNetError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.precision not in PRECISIONS:
             raise CapsNetError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.precision == "bf16" and self.backend != "torch":
+            raise CapsNetError("--precision bf16 runs the checkpoint's convolutions in bf16 on the torch backend: "
+                               "add --backend torch")
         for name in ("grpc_port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise CapsNetError(f"{name.replace('_', '-')} must be in 0..65535 (0: any free port), got {getattr(self, name)}")

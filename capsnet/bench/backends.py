@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 # bench name -> (server backend, precision); pytorch-public is ours alone.
 SERVER_BACKENDS = {
     "pytorch": ("torch", "fp32"),  # our model, eager, as the server's torch backend runs it
+    "pytorch-bf16": ("torch", "bf16"),  # the same with its convolutions in bf16, where the CPU has native bf16
     "onnxruntime-fp32": ("onnxruntime", "fp32"),
     "onnxruntime-int8": ("onnxruntime", "int8"),
     "tensorrt-fp32": ("tensorrt", "fp32"),
@@ -27,7 +28,7 @@ SERVER_BACKENDS = {
     "tensorrt-int8": ("tensorrt", "int8"),
 }
 PUBLIC_REFERENCE = "pytorch-public"  # public_reference.py: the most-used public PyTorch CapsNet's formulation
-BACKEND_NAMES = ("pytorch", PUBLIC_REFERENCE, "onnxruntime-fp32", "onnxruntime-int8",
+BACKEND_NAMES = ("pytorch", "pytorch-bf16", PUBLIC_REFERENCE, "onnxruntime-fp32", "onnxruntime-int8",
                  "tensorrt-fp32", "tensorrt-fp16", "tensorrt-int8")  # the order of tables and plots
 
 
@@ -45,6 +46,11 @@ def load_backend(name: str, model_dir: str, threads: int, max_batch_size: int) -
     server_backend, precision = SERVER_BACKENDS[name]
     if server_backend == "onnxruntime" and precision not in artifacts.onnx:
         raise BackendUnavailable(f"{model_dir} has no {precision} ONNX model (export with --{precision})")
+    if precision == "bf16":
+        from capsnet.serving.backends.torch_backend import bf16_unavailable_reason
+
+        if reason := bf16_unavailable_reason():
+            raise BackendUnavailable(reason)
     if server_backend == "tensorrt":
         from capsnet.tensorrt_runner import unavailable_reason
 

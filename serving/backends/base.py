@@ -10,7 +10,7 @@ import numpy as np
 
 class Backend(ABC):
     name: str  # "onnxruntime" | "tensorrt" | "torch"
-    precision: str  # "fp32" | "fp16" | "int8"
+    precision: str  # "fp32" | "fp16" | "int8" | "bf16"
     description: str  # what it runs on, for the startup log, e.g. "CPUExecutionProvider, 2 threads"
     output_names: tuple[str, ...]  # the outputs run() returns, as in model.json
 

@@ -90,3 +90,16 @@ def test_bench_targets_grpc_cpu_and_memory():
     assert "2.90 ms (kserve)" in latency["bound"]
     assert not cpu["met"] and "capsnet: 1.10, kserve: 1.50" in cpu["measured"] and cpu["short_by"] == "0.30 cores"
     assert not memory["met"] and "1100 MiB" in memory["measured"]
+
+
+def test_bench_targets_bf16_speed_and_accuracy_where_it_ran():
+    results = _results()
+    results["inprocess"]["results"] += [_row("pytorch", 8, 60.0), _row("pytorch", 32, 100.0),
+                                        _row("pytorch-bf16", 8, 150.0), _row("pytorch-bf16", 32, 90.0)]
+    results["inprocess"]["backends"].update({"pytorch": {"accuracy": 0.974}, "pytorch-bf16": {"accuracy": 0.970}})
+    checks = {check["target"].split(":")[0]: check for check in evaluate(results)}
+    speed = checks["PyTorch with bf16 convolutions at batch ≥ 8"]
+    assert not speed["met"] and "batch 8: 2.50×, batch 32: 0.90×" in speed["measured"]  # 150/60, 90/100
+    assert speed["short_by"] == "1.11× faster needed at the worst batch" and "oneDNN" in speed["bound"]
+    accuracy = checks["bf16 accuracy loss ≤ 0.3 points"]
+    assert not accuracy["met"] and "+0.40 points" in accuracy["measured"] and accuracy["short_by"] == "0.10 points"

@@ -1,0 +1,78 @@
+"""`--backend torch --precision bf16`: the convolutions in bf16 where the CPU has native bf16, refused in one
+line where it would be emulated (many times slower), and never offered to a backend without it."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from capsnet.cli import main
+from capsnet.errors import CapsNetError
+from capsnet.serving.client import image_message
+from capsnet.serving.backends.torch_backend import bf16_unavailable_reason, convolutions_in_bf16
+from capsnet.serving.config import ServerConfig
+from capsnet.serving.self_check import TOLERANCES
+from capsnet.training.checkpoint import load_checkpoint
+from capsnet.training.data import load_dataset
+from capsnet.v1 import capsnet_pb2 as pb
+from capsnet.v1 import capsnet_pb2_grpc
+from serving_helpers import ServerThread, server_config
+
+NO_NATIVE_BF16 = bf16_unavailable_reason()
+
+
+def test_bf16_convolutions_keep_routing_in_fp32_and_match_fp32(trained_tiny_checkpoint):
+    """Runs wherever torch has bf16 kernels (emulated ones too): the numerics, not the speed."""
+    checkpoint = load_checkpoint(trained_tiny_checkpoint)
+    fp32, bf16 = checkpoint.build_model().eval(), checkpoint.build_model().eval()
+    assert convolutions_in_bf16(bf16) == 2  # Conv1 and PrimaryCaps
+    dtypes = {name: p.dtype for name, p in bf16.named_parameters()}
+    assert {dtypes[name] for name in dtypes if name.startswith(("conv1.", "primary_caps."))} == {torch.bfloat16}
+    assert {dtypes[name] for name in dtypes if name.startswith(("digit_caps.", "decoder."))} == {torch.float32}
+    images = torch.from_numpy(load_dataset("embedded").test.images[:64].astype(np.float32) / 255.0)  # (64, 1, 28, 28)
+    with torch.inference_mode():
+        expected, got = fp32(images), bf16(images)
+    assert got.probabilities.dtype == got.poses.dtype == torch.float32
+    difference = (got.probabilities - expected.probabilities).abs().max().item()
+    assert 0 < difference <= TOLERANCES["bf16"][0]  # rounded, within the self-check's bound
+    assert torch.equal(got.probabilities.argmax(1), expected.probabilities.argmax(1))
+
+
+def test_bf16_conversion_leaves_a_model_without_convolutions_alone():
+    model = nn.Sequential(nn.Linear(4, 2))
+    assert convolutions_in_bf16(model) == 0 and model[0].weight.dtype == torch.float32
+
+
+def test_bf16_is_for_the_torch_backend_only():
+    for backend in ("auto", "onnxruntime", "tensorrt"):
+        with pytest.raises(CapsNetError, match="--precision bf16 runs the checkpoint's convolutions in bf16 on the "
+                                               "torch backend: add --backend torch"):
+            ServerConfig.from_sources({"model_dir": "m", "backend": backend, "precision": "bf16"}, env={})
+
+
+@pytest.mark.skipif(NO_NATIVE_BF16 is None, reason="this CPU has native bf16: the refusal does not apply")
+def test_bf16_is_refused_in_one_line_without_native_bf16(model_dir, capsys):
+    code = main(["serve", "--model", str(model_dir), "--backend", "torch", "--precision", "bf16",
+                 "--grpc-port", "0", "--metrics-port", "0"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet serve: error: ")]
+    assert code == 2 and errors == [f"capsnet serve: error: --precision bf16: {NO_NATIVE_BF16}"]
+    assert "no native bf16" in errors[0] and "many times slower" in errors[0]
+
+
+@pytest.mark.skipif(NO_NATIVE_BF16 is not None, reason=f"bf16 would be emulated here: {NO_NATIVE_BF16}")
+def test_bf16_serves_after_its_self_check_on_a_native_bf16_cpu(model_dir):
+    running = ServerThread(server_config(model_dir, backend="torch", precision="bf16"))
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            info = capsnet_pb2_grpc.CapsNetServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+            reply = capsnet_pb2_grpc.CapsNetServiceStub(channel).Classify(
+                pb.ClassifyRequest(images=[image_message(np.full((1, 28, 28), 0.5, np.float32))]), timeout=30)
+        check = info.self_check
+        assert info.precision == check.precision == "bf16" and check.passed and check.images == 128
+        assert 0 < check.max_abs_diff["probabilities"] <= TOLERANCES["bf16"][0]
+        assert len(reply.results) == 1 and len(reply.results[0].probabilities) == 10
+    finally:
+        running.stop()
