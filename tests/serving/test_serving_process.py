@@ -8,6 +8,7 @@ import math
 import shutil
 import signal
 import socket
+import os
 import subprocess
 import sys
 import threading
@@ -124,6 +125,18 @@ def test_predict_prints_classes_without_importing_torch(server, tmp_path):
         expected = server.server.service.backend.run(pixels)["probabilities"][0]
         assert item["class"] == int(np.argmax(expected)) and item["name"] == str(item["class"])
         assert item["probability"] == pytest.approx(float(expected.max()), abs=1e-6)
+
+
+def test_predict_into_a_closed_pipe_stops_quietly(server, tmp_path):
+    """`capsnet predict --json | head -c 1`: the reader is gone before the answer is printed."""
+    reader, writer = os.pipe()
+    os.close(reader)  # closed before the child writes: its first write fails with EPIPE
+    try:
+        run = subprocess.run([sys.executable, "-m", "capsnet", "predict", *write_pngs(tmp_path, 3), "--server",
+                              server.target, "--json"], stdout=writer, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(writer)
+    assert run.returncode == 141 and run.stderr == ""
 
 
 def test_predict_against_no_server_is_a_one_line_error(tmp_path, capsys):
