@@ -1,0 +1,131 @@
+"""Train the `em` preset with one or more variants of Procedure 1's free choices, for the EM diagnosis in
+docs/experiments/README.md. The variants are patched in here rather than made model options, because none
+was adopted; each patch says what it changes.
+
+Usage: python scripts/experiments/em_variants.py NAME [--epochs 3] [--seed 0] [--out-dir /tmp] [VARIANT ...]
+VARIANT: bn | no-reconstruction | margin-per-step | renormalise-r | transforms-normal | logit-beta |
+         logit-beta-a | lr=X | iterations=N | lambda=X | conv1=N | max-shift=N
+Prints one JSON line: the variants and (epoch, validation %, test %) per epoch. Embedded data, its default 10%
+validation split, batch 64, fp32, one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from capsnet.training import config as config_module
+from capsnet.training import em_model
+from capsnet.training import train as train_module
+from capsnet.training.loss import LossParts, reconstruction_error, spread_loss
+from capsnet.training.train import TrainOptions, train
+
+EMBEDDED_TRAIN_IMAGES = 3600  # after the validation split
+
+
+def conv1_batch_norm() -> None:
+    """yl-1993: batch normalisation between Conv1 and its ReLU."""
+    original_init = em_model.EMCapsNet.__init__
+
+    def init(self, config):
+        original_init(self, config)
+        self.conv1_norm = nn.BatchNorm2d(config.conv1_channels)
+
+    def forward(self, images, target=None):
+        features = F.relu(self.conv1_norm(self.conv1(self.input_normalisation(images))))  # (B, A, 14, 14)
+        poses, activations = self.conv_caps1(*self.primary_caps(features))
+        routed = self.class_caps(*self.conv_caps2(poses, activations))
+        target = routed.activations.argmax(dim=1) if target is None else target
+        return em_model.CapsNetOutput(routed.activations, routed.poses, self.decoder(routed.poses, target),
+                                      routed.assignments)
+
+    em_model.EMCapsNet.__init__, em_model.EMCapsNet.forward = init, forward
+
+
+def margin_per_step(epochs: int) -> None:
+    """The spread margin rises linearly per step from 0.2 to 0.9 over the whole run (not 0.1 per epoch)."""
+    total_steps, state = epochs * (EMBEDDED_TRAIN_IMAGES // 64), {"step": 0}
+    original = train_module.capsnet_loss
+
+    def loss(output, images, labels, config, epoch=None):
+        if epoch is None:
+            return original(output, images, labels, config, None)
+        state["step"] += output.probabilities.requires_grad
+        margin = spread_loss(output.probabilities, labels, min(0.9, 0.2 + 0.7 * state["step"] / total_steps))
+        reconstruction = reconstruction_error(output.reconstruction, images)
+        return LossParts((margin + config.reconstruction_weight * reconstruction).mean(), margin, reconstruction)
+
+    train_module.capsnet_loss = loss
+
+
+def renormalise_r() -> None:
+    """yl-1993: R·a renormalised over the parents before the M-step, which cancels the input activations."""
+    original = em_model.em_route
+    em_model.em_route = lambda votes, activations, *rest: original(votes, torch.ones_like(activations), *rest)
+
+
+def transforms_normal() -> None:
+    """yl-1993: W ~ N(0, 1) instead of the identity plus 0.5·N(0, 1)."""
+    original = em_model.EMCapsLayer.__init__
+
+    def init(self, num_inputs, num_parents, config):
+        original(self, num_inputs, num_parents, config)
+        with torch.no_grad():
+            self.transforms.normal_()
+
+    em_model.EMCapsLayer.__init__ = init
+
+
+def logit_beta(both: bool) -> None:
+    """β_a (and with `both` β_u) learned in units of the last iteration's λ, so an Adam step moves the
+    activation's logit by about the learning rate instead of λ times it."""
+    def route(self, votes, activations):
+        scale = em_model.inverse_temperatures(self.iterations, self.inverse_temperature)[-1]
+        beta_u = self.beta_u / scale if both else self.beta_u
+        return em_model.em_route(votes, activations, beta_u, self.beta_a / scale, self.iterations,
+                                 self.inverse_temperature)
+
+    em_model.EMCapsLayer.route = route
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("name")
+    parser.add_argument("variants", nargs="*")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", default="/tmp")
+    args = parser.parse_args()
+    settings = dict(variant.split("=") for variant in args.variants if "=" in variant)
+    flags = {variant for variant in args.variants if "=" not in variant}
+    patches = {"bn": conv1_batch_norm, "margin-per-step": lambda: margin_per_step(args.epochs),
+               "renormalise-r": renormalise_r, "transforms-normal": transforms_normal,
+               "logit-beta": lambda: logit_beta(both=True), "logit-beta-a": lambda: logit_beta(both=False),
+               "no-reconstruction": lambda: None}
+    for flag in flags:
+        patches[flag]()
+    overrides = {"reconstruction_weight": 0.0} if "no-reconstruction" in flags else {}
+    for key, field, kind in (("iterations", "routing_iterations", int), ("lambda", "em_inverse_temperature", float),
+                             ("conv1", "conv1_channels", int)):
+        if key in settings:
+            overrides[field] = kind(settings[key])
+    config_module.PRESETS["em"] = config_module.PRESETS["em"].replace(**overrides)
+    options = TrainOptions(data="embedded", arch="em", epochs=args.epochs, batch_size=64, seed=args.seed, threads=1,
+                           lr=float(settings["lr"]) if "lr" in settings else None,
+                           max_shift=int(settings.get("max-shift", 2)), out=f"{args.out_dir}/{args.name}.ckpt",
+                           progress=False)
+    started = time.time()
+    checkpoint = train(options)
+    print(json.dumps({"name": args.name, "variants": sorted(args.variants), "seed": args.seed,
+                      "seconds": round(time.time() - started),
+                      "history": [(h["epoch"], round(100 * h["validation_accuracy"], 2), round(100 * h["test_accuracy"], 2))
+                                  for h in checkpoint.history]}))
+
+
+if __name__ == "__main__":
+    main()
