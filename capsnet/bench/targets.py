@@ -118,11 +118,13 @@ def _grpc_checks(grpc_results: dict) -> list[dict]:
             f"at batch {GRPC_CONCURRENCY} (timed around the row)",
             ", ".join(f"{api}: {_percent(ratio)}" for api, ratio in ratios.items()), worst >= GRPC_SHARE, ratios,
             f"{(GRPC_SHARE - worst) * 100:.1f} points",
-            "batches of " + ", ".join(f"{row['server_mean_batch']:.1f} ({api})" for api, row in at_16.items())
-            + f" images on average instead of {GRPC_CONCURRENCY}, and the server's and load generator's Python "
-              "sharing the cores with the backend (CPU/s server / client: "
-            + ", ".join(f"{row['server_cpu_per_s']:.2f} / {row['client_cpu_per_s']:.2f}" for row in at_16.values())
-            + ")"))
+            "the backend's compute per image inside the server against in-process: "
+            + ", ".join(f"{row['server_compute_busy'] / row['images_per_s'] * 1e3:.2f} against "
+                        f"{1e3 / row['inprocess']['images_per_s']:.2f} ms ({api})" for api, row in at_16.items())
+            + ", its threads sharing the cores with the server's and the load generator's Python (CPU/s server / "
+              "client: " + ", ".join(f"{row['server_cpu_per_s']:.2f} / {row['client_cpu_per_s']:.2f}" for row in at_16.values())
+            + "); batches of " + ", ".join(f"{row['server_mean_batch']:.1f} ({api})" for api, row in at_16.items())
+            + f" images on average instead of {GRPC_CONCURRENCY}"))
     at_1 = {row["api"]: row for row in batched if row["concurrency"] == 1}
     if at_1:
         extra = {api: row["p50_ms"] - row["inprocess"]["p50_ms"] for api, row in at_1.items()}
@@ -131,10 +133,11 @@ def _grpc_checks(grpc_results: dict) -> list[dict]:
             f"gRPC at concurrency 1: p50 within {GRPC_P50_EXTRA_MS:g} ms of in-process (timed around the row)",
             ", ".join(f"{api}: {ms:+.2f} ms" for api, ms in extra.items()), worst <= GRPC_P50_EXTRA_MS, extra,
             f"{worst - GRPC_P50_EXTRA_MS:.2f} ms",
-            "in-process p50 " + ", ".join(f"{row['inprocess']['p50_ms']:.2f} ms ({api})" for api, row in at_1.items())
-            + "; mean time inside the server "
-            + ", ".join(f"{row['server_mean_ms']:.2f} ms ({api})" for api, row in at_1.items())
-            + "; the rest is the Python gRPC client and loopback transport"))
+            "; ".join(f"{api}: in-process p50 {row['inprocess']['p50_ms']:.2f} ms, mean time inside the server "
+                      f"{row['server_mean_ms']:.2f} ms (+{row['server_mean_ms'] - row['inprocess']['p50_ms']:.2f} ms: "
+                      f"the server's request path and its backend sharing the cores with it), the remaining "
+                      f"{row['p50_ms'] - row['server_mean_ms']:.2f} ms the Python gRPC client and loopback transport"
+                      for api, row in at_1.items())))
     if at_1:
         cpu = {api: row["server_cpu_per_s"] for api, row in at_1.items()}
         worst = max(cpu.values())

@@ -3,7 +3,7 @@ docs/experiments/README.md. The variants are patched in here rather than made mo
 was adopted; each patch says what it changes.
 
 Usage: python scripts/experiments/em_variants.py NAME [--epochs 3] [--seed 0] [--out-dir /tmp] [VARIANT ...]
-VARIANT: bn | no-reconstruction | margin-per-step | renormalise-r | transforms-normal | logit-beta |
+VARIANT: bn | direct-moments | no-reconstruction | margin-per-step | renormalise-r | transforms-normal | logit-beta |
          logit-beta-a | lr=X | iterations=N | lambda=X | conv1=N | max-shift=N
 Prints one JSON line: the variants and (epoch, validation %, test %) per epoch. Embedded data, its default 10%
 validation split, batch 64, fp32, one thread.
@@ -93,6 +93,41 @@ def logit_beta(both: bool) -> None:
     em_model.EMCapsLayer.route = route
 
 
+def direct_moments() -> None:
+    """σ² as Σ_i c_ij (V − μ)² and the E-step's exponent as Σ_h (V − μ)²/(2σ²), computed from the centred
+    votes (a votes-sized pass per step), instead of E[V²] − μ² and its expansion, which cancel in float32
+    when σ² is far below μ²."""
+    import math
+
+    def route(votes, activations, beta_u, beta_a, iterations, final_inverse_temperature):
+        with em_model.full_precision(votes.device.type):
+            votes = em_model.at_least_float32(votes)  # (..., J, I, H)
+            num_parents, pose_size = votes.shape[-3], votes.shape[-1]
+            input_activations = em_model.at_least_float32(activations).unsqueeze(-2)  # (..., 1, I)
+            assignments = torch.full_like(votes[..., 0], 1.0 / num_parents)  # (..., J, I)
+            log_norm = 0.5 * pose_size * math.log(2 * math.pi)
+            schedule = em_model.inverse_temperatures(iterations, final_inverse_temperature)
+            for iteration, inverse_temperature in enumerate(schedule):
+                weights = assignments * input_activations  # (..., J, I)
+                weight_sums = weights.sum(dim=-1, keepdim=True)  # (..., J, 1)
+                coefficients = weights / weight_sums.clamp_min(em_model.EPSILON)  # (..., J, I)
+                mean = torch.matmul(coefficients.unsqueeze(-2), votes)  # (..., J, 1, H)
+                centred_square = (votes - mean).square()  # (..., J, I, H)
+                variance = torch.matmul(coefficients.unsqueeze(-2), centred_square) + em_model.EPSILON  # (..., J, 1, H)
+                log_sigma = 0.5 * torch.log(variance)  # (..., J, 1, H)
+                cost = (pose_size * beta_u + log_sigma.sum(dim=(-1, -2))) * weight_sums.select(-1, 0)  # (..., J)
+                parent_activations = torch.sigmoid(inverse_temperature * (beta_a - cost))  # (..., J)
+                if iteration == iterations - 1:
+                    break
+                log_p = -(centred_square / (2 * variance)).sum(dim=-1) - log_sigma.sum(dim=-1) - log_norm  # (..., J, I)
+                log_prior = torch.log(parent_activations + em_model.EPSILON).unsqueeze(-1)  # (..., J, 1)
+                assignments = torch.softmax(log_prior + log_p, dim=-2)  # (..., J, I)
+        return em_model.EMResult(poses=mean.squeeze(-2), activations=parent_activations,
+                                 assignments=assignments.transpose(-1, -2))
+
+    em_model.em_route = route
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("name")
@@ -106,7 +141,7 @@ def main() -> None:
     patches = {"bn": conv1_batch_norm, "margin-per-step": lambda: margin_per_step(args.epochs),
                "renormalise-r": renormalise_r, "transforms-normal": transforms_normal,
                "logit-beta": lambda: logit_beta(both=True), "logit-beta-a": lambda: logit_beta(both=False),
-               "no-reconstruction": lambda: None}
+               "no-reconstruction": lambda: None, "direct-moments": direct_moments}
     for flag in flags:
         patches[flag]()
     overrides = {"reconstruction_weight": 0.0} if "no-reconstruction" in flags else {}

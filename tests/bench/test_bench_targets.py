@@ -63,9 +63,10 @@ def test_bench_targets_int8_speedup_depends_on_the_hosts_int8_instructions(isa, 
 
 
 def _grpc_row(api, batching, concurrency, p50_ms, ratio, server_ms, server_cpu, busy, mean_batch, client_cpu,
-              inprocess_p50_ms=2.0):
+              inprocess_p50_ms=2.0, images_per_s=300.0):
     return {"api": api, "dynamic_batching": batching, "concurrency": concurrency, "p50_ms": p50_ms,
-            "inprocess": {"p50_ms": inprocess_p50_ms}, "ratio_to_inprocess": ratio, "server_mean_ms": server_ms, "server_cpu_per_s": server_cpu,
+            "images_per_s": images_per_s, "inprocess": {"p50_ms": inprocess_p50_ms, "images_per_s": images_per_s / ratio},
+            "ratio_to_inprocess": ratio, "server_mean_ms": server_ms, "server_cpu_per_s": server_cpu,
             "server_compute_busy": busy, "server_mean_batch": mean_batch, "client_cpu_per_s": client_cpu}
 
 
@@ -84,10 +85,14 @@ def test_bench_targets_grpc_cpu_and_memory():
     share, latency, cpu, memory = checks
     assert not share["met"] and "capsnet: 92.0%" in share["measured"] and "kserve: 86.0%" in share["measured"]
     assert share["short_by"] == "4.0 points" and "6.5 (kserve)" in share["bound"]
+    # compute per image: busy 0.9 s/s over 300 images/s = 3.00 ms; in-process 1/(300/0.86) s = 2.87 ms
+    assert "3.00 against 2.87 ms (kserve)" in share["bound"]
     # each row against the in-process p50 timed around it: 2.5 - 2.0 and 3.5 - 2.1
     assert not latency["met"] and "capsnet: +0.50 ms, kserve: +1.40 ms" in latency["measured"]
     assert latency["short_by"] == "0.40 ms"
-    assert "2.90 ms (kserve)" in latency["bound"]
+    # kserve: 2.9 ms in the server, 0.8 over the in-process 2.1 ms; 3.5 - 2.9 = 0.6 ms client and transport
+    assert "kserve: in-process p50 2.10 ms, mean time inside the server 2.90 ms (+0.80 ms" in latency["bound"]
+    assert "the remaining 0.60 ms the Python gRPC client" in latency["bound"]
     assert not cpu["met"] and "capsnet: 1.10, kserve: 1.50" in cpu["measured"] and cpu["short_by"] == "0.30 cores"
     assert not memory["met"] and "1100 MiB" in memory["measured"]
 
