@@ -9,7 +9,8 @@
   send and the server would never know).
 - Every RPC is counted once by its real outcome: CANCELLED and DEADLINE_EXCEEDED when the client gave up,
   and calls gRPC ended before the handler ran (a request over the message limit) as RESOURCE_EXHAUSTED.
-- The inference RPCs in flight are counted, so a shutdown can wait for them.
+- The RPCs in flight are counted, health checks aside, so a shutdown can wait for them and the in-flight
+  gauge (which the Kubernetes HPA scales on) is load, not open health watches.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ API_NAMES = {
     "grpc.health.v1.Health": "health",
     "grpc.reflection.v1alpha.ServerReflection": "reflection",
 }
-# Health watches live as long as their client wants: a shutdown does not wait for them.
-_NOT_WAITED_FOR = {"health"}
+# Health watches live as long as their client wants: a shutdown does not wait for them, and the in-flight
+# gauge does not count them (a load balancer holding one Watch per replica would read as constant load).
+_NOT_IN_FLIGHT = {"health"}
 
 
 class _Unparseable:
@@ -66,15 +68,16 @@ class _Call:
 
     def begin(self) -> None:
         self.started = time.monotonic()
-        self.interceptor.metrics.inflight.inc()
-        if self.api not in _NOT_WAITED_FOR:
+        if self.api not in _NOT_IN_FLIGHT:
+            self.interceptor.metrics.inflight.inc()
             self.interceptor.active.add(self)
 
     def end(self, context) -> None:
         code = self.code or context.code() or grpc.StatusCode.OK
         metrics = self.interceptor.metrics
-        metrics.inflight.dec()
-        self.interceptor.active.discard(self)
+        if self in self.interceptor.active:
+            metrics.inflight.dec()
+            self.interceptor.active.discard(self)
         metrics.requests.labels(self.api, self.method, code.name).inc()
         metrics.request_duration.labels(self.api, self.method).observe(time.monotonic() - self.started)
 

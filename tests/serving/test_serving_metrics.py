@@ -10,6 +10,8 @@ import grpc
 import numpy as np
 import pytest
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from capsnet.kserve import grpc_service_pb2 as kserve_pb
 from capsnet.kserve import grpc_service_pb2_grpc as kserve_grpc
 from capsnet.serving.client import image_message
@@ -45,6 +47,18 @@ def test_metrics_change_as_requests_are_served(server, stub, channel):
     assert metric(after, "capsnet_model_info", model="capsnet", version="1", backend="onnxruntime", precision="fp32",
                   routing_iterations="3") == 1
     assert metric(after, "process_cpu_seconds_total") > 0 and metric(after, "process_resident_memory_bytes") > 0
+
+
+def test_open_health_watches_are_not_requests_in_flight(server, channel):
+    """A load balancer keeps a health Watch open per replica: the in-flight gauge (the HPA's metric) must not
+    read it as load, while a unary call in flight would count."""
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+    try:
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING  # the stream is open
+        samples = scrape(server.metrics_url)
+        assert metric(samples, "capsnet_inflight_requests") == 0
+    finally:
+        watch.cancel()
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) is not installed")
