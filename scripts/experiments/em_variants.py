@@ -4,7 +4,7 @@ was adopted; each patch says what it changes.
 
 Usage: python scripts/experiments/em_variants.py NAME [--epochs 3] [--seed 0] [--out-dir /tmp] [VARIANT ...]
 VARIANT: bn | direct-moments | no-reconstruction | margin-per-step | renormalise-r | transforms-normal | logit-beta |
-         logit-beta-a | lr=X | iterations=N | lambda=X | conv1=N | max-shift=N
+         logit-beta-a | lr=X | iterations=N | lambda=X | conv1=N | types=N (ConvCaps1 and 2) | max-shift=N
 Prints one JSON line: the variants and (epoch, validation %, test %) per epoch. Embedded data, its default 10%
 validation split, batch 64, fp32, one thread.
 """
@@ -149,6 +149,8 @@ def main() -> None:
                              ("conv1", "conv1_channels", int)):
         if key in settings:
             overrides[field] = kind(settings[key])
+    if "types" in settings:
+        overrides["conv_caps_types"] = (int(settings["types"]),) * 2
     config_module.PRESETS["em"] = config_module.PRESETS["em"].replace(**overrides)
     options = TrainOptions(data="embedded", arch="em", epochs=args.epochs, batch_size=64, seed=args.seed, threads=1,
                            lr=float(settings["lr"]) if "lr" in settings else None,
