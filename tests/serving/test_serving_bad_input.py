@@ -3,6 +3,8 @@ field and what was expected, and the server answers the next good request correc
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import io
 import json
 import shutil
@@ -119,6 +121,22 @@ def test_bad_request_in_a_stream_ends_it_with_its_status(server, stub):
         next(call)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "images[0].tensor.shape: expected [1, 28, 28]" in caught.value.details()
+    assert_still_answers(server, stub)
+
+
+def test_a_stream_ended_by_an_error_leaves_no_unretrieved_errors(server, stub, caplog):
+    """Requests after the failing one may fail too before the stream ends (here while the first one computes):
+    the handler drops their errors on purpose, rather than leaving them for asyncio to log as "exception was
+    never retrieved" when the tasks are freed."""
+    good = pb.ClassifyRequest(images=[image_message(GOOD)] * 8, request_id="good")  # computes while the rest fail
+    bad = [pb.ClassifyRequest(images=[tensor(shape=(3, 28, 28))], request_id=f"bad{i}") for i in range(4)]
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.ClassifyStream(iter([good, *bad]), timeout=30))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    server.call(asyncio.sleep(0.2))  # the handler's cleanup runs on the server's loop
+    gc.collect()
+    server.call(asyncio.sleep(0.1))  # asyncio reports unretrieved errors through the loop's handler
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
     assert_still_answers(server, stub)
 
 
