@@ -4,7 +4,8 @@ was adopted; each patch says what it changes.
 
 Usage: python scripts/experiments/em_variants.py NAME [--epochs 3] [--seed 0] [--out-dir /tmp] [VARIANT ...]
 VARIANT: bn | direct-moments | no-reconstruction | margin-per-step | renormalise-r | transforms-normal | logit-beta |
-         logit-beta-a | lr=X | iterations=N | lambda=X | conv1=N | types=N (ConvCaps1 and 2) | max-shift=N
+         logit-beta-a | lr=X | iterations=N | lambda=X | class-lambda=X (the class layer's alone) | conv1=N |
+         types=N (ConvCaps1 and 2) | max-shift=N
 Prints one JSON line: the variants and (epoch, validation %, test %) per epoch. Embedded data, its default 10%
 validation split, batch 64, fp32, one thread.
 """
@@ -128,6 +129,17 @@ def direct_moments() -> None:
     em_model.em_route = route
 
 
+def class_lambda(final: float) -> None:
+    """The class capsules' λ schedule ends at `final`; the convolutional capsule layers keep the preset's."""
+    original = em_model.ClassCaps.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.inverse_temperature = final
+
+    em_model.ClassCaps.__init__ = init
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("name")
@@ -144,6 +156,8 @@ def main() -> None:
                "no-reconstruction": lambda: None, "direct-moments": direct_moments}
     for flag in flags:
         patches[flag]()
+    if "class-lambda" in settings:
+        class_lambda(float(settings["class-lambda"]))
     overrides = {"reconstruction_weight": 0.0} if "no-reconstruction" in flags else {}
     for key, field, kind in (("iterations", "routing_iterations", int), ("lambda", "em_inverse_temperature", float),
                              ("conv1", "conv1_channels", int)):
