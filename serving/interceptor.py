@@ -69,15 +69,12 @@ class _Call:
     def begin(self) -> None:
         self.started = time.monotonic()
         if self.api not in _NOT_IN_FLIGHT:
-            self.interceptor.metrics.inflight.inc()
             self.interceptor.active.add(self)
 
     def end(self, context) -> None:
         code = self.code or context.code() or grpc.StatusCode.OK
         metrics = self.interceptor.metrics
-        if self in self.interceptor.active:
-            metrics.inflight.dec()
-            self.interceptor.active.discard(self)
+        self.interceptor.active.discard(self)
         metrics.requests.labels(self.api, self.method, code.name).inc()
         metrics.request_duration.labels(self.api, self.method).observe(time.monotonic() - self.started)
 
@@ -104,6 +101,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.active: set[_Call] = set()  # RPCs (but health checks) whose handler is running
+        metrics.inflight.set_function(lambda: len(self.active))  # read at each scrape, never out of step
 
     def busy_before(self, moment: float) -> bool:
         """Whether an RPC that started before `moment` (time.monotonic()) is still running."""
