@@ -78,7 +78,8 @@ def read_idx(path: Path) -> np.ndarray:
     count = int(np.prod(shape))
     if len(raw) - header != count:
         raise CapsNetError(f"{path} holds {len(raw) - header} bytes of data; its header declares {shape} = {count}")
-    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
+    # a writable copy: torch warns on read-only arrays (eval and robustness take slices of them whole)
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape).copy()
 
 
 def _find_idx(directory: Path, stem: str) -> Path:

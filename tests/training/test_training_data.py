@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 from capsnet.errors import CapsNetError
 from capsnet.training.data import (FASHION_MNIST_NAMES, augment, channel_mean_std, load_dataset, load_embedded,
-                                   random_shift, skip_augmentation)
+                                   random_shift, skip_augmentation, to_float)
 
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 
@@ -32,6 +33,11 @@ def test_idx_round_trip(idx_dataset, gz):
     np.testing.assert_array_equal(dataset.train.labels, train_labels)
     np.testing.assert_array_equal(dataset.test.images[:, 0], test_images)
     assert dataset.train.labels.dtype == np.int64 and dataset.class_names == tuple("0123456789")
+    # `capsnet eval` and `robustness` hand slices of the splits to torch, which warns on read-only arrays
+    assert dataset.train.images.flags.writeable and dataset.test.images.flags.writeable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        to_float(dataset.test.images[:4])
 
 
 def test_idx_channels_last_and_class_names_file(idx_dataset):
