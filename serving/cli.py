@@ -31,7 +31,7 @@ def register(subparsers) -> None:
                             "and is faster on this CPU, else FP32; tensorrt: the plan's); fp16/int8 need those exports; "
                             "bf16: --backend torch on a CPU with native bf16 (AVX512_BF16 or AMX)")
     serve.add_argument("--gpu", type=int, metavar="N",
-                       help=f"CUDA device the tensorrt backend runs on (default {defaults['gpu']})")
+                       help=f"CUDA device the tensorrt backend and ONNX Runtime's GPU providers run on (default {defaults['gpu']})")
     serve.add_argument("--max-batch-size", type=int, metavar="N",
                        help=f"images per backend run and per request (default {defaults['max_batch_size']})")
     serve.add_argument("--max-queue-delay-us", type=int, metavar="US",

@@ -25,7 +25,7 @@ class ServerConfig:
     backend: str = "auto"
     # auto: INT8 where exported, self-checked and faster on this CPU, else FP32 (TensorRT: the plan's)
     precision: str = "auto"
-    gpu: int = 0  # CUDA device of the tensorrt backend, numbered as CUDA_VISIBLE_DEVICES leaves them
+    gpu: int = 0  # CUDA device of the tensorrt backend and ONNX Runtime's GPU providers, as CUDA_VISIBLE_DEVICES numbers them
     # dynamic batching
     max_batch_size: int = 32  # images per backend run, and per request
     # How long the oldest request waits for batch-mates. 0, as Triton: batches still form from the

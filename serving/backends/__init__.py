@@ -64,7 +64,7 @@ def create_backend(name: str, precision: str, artifacts: ModelArtifacts, config:
         return TorchBackend(artifacts, "fp32" if precision == "auto" else precision, config.intra_op_threads)
     from capsnet.serving.backends.onnxruntime_backend import OnnxRuntimeBackend
 
-    return OnnxRuntimeBackend(artifacts, precision, config.intra_op_threads, config.max_batch_size)
+    return OnnxRuntimeBackend(artifacts, precision, config.intra_op_threads, config.max_batch_size, config.gpu)
 
 
 def checked(backend: Backend, artifacts: ModelArtifacts, config: ServerConfig) -> SelfCheck:

@@ -24,7 +24,7 @@ def gpu_providers_installed() -> list[str]:
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
-    def __init__(self, artifacts: ModelArtifacts, precision: str, threads: int, max_batch_size: int):
+    def __init__(self, artifacts: ModelArtifacts, precision: str, threads: int, max_batch_size: int, gpu: int = 0):
         path = artifacts.onnx.get(precision)
         if path is None:
             raise CapsNetError(f"{artifacts.directory} has no {precision} ONNX model; export it with --{precision}")
@@ -38,7 +38,7 @@ class OnnxRuntimeBackend(Backend):
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         try:
-            self.session = ort.InferenceSession(str(path), options, providers=self._providers(artifacts, precision, max_batch_size))
+            self.session = ort.InferenceSession(str(path), options, providers=self._providers(artifacts, precision, max_batch_size, gpu))
         except Exception as err:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail, ...)
             raise CapsNetError(f"{path} is damaged or cannot be loaded: {str(err).splitlines()[0]}") from None
         graph_outputs = {output.name for output in self.session.get_outputs()}
@@ -51,13 +51,15 @@ class OnnxRuntimeBackend(Backend):
         self.description = f"{path.name} on {', '.join(self.session.get_providers())}, {threads} threads"
 
     @staticmethod
-    def _providers(artifacts: ModelArtifacts, precision: str, max_batch_size: int) -> list:
+    def _providers(artifacts: ModelArtifacts, precision: str, max_batch_size: int, gpu: int) -> list:
+        """GPU providers on CUDA device `gpu` (both default to device 0 otherwise), then the CPU."""
         providers: list = []
         installed = gpu_providers_installed()
         if "TensorrtExecutionProvider" in installed:
             # One optimisation profile over the batch sizes the batcher produces, built once at startup.
             shape = "x".join(map(str, artifacts.input_shape))
             providers.append(("TensorrtExecutionProvider", {
+                "device_id": gpu,
                 "trt_fp16_enable": precision == "fp16",
                 "trt_int8_enable": precision == "int8",  # the int8 model carries its own Q/DQ scales
                 "trt_profile_min_shapes": f"{artifacts.input_name}:1x{shape}",
@@ -65,7 +67,7 @@ class OnnxRuntimeBackend(Backend):
                 "trt_profile_max_shapes": f"{artifacts.input_name}:{max_batch_size}x{shape}",
             }))
         if "CUDAExecutionProvider" in installed:
-            providers.append("CUDAExecutionProvider")
+            providers.append(("CUDAExecutionProvider", {"device_id": gpu}))
         providers.append("CPUExecutionProvider")
         return providers
 
