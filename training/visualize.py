@@ -7,7 +7,8 @@
 - routing.png: the last routing iteration's coupling coefficients c_ij of 4 digits, averaged over the
   primary capsule channels at each grid position: which primary capsules sent their votes to which class;
 - confusion.png: the confusion matrix on the scored test digits;
-- training-curves.png: loss and accuracy per epoch, from the checkpoint's history.
+- training-curves.png: loss and accuracy per epoch of each split, from the checkpoint's history; the epoch
+  chosen on validation marked.
 
 An EM checkpoint (`--arch em`) gets the same pictures: its class activations stand for lengths, its
 4×4 pose matrices (flattened to 16) are perturbed, and routing shows the class layer's assignments R.
@@ -248,19 +249,33 @@ def draw_confusion(evaluation, path: Path) -> Path:
     return path
 
 
-def draw_training_curves(history: list[dict], path: Path) -> Path:
+def training_curves(history: list[dict]):
+    """Loss and accuracy per epoch of every split the history holds; the epoch chosen on validation marked."""
+    from matplotlib.ticker import MaxNLocator
+
     epochs = [record["epoch"] for record in history]
     figure = _figure(8, 3.2)
     loss_axes, accuracy_axes = figure.subplots(1, 2)
-    for split in ("train", "test"):
-        loss_axes.plot(epochs, [record[f"{split}_loss"] for record in history], marker="o", label=split)
-        accuracy_axes.plot(epochs, [100 * record[f"{split}_accuracy"] for record in history], marker="o", label=split)
+    splits = [split for split in ("train", "validation", "test") if f"{split}_accuracy" in history[0]]
+    for split in splits:
+        loss_axes.plot(epochs, [record[f"{split}_loss"] for record in history], marker="o", markersize=3, label=split)
+        accuracy_axes.plot(epochs, [100 * record[f"{split}_accuracy"] for record in history], marker="o", markersize=3,
+                           label=split)
+    chosen = max(history, key=lambda record: record["validation_accuracy"]) if "validation" in splits else None
     for axes, what in ((loss_axes, "loss"), (accuracy_axes, "accuracy (%)")):
+        if chosen is not None:
+            axes.axvline(chosen["epoch"], color="grey", linestyle=":", label=f"best on validation (epoch {chosen['epoch']})")
         axes.set_xlabel("epoch")
         axes.set_ylabel(what)
-        axes.set_xticks(epochs)
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.grid(alpha=0.3)
-        axes.legend()
-    figure.suptitle("training curves (test = the held-out split validated after each epoch)", fontsize=9)
+        axes.legend(fontsize=7)
+    figure.suptitle("training curves: validation chooses the checkpoint, test is only reported" if chosen is not None
+                    else "training curves (no validation split: test is the held-out split)", fontsize=9)
+    return figure
+
+
+def draw_training_curves(history: list[dict], path: Path) -> Path:
+    figure = training_curves(history)
     figure.savefig(path)
     return path

@@ -43,6 +43,22 @@ def test_writes_every_picture_as_a_png(trained_tiny_checkpoint, tmp_path, run_co
         assert image.size[0] >= 11 * 28 and image.size[1] >= 16 * 28
 
 
+def test_training_curves_show_each_split_and_the_epoch_validation_chose(trained_tiny_checkpoint):
+    record = load_checkpoint(trained_tiny_checkpoint).history[0]
+    # validation added to a real record, with the test accuracy peaking elsewhere: the mark follows validation
+    history = [{**record, "epoch": epoch + 1, "validation_loss": 1 - accuracy, "validation_accuracy": accuracy,
+                "test_accuracy": 1 - accuracy} for epoch, accuracy in enumerate([0.5, 0.9, 0.7])]
+    accuracy_axes = visualize.training_curves(history).axes[1]
+    lines = {line.get_label(): line for line in accuracy_axes.get_lines()}
+    assert set(lines) == {"train", "validation", "test", "best on validation (epoch 2)"}
+    assert list(lines["validation"].get_ydata()) == pytest.approx([50, 90, 70])
+    assert list(lines["best on validation (epoch 2)"].get_xdata()) == [2, 2]
+    without_validation = [{key: value for key, value in record.items() if not key.startswith("validation")}
+                          for record in history]
+    labels = [line.get_label() for line in visualize.training_curves(without_validation).axes[1].get_lines()]
+    assert labels == ["train", "test"]
+
+
 def test_pose_perturbation_moves_one_dimension_of_the_predicted_capsule(model, images):
     with torch.no_grad():
         grid = visualize.pose_perturbations(model, images[:1])
