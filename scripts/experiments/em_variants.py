@@ -4,7 +4,7 @@ was adopted; each patch says what it changes.
 
 Usage: python scripts/experiments/em_variants.py NAME [--epochs 3] [--seed 0] [--out-dir /tmp] [VARIANT ...]
 VARIANT: bn | direct-moments | no-reconstruction | margin-per-step | renormalise-r | transforms-normal | logit-beta |
-         logit-beta-a | lr=X | iterations=N | lambda=X | class-lambda=X (the class layer's alone) | conv1=N |
+         logit-beta-a | lr=X | iterations=N | lambda=X | class-lambda=X (the class layer's alone) | conv1=N | conv2=N (a second ReLU conv) |
          types=N (ConvCaps1 and 2) | max-shift=N
 Prints one JSON line: the variants and (epoch, validation %, test %) per epoch. Embedded data, its default 10%
 validation split, batch 64, fp32, one thread.
@@ -39,6 +39,28 @@ def conv1_batch_norm() -> None:
 
     def forward(self, images, target=None):
         features = F.relu(self.conv1_norm(self.conv1(self.input_normalisation(images))))  # (B, A, 14, 14)
+        poses, activations = self.conv_caps1(*self.primary_caps(features))
+        routed = self.class_caps(*self.conv_caps2(poses, activations))
+        target = routed.activations.argmax(dim=1) if target is None else target
+        return em_model.CapsNetOutput(routed.activations, routed.poses, self.decoder(routed.poses, target),
+                                      routed.assignments)
+
+    em_model.EMCapsNet.__init__, em_model.EMCapsNet.forward = init, forward
+
+
+def second_conv(channels: int) -> None:
+    """A second ReLU convolution (3×3, stride 1, `channels`) between Conv1 and PrimaryCaps: the capsule layers
+    are linear in the primary poses apart from routing, so features get their nonlinearity up front."""
+    original_init = em_model.EMCapsNet.__init__
+
+    def init(self, config):
+        original_init(self, config)
+        self.conv2 = nn.Conv2d(config.conv1_channels, channels, kernel_size=3, padding=1)
+        self.primary_caps = em_model.PrimaryMatrixCaps(channels, config.primary_caps_channels)
+
+    def forward(self, images, target=None):
+        features = F.relu(self.conv1(self.input_normalisation(images)))  # (B, A, 14, 14)
+        features = F.relu(self.conv2(features))  # (B, channels, 14, 14)
         poses, activations = self.conv_caps1(*self.primary_caps(features))
         routed = self.class_caps(*self.conv_caps2(poses, activations))
         target = routed.activations.argmax(dim=1) if target is None else target
@@ -156,6 +178,8 @@ def main() -> None:
                "no-reconstruction": lambda: None, "direct-moments": direct_moments}
     for flag in flags:
         patches[flag]()
+    if "conv2" in settings:
+        second_conv(int(settings["conv2"]))
     if "class-lambda" in settings:
         class_lambda(float(settings["class-lambda"]))
     overrides = {"reconstruction_weight": 0.0} if "no-reconstruction" in flags else {}
