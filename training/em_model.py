@@ -207,10 +207,13 @@ class EMCapsNet(nn.Module):
         self.class_caps = ClassCaps(second_types, config.em_grids[-1], config.num_classes, config)
         self.decoder = Decoder(config)
 
+    def features(self, images: Tensor) -> Tensor:
+        """The convolutional front end: images (B, C, H, W) -> features (B, A, 14, 14) for PrimaryCaps."""
+        return F.relu(self.conv1(self.input_normalisation(images)))  # (B, A, 14, 14)
+
     def forward(self, images: Tensor, target: Tensor | None = None) -> CapsNetOutput:
         """images (B, C, H, W) in [0, 1]; the decoder is masked by `target` if given, else by the prediction."""
-        features = F.relu(self.conv1(self.input_normalisation(images)))  # (B, 64, 14, 14)
-        poses, activations = self.primary_caps(features)  # (B, 14, 14, 8, 16), (B, 14, 14, 8)
+        poses, activations = self.primary_caps(self.features(images))  # (B, 14, 14, 8, 16), (B, 14, 14, 8)
         poses, activations = self.conv_caps1(poses, activations)  # (B, 6, 6, 16, 16), (B, 6, 6, 16)
         poses, activations = self.conv_caps2(poses, activations)  # (B, 4, 4, 16, 16), (B, 4, 4, 16)
         routed = self.class_caps(poses, activations)  # poses (B, 10, 16), activations (B, 10)

@@ -37,37 +37,26 @@ def conv1_batch_norm() -> None:
         original_init(self, config)
         self.conv1_norm = nn.BatchNorm2d(config.conv1_channels)
 
-    def forward(self, images, target=None):
-        features = F.relu(self.conv1_norm(self.conv1(self.input_normalisation(images))))  # (B, A, 14, 14)
-        poses, activations = self.conv_caps1(*self.primary_caps(features))
-        routed = self.class_caps(*self.conv_caps2(poses, activations))
-        target = routed.activations.argmax(dim=1) if target is None else target
-        return em_model.CapsNetOutput(routed.activations, routed.poses, self.decoder(routed.poses, target),
-                                      routed.assignments)
+    def features(self, images):
+        return F.relu(self.conv1_norm(self.conv1(self.input_normalisation(images))))  # (B, A, 14, 14)
 
-    em_model.EMCapsNet.__init__, em_model.EMCapsNet.forward = init, forward
+    em_model.EMCapsNet.__init__, em_model.EMCapsNet.features = init, features
 
 
 def second_conv(channels: int) -> None:
     """A second ReLU convolution (3×3, stride 1, `channels`) between Conv1 and PrimaryCaps: the capsule layers
     are linear in the primary poses apart from routing, so features get their nonlinearity up front."""
-    original_init = em_model.EMCapsNet.__init__
+    original_init, original_features = em_model.EMCapsNet.__init__, em_model.EMCapsNet.features
 
     def init(self, config):
         original_init(self, config)
         self.conv2 = nn.Conv2d(config.conv1_channels, channels, kernel_size=3, padding=1)
         self.primary_caps = em_model.PrimaryMatrixCaps(channels, config.primary_caps_channels)
 
-    def forward(self, images, target=None):
-        features = F.relu(self.conv1(self.input_normalisation(images)))  # (B, A, 14, 14)
-        features = F.relu(self.conv2(features))  # (B, channels, 14, 14)
-        poses, activations = self.conv_caps1(*self.primary_caps(features))
-        routed = self.class_caps(*self.conv_caps2(poses, activations))
-        target = routed.activations.argmax(dim=1) if target is None else target
-        return em_model.CapsNetOutput(routed.activations, routed.poses, self.decoder(routed.poses, target),
-                                      routed.assignments)
+    def features(self, images):
+        return F.relu(self.conv2(original_features(self, images)))  # (B, channels, 14, 14)
 
-    em_model.EMCapsNet.__init__, em_model.EMCapsNet.forward = init, forward
+    em_model.EMCapsNet.__init__, em_model.EMCapsNet.features = init, features
 
 
 def margin_per_step(epochs: int) -> None:
