@@ -25,7 +25,8 @@ class ServerConfig:
     backend: str = "auto"
     # auto: INT8 where exported, self-checked and faster on this CPU, else FP32 (TensorRT: the plan's)
     precision: str = "auto"
-    gpu: int = 0  # CUDA device of the tensorrt backend and ONNX Runtime's GPU providers, as CUDA_VISIBLE_DEVICES numbers them
+    # CUDA device of the tensorrt backend and ONNX Runtime's GPU providers, as CUDA_VISIBLE_DEVICES numbers them
+    gpu: int = 0
     # dynamic batching
     max_batch_size: int = 32  # images per backend run, and per request
     # How long the oldest request waits for batch-mates. 0, as Triton: batches still form from the

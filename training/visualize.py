@@ -264,7 +264,8 @@ def training_curves(history: list[dict]):
     chosen = max(history, key=lambda record: record["validation_accuracy"]) if "validation" in splits else None
     for axes, what in ((loss_axes, "loss"), (accuracy_axes, "accuracy (%)")):
         if chosen is not None:
-            axes.axvline(chosen["epoch"], color="grey", linestyle=":", label=f"best on validation (epoch {chosen['epoch']})")
+            axes.axvline(chosen["epoch"], color="grey", linestyle=":",
+                         label=f"best on validation (epoch {chosen['epoch']})")
         axes.set_xlabel("epoch")
         axes.set_ylabel(what)
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
