@@ -5,7 +5,8 @@ was adopted; each patch says what it changes.
 Usage: python scripts/experiments/em_variants.py NAME [--epochs 3] [--seed 0] [--out-dir /tmp] [VARIANT ...]
 VARIANT: bn | direct-moments | no-reconstruction | margin-per-step | renormalise-r | transforms-normal | logit-beta |
          logit-beta-a | lr=X | iterations=N | lambda=X | class-lambda=X (the class layer's alone) | conv1=N |
-         conv2=N (a second ReLU conv of N channels) | types=N (ConvCaps1 and 2) | max-shift=N
+         conv2=N (a second ReLU conv of N channels) | types=N (ConvCaps1 and 2) | max-shift=N | lr-decay=X |
+         margin-start=X | margin-step=X (the spread margin's start and its rise per epoch; 0.2 and 0.1)
 Prints one JSON line: the variants and (epoch, validation %, test %) per epoch. Embedded data, its default 10%
 validation split, batch 64, fp32, one thread.
 """
@@ -173,7 +174,8 @@ def main() -> None:
         class_lambda(float(settings["class-lambda"]))
     overrides = {"reconstruction_weight": 0.0} if "no-reconstruction" in flags else {}
     for key, field, kind in (("iterations", "routing_iterations", int), ("lambda", "em_inverse_temperature", float),
-                             ("conv1", "conv1_channels", int)):
+                             ("conv1", "conv1_channels", int), ("margin-start", "spread_margin_start", float),
+                             ("margin-step", "spread_margin_step", float)):
         if key in settings:
             overrides[field] = kind(settings[key])
     if "types" in settings:
@@ -181,6 +183,7 @@ def main() -> None:
     config_module.PRESETS["em"] = config_module.PRESETS["em"].replace(**overrides)
     options = TrainOptions(data="embedded", arch="em", epochs=args.epochs, batch_size=64, seed=args.seed, threads=1,
                            lr=float(settings["lr"]) if "lr" in settings else None,
+                           lr_decay=float(settings.get("lr-decay", 0.9)),
                            max_shift=int(settings.get("max-shift", 2)), out=f"{args.out_dir}/{args.name}.ckpt",
                            progress=False)
     started = time.time()
