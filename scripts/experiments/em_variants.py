@@ -181,11 +181,11 @@ def main() -> None:
     if "types" in settings:
         overrides["conv_caps_types"] = (int(settings["types"]),) * 2
     config_module.PRESETS["em"] = config_module.PRESETS["em"].replace(**overrides)
+    # the training options a variant may set; the rest keep TrainOptions' defaults
+    chosen = {field: kind(settings[key]) for key, field, kind in (("lr", "lr", float), ("lr-decay", "lr_decay", float),
+                                                                   ("max-shift", "max_shift", int)) if key in settings}
     options = TrainOptions(data="embedded", arch="em", epochs=args.epochs, batch_size=64, seed=args.seed, threads=1,
-                           lr=float(settings["lr"]) if "lr" in settings else None,
-                           lr_decay=float(settings.get("lr-decay", 0.9)),
-                           max_shift=int(settings.get("max-shift", 2)), out=f"{args.out_dir}/{args.name}.ckpt",
-                           progress=False)
+                           out=f"{args.out_dir}/{args.name}.ckpt", progress=False, **chosen)
     started = time.time()
     checkpoint = train(options)
     print(json.dumps({"name": args.name, "variants": sorted(args.variants), "seed": args.seed,

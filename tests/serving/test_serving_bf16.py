@@ -16,7 +16,7 @@ from capsnet.serving.backends.torch_backend import bf16_unavailable_reason, conv
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.self_check import TOLERANCES
 from capsnet.training.checkpoint import load_checkpoint
-from capsnet.training.data import load_dataset
+from capsnet.training.data import load_dataset, to_float
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
 from serving_helpers import ServerThread, server_config
@@ -32,7 +32,7 @@ def test_bf16_convolutions_keep_routing_in_fp32_and_match_fp32(trained_tiny_chec
     dtypes = {name: p.dtype for name, p in bf16.named_parameters()}
     assert {dtypes[name] for name in dtypes if name.startswith(("conv1.", "primary_caps."))} == {torch.bfloat16}
     assert {dtypes[name] for name in dtypes if name.startswith(("digit_caps.", "decoder."))} == {torch.float32}
-    images = torch.from_numpy(load_dataset("embedded").test.images[:64].astype(np.float32) / 255.0)  # (64, 1, 28, 28)
+    images = to_float(load_dataset("embedded").test.images[:64])  # (64, 1, 28, 28)
     with torch.inference_mode():
         expected, got = fp32(images), bf16(images)
     assert got.probabilities.dtype == got.poses.dtype == torch.float32

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import signal
 import socket
-import os
 import subprocess
 import sys
 import threading
