@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import math
 import struct
 from dataclasses import dataclass
 from importlib import resources
@@ -223,17 +224,58 @@ def _flip_draws(batch: int, generator: torch.Generator | None) -> Tensor:
     return torch.rand(batch, generator=generator) < 0.5  # (B,)
 
 
-def augment(images: Tensor, max_shift: int, hflip: bool, generator: torch.Generator) -> Tensor:
+# Random erasing (Zhong et al. 2020): the rectangle covers 2-40% of the image, aspect ratio 0.3-3.3.
+ERASE_AREA = (0.02, 0.4)
+ERASE_ASPECT = (0.3, 1 / 0.3)
+
+
+def random_erase(images: Tensor, probability: float, generator: torch.Generator | None = None) -> Tensor:
+    """With `probability`, set a random rectangle of each image to 0 (the background). A rectangle taller or
+    wider than the image is cut to it, where the paper draws again; the reconstruction target is the erased
+    image, as it is the shifted one."""
+    batch, _, height, width = images.shape
+    draws = _erase_draws(batch, generator)  # (B, 5): apply, area, aspect, top, left
+    area = (ERASE_AREA[0] + (ERASE_AREA[1] - ERASE_AREA[0]) * draws[:, 1]) * height * width  # (B,)
+    low, high = math.log(ERASE_ASPECT[0]), math.log(ERASE_ASPECT[1])
+    aspect = torch.exp(low + (high - low) * draws[:, 2])  # (B,): height / width
+    box_height = torch.sqrt(area * aspect).round().clamp(1, height)  # (B,)
+    box_width = torch.sqrt(area / aspect).round().clamp(1, width)  # (B,)
+    top = torch.floor(draws[:, 3] * (height - box_height + 1))  # (B,)
+    left = torch.floor(draws[:, 4] * (width - box_width + 1))  # (B,)
+    rows = torch.arange(height)  # (H,)
+    cols = torch.arange(width)  # (W,)
+    in_rows = (rows >= top[:, None]) & (rows < (top + box_height)[:, None])  # (B, H)
+    in_cols = (cols >= left[:, None]) & (cols < (left + box_width)[:, None])  # (B, W)
+    erased = in_rows[:, :, None] & in_cols[:, None, :] & (draws[:, 0] < probability)[:, None, None]  # (B, H, W)
+    return images.masked_fill(erased[:, None], 0.0)  # (B, C, H, W)
+
+
+def _erase_draws(batch: int, generator: torch.Generator | None) -> Tensor:
+    return torch.rand(batch, 5, generator=generator)  # (B, 5)
+
+
+@dataclass(frozen=True)
+class Augmentation:
     """The training augmentation: a random shift of up to `max_shift` pixels (a random crop of the image
-    zero-padded by `max_shift`), then, with `hflip`, a random left-right mirror."""
-    shifted = random_shift(images, max_shift, generator)
-    return random_flip(shifted, generator) if hflip else shifted
+    zero-padded by `max_shift`), then, with `hflip`, a random left-right mirror, then, with probability
+    `erase`, random erasing."""
 
+    max_shift: int = 0
+    hflip: bool = False
+    erase: float = 0.0
 
-def skip_augmentation(batch_sizes: list[int], max_shift: int, hflip: bool, generator: torch.Generator) -> None:
-    """Advance `generator` past the draws `augment` makes for these batches (a run resumed mid-epoch)."""
-    for batch in batch_sizes:
-        if max_shift > 0:
-            _shift_offsets(batch, max_shift, generator)
-        if hflip:
-            _flip_draws(batch, generator)
+    def __call__(self, images: Tensor, generator: torch.Generator) -> Tensor:
+        images = random_shift(images, self.max_shift, generator)  # (B, C, H, W)
+        if self.hflip:
+            images = random_flip(images, generator)
+        return random_erase(images, self.erase, generator) if self.erase > 0 else images
+
+    def skip(self, batch_sizes: list[int], generator: torch.Generator) -> None:
+        """Advance `generator` past the draws augmenting these batches makes (a run resumed mid-epoch)."""
+        for batch in batch_sizes:
+            if self.max_shift > 0:
+                _shift_offsets(batch, self.max_shift, generator)
+            if self.hflip:
+                _flip_draws(batch, generator)
+            if self.erase > 0:
+                _erase_draws(batch, generator)

@@ -32,8 +32,8 @@ from capsnet.errors import CapsNetError
 from capsnet.training import distributed
 from capsnet.training.checkpoint import Checkpoint, create_model, load_checkpoint, save_checkpoint
 from capsnet.training.config import CapsNetConfig, preset
-from capsnet.training.data import (Dataset, Split, augment, channel_mean_std, data_location, load_dataset,
-                                   skip_augmentation, to_float)
+from capsnet.training.data import (Augmentation, Dataset, Split, channel_mean_std, data_location, load_dataset,
+                                   to_float)
 from capsnet.training.distributed import DistributedContext
 from capsnet.training.evaluate import check_dataset_fits, evaluate
 from capsnet.training.loss import capsnet_loss
@@ -73,6 +73,7 @@ class TrainOptions:
     lr_decay: float = 0.9  # multiplies the learning rate after every epoch
     max_shift: int = 2
     hflip: bool = False  # random left-right mirror (clothes, not digits)
+    erase: float = 0.0  # probability of random erasing per image
     seed: int = 0
     # execution
     device: str = "auto"
@@ -93,6 +94,7 @@ class TrainOptions:
             "--lr must be a positive number": self.lr is None or (self.lr > 0 and np.isfinite(self.lr)),
             "--lr-decay must be in (0, 1]": 0 < self.lr_decay <= 1,
             "--max-shift must be 0 or more": self.max_shift >= 0,
+            "--erase must be in [0, 1]": 0 <= self.erase <= 1,
             "--threads must be at least 1": self.threads is None or self.threads >= 1,
             "--checkpoint-every must be at least 1": self.checkpoint_every is None or self.checkpoint_every >= 1,
             "--routing-iterations must be at least 1": self.routing_iterations is None or self.routing_iterations >= 1,
@@ -116,7 +118,9 @@ def last_checkpoint_path(out: Path) -> Path:
 
 # The settings that fix an epoch's batches and shifts; a run resumed mid-epoch must keep them.
 BATCH_PLAN_FLAGS = {"batch_size": "--batch-size", "seed": "--seed", "max_shift": "--max-shift", "hflip": "--hflip",
-                    "world_size": "processes", "train_images": "training images"}
+                    "erase": "--erase", "world_size": "processes", "train_images": "training images"}
+# what checkpoints from before a flag existed trained with
+BATCH_PLAN_BEFORE_FLAG = {"hflip": False, "erase": 0.0}
 
 
 @dataclass
@@ -192,7 +196,8 @@ def train_one_epoch(step_model: torch.nn.Module, config: CapsNetConfig, optimize
     summed over ranks. Every `options.checkpoint_every` steps, `save_progress` gets the progress so far."""
     batches = epoch_batches(len(split), options.batch_size // context.world_size, context, options.seed, epoch)
     generator = augmentation_generator(options.seed, epoch, context.rank)
-    skip_augmentation([len(indices) for indices in batches[:progress.step]], options.max_shift, options.hflip, generator)
+    augmentation = Augmentation(options.max_shift, options.hflip, options.erase)
+    augmentation.skip([len(indices) for indices in batches[:progress.step]], generator)
     step_model.train()
     # loss sum, correct, images on this rank; a resumed epoch's totals (already summed over ranks) go to rank 0
     earlier = [progress.loss_sum, progress.correct, progress.images] if context.is_main else [0.0, 0.0, 0.0]
@@ -201,7 +206,7 @@ def train_one_epoch(step_model: torch.nn.Module, config: CapsNetConfig, optimize
     bar = tqdm(batches[progress.step:], initial=progress.step, total=len(batches), desc=f"epoch {epoch + 1}/{options.epochs}",
                unit="batch", leave=False, dynamic_ncols=True, disable=not (options.progress and context.is_main))
     for step, indices in enumerate(bar, start=progress.step + 1):
-        images = augment(to_float(split.images[indices]), options.max_shift, options.hflip, generator).to(device)  # (B, C, H, W)
+        images = augmentation(to_float(split.images[indices]), generator).to(device)  # (B, C, H, W)
         labels = torch.as_tensor(split.labels[indices]).to(device)  # (B,)
         with autocast_context(device, options.amp):
             output = step_model(images, labels)
@@ -281,7 +286,8 @@ def train(options: TrainOptions) -> Checkpoint:
 def batch_plan(options: TrainOptions, context: DistributedContext, dataset: Dataset) -> dict[str, int]:
     """The values of BATCH_PLAN_FLAGS for this run."""
     return {"batch_size": options.batch_size, "seed": options.seed, "max_shift": options.max_shift,
-            "hflip": options.hflip, "world_size": context.world_size, "train_images": len(dataset.train)}
+            "hflip": options.hflip, "erase": options.erase, "world_size": context.world_size,
+            "train_images": len(dataset.train)}
 
 
 def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOptions,
@@ -306,8 +312,7 @@ def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOp
     try:
         fields = dict(resumed.epoch_progress)
         recorded_plan = fields.pop("batch_plan")
-        # checkpoints from before --hflip existed trained without it
-        planned = {name: recorded_plan.get(name, False) if name == "hflip" else recorded_plan[name] for name in plan}
+        planned = {name: recorded_plan[name] if name in recorded_plan else BATCH_PLAN_BEFORE_FLAG[name] for name in plan}
         progress = EpochProgress(**fields)
     except (KeyError, TypeError):
         raise CapsNetError(f"checkpoint {options.resume} is damaged: its progress into epoch {resumed.epoch + 1} "
@@ -351,8 +356,8 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
         "train_images": len(dataset.train), "test_images": len(dataset.test),
         "validation_images": len(dataset.validation or ()), "validation_fraction": dataset.validation_fraction,
         "parameters": count_parameters(model), "batch_size": options.batch_size, "initial_lr": initial_lr,
-        "lr_decay": options.lr_decay, "max_shift": options.max_shift, "hflip": options.hflip, "seed": options.seed,
-        "device": device.type, "world_size": context.world_size, "amp": options.amp, "compile": options.compile,
+        "lr_decay": options.lr_decay, "max_shift": options.max_shift, "hflip": options.hflip, "erase": options.erase,
+        "seed": options.seed, "device": device.type, "world_size": context.world_size, "amp": options.amp, "compile": options.compile,
     }
     plan = batch_plan(options, context, dataset)
 

@@ -3,7 +3,7 @@ docs/experiments/README.md. The variants are patched in here rather than made mo
 was adopted; each patch says what it changes.
 
 Usage: python scripts/experiments/em_variants.py NAME [--epochs 3] [--seed 0] [--out-dir /tmp] [VARIANT ...]
-VARIANT: bn | direct-moments | no-reconstruction | margin-per-step | renormalise-r | transforms-normal | logit-beta |
+VARIANT: bn | direct-moments | no-reconstruction | logit-ce | margin-per-step | renormalise-r | transforms-normal | logit-beta |
          logit-beta-a | lr=X | iterations=N | lambda=X | class-lambda=X (the class layer's alone) | conv1=N |
          conv2=N (a second ReLU conv of N channels) | types=N (ConvCaps1 and 2) | max-shift=N | lr-decay=X |
          margin-start=X | margin-step=X (the spread margin's start and its rise per epoch; 0.2 and 0.1)
@@ -72,6 +72,21 @@ def margin_per_step(epochs: int) -> None:
         margin = spread_loss(output.probabilities, labels, min(0.9, 0.2 + 0.7 * state["step"] / total_steps))
         reconstruction = reconstruction_error(output.reconstruction, images)
         return LossParts((margin + config.reconstruction_weight * reconstruction).mean(), margin, reconstruction)
+
+    train_module.capsnet_loss = loss
+
+
+def logit_cross_entropy() -> None:
+    """Cross-entropy on the class activations' logits λ(β_a − cost) instead of the spread loss on activations
+    that never fall below 0.5, which bounds the gap the spread loss can open."""
+    original = train_module.capsnet_loss
+
+    def loss(output, images, labels, config, epoch=None):
+        logits = torch.logit(output.probabilities.float(), eps=1e-6)  # (B, J)
+        classification = F.cross_entropy(logits, labels, reduction="none")  # (B,)
+        reconstruction = reconstruction_error(output.reconstruction, images)  # (B,)
+        return LossParts((classification + config.reconstruction_weight * reconstruction).mean(), classification,
+                         reconstruction)
 
     train_module.capsnet_loss = loss
 
@@ -165,7 +180,7 @@ def main() -> None:
     patches = {"bn": conv1_batch_norm, "margin-per-step": lambda: margin_per_step(args.epochs),
                "renormalise-r": renormalise_r, "transforms-normal": transforms_normal,
                "logit-beta": lambda: logit_beta(both=True), "logit-beta-a": lambda: logit_beta(both=False),
-               "no-reconstruction": lambda: None, "direct-moments": direct_moments}
+               "no-reconstruction": lambda: None, "direct-moments": direct_moments, "logit-ce": logit_cross_entropy}
     for flag in flags:
         patches[flag]()
     if "conv2" in settings:

@@ -37,6 +37,8 @@ def assert_one_line_error(capsys, argv, message):
     (["--val-fraction", "0.0001"], "a validation fraction of 0.0001 leaves 4000 training and 0 validation images"),
     (["--max-shift", "-1"], "--max-shift must be 0 or more"),
     (["--max-shift", "28"], "--max-shift 28 is not smaller than the 28x28 images"),
+    (["--erase", "1.5"], "--erase must be in [0, 1]"),
+    (["--erase", "nan"], "--erase must be in [0, 1]"),
     (["--routing", "dynamic"], "routing must be one of sabour, leaky, su"),
     (["--routing-iterations", "0"], "--routing-iterations must be at least 1"),
     (["--squash-constant", "-1"], "--squash-constant must be a positive number"),

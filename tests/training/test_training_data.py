@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from capsnet.errors import CapsNetError
-from capsnet.training.data import (FASHION_MNIST_NAMES, augment, channel_mean_std, load_dataset, load_embedded,
-                                   random_shift, skip_augmentation, to_float)
+from capsnet.training.data import (ERASE_AREA, FASHION_MNIST_NAMES, Augmentation, channel_mean_std, load_dataset,
+                                   load_embedded, random_erase, random_shift, to_float)
 
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 
@@ -136,16 +136,37 @@ def test_channel_mean_std():
 
 def test_hflip_mirrors_about_half_the_images_and_a_resume_replays_the_draws():
     images = torch.rand(64, 1, 6, 5)  # (B, C, H, W)
-    flipped = augment(images, 0, True, torch.Generator().manual_seed(0))
+    flipped = Augmentation(hflip=True)(images, torch.Generator().manual_seed(0))
     mirrored = [torch.equal(after, before.flip(-1)) for after, before in zip(flipped, images)]
     kept = [torch.equal(after, before) for after, before in zip(flipped, images)]
     assert all(m != k for m, k in zip(mirrored, kept)) and 20 <= sum(mirrored) <= 44
     # skipping two batches' draws leaves the generator where augmenting them would
+    augmentation = Augmentation(max_shift=2, hflip=True, erase=0.5)
     generator, skipped = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     for batch in (images[:10], images[10:30]):
-        augment(batch, 2, True, generator)
-    skip_augmentation([10, 20], 2, True, skipped)
-    assert torch.equal(augment(images, 2, True, generator), augment(images, 2, True, skipped))
+        augmentation(batch, generator)
+    augmentation.skip([10, 20], skipped)
+    assert torch.equal(augmentation(images, generator), augmentation(images, skipped))
+
+
+def test_random_erasing_blanks_one_rectangle_of_the_drawn_size_in_the_share_of_images_asked():
+    images = torch.rand(2000, 2, 28, 28) + 0.1  # (B, C, H, W): no pixel is 0 before erasing
+    erased = random_erase(images, 0.5, torch.Generator().manual_seed(0))
+    blank = erased == 0  # (B, C, H, W)
+    assert torch.equal(blank[:, 0], blank[:, 1])  # every channel of a pixel together
+    assert torch.equal(erased[~blank], images[~blank])  # nothing else changes
+    counts = blank[:, 0].sum(dim=(1, 2))  # (B,)
+    hit = counts > 0
+    assert 900 <= int(hit.sum()) <= 1100  # binomial(2000, 0.5): 5 standard deviations either side
+    for mask in blank[hit, 0][:200]:
+        rows, cols = mask.any(dim=1).nonzero().flatten(), mask.any(dim=0).nonzero().flatten()
+        height, width = int(rows[-1] - rows[0] + 1), int(cols[-1] - cols[0] + 1)
+        assert int(mask.sum()) == height * width  # one solid rectangle
+    # the areas spread over the drawn range; cutting boxes to the image only shrinks them
+    share = counts[hit].double() / (28 * 28)
+    assert share.min() < ERASE_AREA[0] + 0.02 and share.max() > ERASE_AREA[1] - 0.1
+    assert share.max() <= ERASE_AREA[1] + 0.03  # rounding the sides to whole pixels
+    assert torch.equal(random_erase(images, 0.0, torch.Generator().manual_seed(0)), images)
 
 
 def test_the_validation_split_is_a_fixed_stratified_share_of_the_training_images():

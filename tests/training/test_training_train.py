@@ -161,9 +161,10 @@ def test_resume_mid_epoch_continues_the_same_run(trained_tiny_checkpoint, tmp_pa
     assert interrupted.metrics["steps_into_epoch"] == 40 and "test_accuracy" not in interrupted.metrics
 
     # the interrupted epoch's batches depend on these; a mid-epoch resume refuses to change them
-    assert main([*FIXTURE_ARGS, "--epochs", "2", "--out", str(out), "--resume", "--batch-size", "32"]) == 2
+    assert main([*FIXTURE_ARGS, "--epochs", "2", "--out", str(out), "--resume", "--batch-size", "32",
+                 "--erase", "0.5"]) == 2
     assert (f"{last} stopped 40 steps into epoch 2; continuing that epoch needs its batches: "
-            "--batch-size 32 (checkpoint: 64)") in capsys.readouterr().err
+            "--batch-size 32 (checkpoint: 64), --erase 0.5 (checkpoint: 0.0)") in capsys.readouterr().err
 
     payload = torch.load(last, weights_only=True)
     del payload["epoch_progress"]["batch_plan"]
@@ -172,6 +173,10 @@ def test_resume_mid_epoch_continues_the_same_run(trained_tiny_checkpoint, tmp_pa
     assert main([*FIXTURE_ARGS, "--epochs", "2", "--out", str(out), "--resume", str(damaged)]) == 2
     assert f"checkpoint {damaged} is damaged: its progress into epoch 2 is incomplete" in capsys.readouterr().err
 
+    # a checkpoint from before --erase existed trained without it and resumes
+    payload = torch.load(last, weights_only=True)
+    del payload["epoch_progress"]["batch_plan"]["erase"]
+    torch.save(payload, last)
     assert main([*FIXTURE_ARGS, "--epochs", "2", "--out", str(out), "--resume"]) == 0
     assert "resuming epoch 2 after step 40" in capsys.readouterr().out
     resumed = load_checkpoint(last)
