@@ -49,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="random erasing (Zhong et al. 2020): with probability P set a random rectangle of 2-40%% "
                             "of each training image, aspect ratio 0.3-3.3, to 0 (default 0: off)")
     train.add_argument("--seed", type=int, default=0, metavar="N",
-                       help="seed for weights, shuffling and shifts (default 0)")
+                       help="seed for weights, shuffling and augmentation (default 0)")
     train.add_argument("--out", type=Path, default=Path("model.ckpt"), metavar="CKPT",
                        help="best checkpoint (default model.ckpt)")
     train.add_argument("--resume", nargs="?", const="", metavar="CKPT",
@@ -113,7 +113,8 @@ def run_train(args: argparse.Namespace) -> int:
         reconstruction_weight=args.reconstruction_weight, detach_agreement=args.detach_agreement,
         normalize=args.normalize, val_fraction=args.val_fraction,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, lr_decay=args.lr_decay, max_shift=args.max_shift,
-        hflip=args.hflip, erase=args.erase, seed=args.seed, device=args.device, amp=args.amp, compile=args.compile, threads=args.threads,
+        hflip=args.hflip, erase=args.erase, seed=args.seed, device=args.device, amp=args.amp, compile=args.compile,
+        threads=args.threads,
         resume=resume, checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
     ))
     return 0

@@ -312,7 +312,7 @@ def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOp
     try:
         fields = dict(resumed.epoch_progress)
         recorded_plan = fields.pop("batch_plan")
-        planned = {name: recorded_plan[name] if name in recorded_plan else BATCH_PLAN_BEFORE_FLAG[name] for name in plan}
+        planned = {name: {**BATCH_PLAN_BEFORE_FLAG, **recorded_plan}[name] for name in plan}
         progress = EpochProgress(**fields)
     except (KeyError, TypeError):
         raise CapsNetError(f"checkpoint {options.resume} is damaged: its progress into epoch {resumed.epoch + 1} "
@@ -357,7 +357,8 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
         "validation_images": len(dataset.validation or ()), "validation_fraction": dataset.validation_fraction,
         "parameters": count_parameters(model), "batch_size": options.batch_size, "initial_lr": initial_lr,
         "lr_decay": options.lr_decay, "max_shift": options.max_shift, "hflip": options.hflip, "erase": options.erase,
-        "seed": options.seed, "device": device.type, "world_size": context.world_size, "amp": options.amp, "compile": options.compile,
+        "seed": options.seed, "device": device.type, "world_size": context.world_size, "amp": options.amp,
+        "compile": options.compile,
     }
     plan = batch_plan(options, context, dataset)
 

@@ -3,9 +3,10 @@ docs/experiments/README.md. The variants are patched in here rather than made mo
 was adopted; each patch says what it changes.
 
 Usage: python scripts/experiments/em_variants.py NAME [--epochs 3] [--seed 0] [--out-dir /tmp] [VARIANT ...]
-VARIANT: bn | direct-moments | no-reconstruction | logit-ce | margin-per-step | renormalise-r | transforms-normal | logit-beta |
-         logit-beta-a | lr=X | iterations=N | lambda=X | class-lambda=X (the class layer's alone) | conv1=N |
-         conv2=N (a second ReLU conv of N channels) | types=N (ConvCaps1 and 2) | max-shift=N | lr-decay=X |
+VARIANT: bn | direct-moments | no-reconstruction | logit-ce (cross-entropy on the class logits) | margin-per-step |
+         renormalise-r | transforms-normal | logit-beta | logit-beta-a | lr=X | iterations=N | lambda=X |
+         class-lambda=X (the class layer's alone) | conv1=N | conv2=N (a second ReLU conv of N channels) |
+         types=N (ConvCaps1 and 2) | max-shift=N | lr-decay=X |
          margin-start=X | margin-step=X (the spread margin's start and its rise per epoch; 0.2 and 0.1)
 Prints one JSON line: the variants and (epoch, validation %, test %) per epoch. Embedded data, its default 10%
 validation split, batch 64, fp32, one thread.
