@@ -28,6 +28,7 @@ import numpy as np
 
 from capsnet.kserve import grpc_service_pb2 as kserve_pb
 from capsnet.kserve import grpc_service_pb2_grpc as kserve_grpc
+from capsnet.serving import loadgen
 from capsnet.serving.client import image_message
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
@@ -117,20 +118,8 @@ async def burst(model: str, calls: int, images: int) -> str:
     process, target = start_server(model)
     image = image_message(np.random.default_rng(0).random((1, 28, 28), dtype=np.float32))
     request = pb.ClassifyRequest(images=[image] * images)
-    codes, details = collections.Counter(), collections.Counter()
     started = time.monotonic()
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = capsnet_pb2_grpc.CapsNetServiceStub(channel)
-
-        async def one() -> None:
-            try:
-                await stub.Classify(request, timeout=120)
-                codes["OK"] += 1
-            except grpc.aio.AioRpcError as err:
-                codes[err.code().name] += 1
-                details[err.details().split(":")[0]] += 1
-
-        await asyncio.gather(*(one() for _ in range(calls)))
+    codes, details = await loadgen.burst(target, request, calls, timeout_s=120)
     process.kill()
     return f"| {calls} x {images}-image calls | {dict(codes)} | {dict(details)} | {time.monotonic() - started:.1f} s |"
 

@@ -125,6 +125,27 @@ async def run_load(target: str, images: np.ndarray, *, concurrency: int, batch_s
     return LoadResult(name, concurrency, batch_size, elapsed, latencies, dict(errors))
 
 
+async def burst(target: str, request: pb.ClassifyRequest, calls: int,
+                timeout_s: float) -> tuple[collections.Counter, collections.Counter]:
+    """`calls` Classify calls of `request`, all in flight at once on one channel (open loop, unlike
+    run_load): how many ended with each status code, and how many failed with each detail (up to its ':')."""
+    codes: collections.Counter = collections.Counter()
+    details: collections.Counter = collections.Counter()
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.CapsNetServiceStub(channel)
+
+        async def one() -> None:
+            try:
+                await stub.Classify(request, timeout=timeout_s)
+                codes["OK"] += 1
+            except grpc.aio.AioRpcError as err:
+                codes[err.code().name] += 1
+                details[err.details().split(":")[0]] += 1
+
+        await asyncio.gather(*(one() for _ in range(calls)))
+    return codes, details
+
+
 def run_inprocess(backend, images: np.ndarray, *, batch_size: int, max_runs: int = 1000,
                   max_seconds: float = 30.0, warmup_runs: int = 5) -> LoadResult:
     """The backend called back to back on batches of `batch_size`, in this thread."""

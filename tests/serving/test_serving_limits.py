@@ -19,6 +19,7 @@ import pytest
 from capsnet.kserve import grpc_service_pb2 as kserve_pb
 from capsnet.kserve import grpc_service_pb2_grpc as kserve_grpc
 from capsnet.serving.client import image_message
+from capsnet.serving.loadgen import burst
 from capsnet.serving.metrics import HTTP_TIMEOUT_S, HTTP_WORKERS
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
@@ -164,25 +165,9 @@ def test_burst_of_3000_calls_gets_only_ok_or_queue_full_all_counted(model_dir):
     running = ServerThread(server_config(model_dir, max_queue_size=16))
     request = pb.ClassifyRequest(images=[image_message(IMAGE)])
     try:
-        async def burst() -> tuple[collections.Counter, set[str]]:
-            codes, details = collections.Counter(), set()
-            async with grpc.aio.insecure_channel(running.target) as channel:
-                stub = capsnet_pb2_grpc.CapsNetServiceStub(channel)
-
-                async def one() -> None:
-                    try:
-                        await stub.Classify(request, timeout=60)
-                        codes["OK"] += 1
-                    except grpc.aio.AioRpcError as err:
-                        codes[err.code().name] += 1
-                        details.add(err.details().split(":")[0])
-
-                await asyncio.gather(*(one() for _ in range(3000)))
-            return codes, details
-
-        codes, details = asyncio.run(burst())
+        codes, details = asyncio.run(burst(running.target, request, 3000, timeout_s=60))
         assert set(codes) <= {"OK", "UNAVAILABLE"}, codes
-        assert codes["OK"] > 0 and (codes["UNAVAILABLE"] == 0 or details == {"queue full"}), (codes, details)
+        assert codes["OK"] > 0 and (codes["UNAVAILABLE"] == 0 or set(details) == {"queue full"}), (codes, details)
         url = running.metrics_url
         wait_until(lambda: requests_total(url, method="Classify") == 3000, timeout=10)
         assert requests_total(url, method="Classify", code="UNAVAILABLE") == codes["UNAVAILABLE"]
