@@ -50,6 +50,8 @@ class CapsNetConfig:
     # primary capsules have primary_caps_channels types, routing_iterations EM iterations per capsule layer.
     conv_caps_types: tuple[int, ...] = (16, 16)  # ConvCaps1 (3×3, stride 2) and ConvCaps2 (3×3, stride 1)
     em_inverse_temperature: float = 0.01  # the limit of λ's schedule over the EM iterations
+    em_conv2_channels: int = 0  # > 0: a second ReLU convolution (3×3, "same") between Conv1 and PrimaryCaps
+    em_batch_norm: bool = False  # batch-normalise Conv1 (before its ReLU) and the primary poses
     # spread loss (arch "em"): the margin starts at spread_margin_start, grows by spread_margin_step per epoch
     spread_margin_start: float = 0.2
     spread_margin_step: float = 0.1
@@ -88,6 +90,10 @@ class CapsNetConfig:
             raise CapsNetError(f"config: conv_caps_types must be two positive integers, got {self.conv_caps_types!r}")
         if self.primary_caps_dim != EM_POSE_SIZE or self.digit_caps_dim != EM_POSE_SIZE:
             raise CapsNetError("config: EM capsules have 4x4 poses: primary_caps_dim and digit_caps_dim must be 16")
+        if not isinstance(self.em_conv2_channels, int) or self.em_conv2_channels < 0:
+            raise CapsNetError(f"config: em_conv2_channels must be an integer >= 0, got {self.em_conv2_channels!r}")
+        if not isinstance(self.em_batch_norm, bool):
+            raise CapsNetError(f"config: em_batch_norm must be true or false, got {self.em_batch_norm!r}")
         if not self.em_inverse_temperature > 0:
             raise CapsNetError(f"config: em_inverse_temperature must be > 0, got {self.em_inverse_temperature}")
         if not 0 <= self.spread_margin_start <= self.spread_margin_end or self.spread_margin_step < 0:
@@ -166,11 +172,15 @@ PRESETS: dict[str, CapsNetConfig] = {
     ),
     # Matrix capsules with EM routing, smaller than the paper's small model (A=64, B=8, C=D=16, 3 iterations):
     # A=32, B=8, C=D=8 and 2 iterations train as fast per image as `paper` on a CPU and learned faster
-    # (docs/experiments; 2 iterations also did best in public MNIST runs).
+    # (docs/experiments; 2 iterations also did best in public MNIST runs). The capsule layers are close to
+    # linear in the primary poses, so a second ReLU convolution gives the features their nonlinearity, and
+    # batch normalisation keeps the poses' scale (and with it σ and the cost) from following the front end.
     "em": CapsNetConfig(
         arch="em",
         conv1_channels=32,
         conv1_kernel=5,
+        em_conv2_channels=128,
+        em_batch_norm=True,
         primary_caps_channels=8,
         primary_caps_dim=EM_POSE_SIZE,
         conv_caps_types=(8, 8),
@@ -180,6 +190,8 @@ PRESETS: dict[str, CapsNetConfig] = {
         arch="em",
         conv1_channels=16,
         conv1_kernel=5,
+        em_conv2_channels=16,
+        em_batch_norm=True,
         primary_caps_channels=4,
         primary_caps_dim=EM_POSE_SIZE,
         conv_caps_types=(4, 4),

@@ -1,9 +1,11 @@
 """Matrix capsules with EM routing (Hinton, Sabour & Frosst 2018): `capsnet train --arch em`.
 
-ReLU Conv1 (5×5, stride 2) → PrimaryCaps (1×1 convolutions: a 4×4 pose matrix and a logistic activation
-per capsule type and position) → ConvCaps1 (3×3, stride 2) → ConvCaps2 (3×3, stride 1) → ClassCaps
-(one transform per input type shared over positions, with coordinate addition). Every capsule layer
-votes V_ij = M_i · W_ij and is routed by a fixed number of EM iterations (`em_route`).
+ReLU Conv1 (5×5, stride 2; batch-normalised with `em_batch_norm`) → an optional second ReLU convolution
+(`em_conv2_channels`, 3×3) → PrimaryCaps (1×1 convolutions: a 4×4 pose matrix, batch-normalised with
+`em_batch_norm`, and a logistic activation per capsule type and position) → ConvCaps1 (3×3, stride 2) →
+ConvCaps2 (3×3, stride 1) → ClassCaps (one transform per input type shared over positions, with coordinate
+addition). Every capsule layer votes V_ij = M_i · W_ij and is routed by a fixed number of EM iterations
+(`em_route`).
 
 The model returns the CapsNet's outputs, so training, export and serving take it unchanged:
 probabilities = class activations, poses = the class pose matrices flattened to 16, reconstruction =
@@ -11,14 +13,15 @@ a decoder masked by one class, coupling = the class layer's last assignments R.
 
 As in most public implementations, a convolutional capsule layer routes each K×K patch on its own: an
 input capsule's assignments are normalised over the parents of each patch it is in, rather than over
-every parent that receives one of its votes.
+every parent that receives one of its votes (Gritzman 2019's competition across positions did not learn
+faster here: docs/experiments).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -53,14 +56,16 @@ def full_precision(device_type: str) -> contextlib.AbstractContextManager:
 
 
 def em_route(votes: Tensor, activations: Tensor, beta_u: Tensor, beta_a: Tensor, iterations: int,
-             final_inverse_temperature: float) -> EMResult:
+             final_inverse_temperature: float, normalise: Callable[[Tensor], Tensor] | None = None) -> EMResult:
     """EM routing of votes V (..., J, I, H) from I capsules with activations a (..., I) to J parents.
 
     M-step: μ, σ² as the R·a-weighted mean and variance of the votes per dimension h;
     cost_j = Σ_h (β_u + log σ_jh) Σ_i R_ij a_i; a_j = logistic(λ(β_a − cost_j)).
     E-step: R_ij ∝ a_j p_j(V_ij), p a Gaussian with diagonal σ², normalised over j (in log space).
     R starts uniform; the E-step after the last M-step is skipped. Leading axes (batch, positions)
-    are independent, so every sample and patch is routed on its own.
+    are independent, so every sample and patch is routed on its own. `normalise`, if given, replaces the
+    softmax over the J parents, for R and for its uniform start (from zeros): scripts/experiments uses it
+    to let parents at different positions compete for an input.
 
     The votes are laid out parent-major so both steps are matrix products over [V, V²], which is
     computed once: the weighted moments give μ and σ² = E[V²] − μ², and Σ_h (V − μ)²/σ² expands into
@@ -68,10 +73,13 @@ def em_route(votes: Tensor, activations: Tensor, beta_u: Tensor, beta_a: Tensor,
     """
     with full_precision(votes.device.type):
         votes = at_least_float32(votes)
-        num_parents, pose_size = votes.shape[-3], votes.shape[-1]
+        pose_size = votes.shape[-1]
         moments = torch.cat([votes, votes.square()], dim=-1)  # (..., J, I, 2H)
         input_activations = at_least_float32(activations).unsqueeze(-2)  # (..., 1, I)
-        assignments = torch.full_like(votes[..., 0], 1.0 / num_parents)  # (..., J, I)
+        if normalise is None:
+            assignments = torch.full_like(votes[..., 0], 1.0 / votes.shape[-3])  # (..., J, I)
+        else:
+            assignments = normalise(torch.zeros_like(votes[..., 0]))  # (..., J, I)
         log_norm = 0.5 * pose_size * math.log(2 * math.pi)
         schedule = inverse_temperatures(iterations, final_inverse_temperature)
         for iteration, inverse_temperature in enumerate(schedule):
@@ -95,7 +103,8 @@ def em_route(votes: Tensor, activations: Tensor, beta_u: Tensor, beta_a: Tensor,
             offsets = (mean.square() * precision + log_sigma).sum(dim=-1, keepdim=True) + log_norm  # (..., J, 1)
             log_p = exponent - offsets  # (..., J, I)
             log_prior = torch.log(parent_activations + EPSILON).unsqueeze(-1)  # (..., J, 1)
-            assignments = torch.softmax(log_prior + log_p, dim=-2)  # (..., J, I)
+            logits = log_prior + log_p  # (..., J, I)
+            assignments = torch.softmax(logits, dim=-2) if normalise is None else normalise(logits)  # (..., J, I)
     return EMResult(poses=mean, activations=parent_activations, assignments=assignments.transpose(-1, -2))
 
 
@@ -177,18 +186,32 @@ class ClassCaps(EMCapsLayer):
         return self.route(votes, activations.flatten(1, 3))  # activations (B, H*W*N)
 
 
-class PrimaryMatrixCaps(nn.Module):
-    """1×1 convolutions: a 4×4 pose and a logistic activation for each capsule type at each position."""
+def batch_norm(channels: int) -> nn.BatchNorm2d:
+    """Batch normalisation whose running statistics follow the last batches closely (momentum 0.9, not torch's
+    0.1): evaluation and serving use them, and statistics that lag the weights by a few steps of Adam at 0.01
+    scored 5 points lower on the validation split than the same weights with fresh statistics."""
+    return nn.BatchNorm2d(channels, momentum=0.9)
 
-    def __init__(self, in_channels: int, types: int):
+
+class PrimaryMatrixCaps(nn.Module):
+    """1×1 convolutions: a 4×4 pose and a logistic activation for each capsule type at each position.
+
+    With `normalise_poses` every pose entry is batch-normalised. The poses' scale sets the votes' σ and so
+    every layer's cost and activations; without a normalisation it follows the front end's width and depth,
+    and a wider or deeper front end made training collapse (docs/experiments).
+    """
+
+    def __init__(self, in_channels: int, types: int, normalise_poses: bool = False):
         super().__init__()
         self.types = types
         self.pose = nn.Conv2d(in_channels, types * POSE * POSE, kernel_size=1)
         self.activation = nn.Conv2d(in_channels, types, kernel_size=1)
+        # Identity when off: checkpoints of models without it keep their parameter names
+        self.pose_norm = batch_norm(types * POSE * POSE) if normalise_poses else nn.Identity()
 
     def forward(self, features: Tensor) -> tuple[Tensor, Tensor]:
         """features (B, A, H, W) -> poses (B, H, W, N, 16), activations (B, H, W, N)."""
-        poses = self.pose(features).unflatten(1, (self.types, POSE * POSE))  # (B, N, 16, H, W)
+        poses = self.pose_norm(self.pose(features)).unflatten(1, (self.types, POSE * POSE))  # (B, N, 16, H, W)
         activations = torch.sigmoid(self.activation(features))  # (B, N, H, W)
         return poses.permute(0, 3, 4, 1, 2), activations.permute(0, 2, 3, 1)  # (B, H, W, N, 16), (B, H, W, N)
 
@@ -201,7 +224,15 @@ class EMCapsNet(nn.Module):
         first_types, second_types = config.conv_caps_types
         self.conv1 = nn.Conv2d(config.in_channels, config.conv1_channels, kernel_size=config.conv1_kernel, stride=2,
                                padding=config.conv1_kernel // 2)
-        self.primary_caps = PrimaryMatrixCaps(config.conv1_channels, config.primary_caps_channels)
+        self.conv1_norm = batch_norm(config.conv1_channels) if config.em_batch_norm else nn.Identity()
+        # The capsule layers are close to linear in the primary poses (docs/experiments), so the features'
+        # nonlinearity comes from the front end: Conv1 alone capped accuracy near 93%.
+        features = config.conv1_channels
+        self.conv2 = None
+        if config.em_conv2_channels:
+            self.conv2 = nn.Conv2d(features, config.em_conv2_channels, kernel_size=3, padding=1)
+            features = config.em_conv2_channels
+        self.primary_caps = PrimaryMatrixCaps(features, config.primary_caps_channels, config.em_batch_norm)
         self.conv_caps1 = ConvCaps(config.primary_caps_channels, first_types, kernel=3, stride=2, config=config)
         self.conv_caps2 = ConvCaps(first_types, second_types, kernel=3, stride=1, config=config)
         self.class_caps = ClassCaps(second_types, config.em_grids[-1], config.num_classes, config)
@@ -209,13 +240,17 @@ class EMCapsNet(nn.Module):
 
     def features(self, images: Tensor) -> Tensor:
         """The convolutional front end: images (B, C, H, W) -> features (B, A, 14, 14) for PrimaryCaps."""
-        return F.relu(self.conv1(self.input_normalisation(images)))  # (B, A, 14, 14)
+        features = F.relu(self.conv1_norm(self.conv1(self.input_normalisation(images))))  # (B, A, 14, 14)
+        if self.conv2 is not None:
+            features = F.relu(self.conv2(features))  # (B, A2, 14, 14)
+        return features
 
     def forward(self, images: Tensor, target: Tensor | None = None) -> CapsNetOutput:
         """images (B, C, H, W) in [0, 1]; the decoder is masked by `target` if given, else by the prediction."""
-        poses, activations = self.primary_caps(self.features(images))  # (B, 14, 14, 8, 16), (B, 14, 14, 8)
-        poses, activations = self.conv_caps1(poses, activations)  # (B, 6, 6, 16, 16), (B, 6, 6, 16)
-        poses, activations = self.conv_caps2(poses, activations)  # (B, 4, 4, 16, 16), (B, 4, 4, 16)
+        # capsule types: P = primary_caps_channels, (C, D) = conv_caps_types; 8, 8 and 8 in the `em` preset
+        poses, activations = self.primary_caps(self.features(images))  # (B, 14, 14, P, 16), (B, 14, 14, P)
+        poses, activations = self.conv_caps1(poses, activations)  # (B, 6, 6, C, 16), (B, 6, 6, C)
+        poses, activations = self.conv_caps2(poses, activations)  # (B, 4, 4, D, 16), (B, 4, 4, D)
         routed = self.class_caps(poses, activations)  # poses (B, 10, 16), activations (B, 10)
         if target is None:
             target = routed.activations.argmax(dim=1)  # (B,)

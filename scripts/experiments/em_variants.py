@@ -1,13 +1,15 @@
-"""Train the `em` preset with one or more variants of Procedure 1's free choices, for the EM diagnosis in
-docs/experiments/README.md. The variants are patched in here rather than made model options, because none
-was adopted; each patch says what it changes.
+"""Train the `em` preset with one or more variants, for the EM diagnosis in docs/experiments/README.md. The
+variants not adopted are patched in here rather than made model options; each patch says what it changes.
+`conv2=0 no-batch-norm` gives the `em` preset as it was before issue 16's fifth session (the docs' earlier tables).
 
 Usage: python scripts/experiments/em_variants.py NAME [--epochs 3] [--seed 0] [--out-dir /tmp] [VARIANT ...]
 VARIANT: bn | direct-moments | no-reconstruction | logit-ce (cross-entropy on the class logits) | margin-per-step |
          renormalise-r | transforms-normal | logit-beta | logit-beta-a | lr=X | iterations=N | lambda=X |
-         class-lambda=X (the class layer's alone) | conv1=N | conv2=N (a second ReLU conv of N channels) |
-         types=N (ConvCaps1 and 2) | max-shift=N | lr-decay=X |
-         margin-start=X | margin-step=X (the spread margin's start and its rise per epoch; 0.2 and 0.1)
+         class-lambda=X (the class layer's alone) | conv1=N | types=N (ConvCaps1 and 2) | max-shift=N | lr-decay=X |
+         margin-start=X | margin-step=X (the spread margin's start and its rise per epoch; 0.2 and 0.1) |
+         conv2=N (em_conv2_channels; 0: none) | batch-norm | no-batch-norm (em_batch_norm) |
+         conv3=N (a third ReLU conv) | cross-position | ibm-cost | pose-ln |
+         linear-head | conv-body (diagnosis only: parts of the model replaced by ordinary layers)
 Prints one JSON line: the variants and (epoch, validation %, test %) per epoch. Embedded data, its default 10%
 validation split, batch 64, fp32, one thread.
 """
@@ -32,31 +34,30 @@ EMBEDDED_TRAIN_IMAGES = 3600  # after the validation split
 
 
 def conv1_batch_norm() -> None:
-    """yl-1993: batch normalisation between Conv1 and its ReLU."""
+    """yl-1993: batch normalisation between Conv1 and its ReLU (as `batch-norm` does, which came later; with it on,
+    this adds a second)."""
     original_init = em_model.EMCapsNet.__init__
 
     def init(self, config):
         original_init(self, config)
-        self.conv1_norm = nn.BatchNorm2d(config.conv1_channels)
+        self.conv1 = nn.Sequential(self.conv1, nn.BatchNorm2d(config.conv1_channels))
 
-    def features(self, images):
-        return F.relu(self.conv1_norm(self.conv1(self.input_normalisation(images))))  # (B, A, 14, 14)
-
-    em_model.EMCapsNet.__init__, em_model.EMCapsNet.features = init, features
+    em_model.EMCapsNet.__init__ = init
 
 
-def second_conv(channels: int) -> None:
-    """A second ReLU convolution (3×3, stride 1, `channels`) between Conv1 and PrimaryCaps: the capsule layers
-    are linear in the primary poses apart from routing, so features get their nonlinearity up front."""
+def third_conv(channels: int) -> None:
+    """A third ReLU convolution (3×3, "same", `channels`, batch-normalised with the model's `batch_norm`) after
+    the model's second, before PrimaryCaps."""
     original_init, original_features = em_model.EMCapsNet.__init__, em_model.EMCapsNet.features
 
     def init(self, config):
         original_init(self, config)
-        self.conv2 = nn.Conv2d(config.conv1_channels, channels, kernel_size=3, padding=1)
-        self.primary_caps = em_model.PrimaryMatrixCaps(channels, config.primary_caps_channels)
+        self.conv3 = nn.Sequential(nn.Conv2d(config.em_conv2_channels, channels, kernel_size=3, padding=1),
+                                   em_model.batch_norm(channels), nn.ReLU())
+        self.primary_caps = em_model.PrimaryMatrixCaps(channels, config.primary_caps_channels, config.em_batch_norm)
 
     def features(self, images):
-        return F.relu(self.conv2(original_features(self, images)))  # (B, channels, 14, 14)
+        return self.conv3(original_features(self, images))  # (B, channels, 14, 14)
 
     em_model.EMCapsNet.__init__, em_model.EMCapsNet.features = init, features
 
@@ -168,6 +169,124 @@ def class_lambda(final: float) -> None:
     em_model.ClassCaps.__init__ = init
 
 
+def child_slots(values, height: int, width: int, kernel: int, stride: int):
+    """The inverse of `patches`: (B, H', W', K*K, N) per patch slot -> (B, H, W, K*K, N) per input capsule and
+    the slot it fills in each patch it is in; a slot with no patch holds the dtype's lowest value."""
+    out_h, out_w = values.shape[1], values.shape[2]
+    grid = values.new_full((values.shape[0], height, width, *values.shape[3:]), torch.finfo(values.dtype).min)
+    for dy in range(kernel):
+        for dx in range(kernel):
+            grid[:, dy : dy + stride * (out_h - 1) + 1 : stride, dx : dx + stride * (out_w - 1) + 1 : stride,
+                 dy * kernel + dx] = values[:, :, :, dy * kernel + dx]
+    return grid
+
+
+def cross_position() -> None:
+    """Gritzman 2019's pitfall 3: an input capsule's assignments are normalised over every parent of every patch
+    it is in (positions and types), not over the parents of each patch on its own."""
+    def forward(self, poses, activations):
+        height, width, types = poses.shape[1], poses.shape[2], poses.shape[3]
+
+        def normalise(logits):  # (B, H', W', J, K*K*N)
+            per_patch = torch.logsumexp(logits, dim=-2).unflatten(-1, (self.kernel ** 2, types))  # (B, H', W', K*K, N)
+            slots = child_slots(per_patch, height, width, self.kernel, self.stride)  # (B, H, W, K*K, N)
+            per_input = torch.logsumexp(slots, dim=3)  # (B, H, W, N)
+            return torch.exp(logits - em_model.patches(per_input, self.kernel, self.stride).unsqueeze(-2))
+
+        pose_patches = em_model.patches(poses, self.kernel, self.stride)  # (B, H', W', K*K*N, 16)
+        activation_patches = em_model.patches(activations, self.kernel, self.stride)  # (B, H', W', K*K*N)
+        routed = em_model.em_route(em_model.votes_from(pose_patches, self.transforms), activation_patches,
+                                   self.beta_u, self.beta_a, self.iterations, self.inverse_temperature, normalise)
+        return routed.poses, routed.activations
+
+    em_model.ConvCaps.forward = forward
+
+
+def ibm_cost() -> None:
+    """IBM's (Gritzman 2019) cost scale and β_a: the cost times 100·J/I (I inputs per routing problem, J parents)
+    and β_a drawn from N(−1000, 500²) truncated at 2σ, in those units; written as λ·s and β_a/s."""
+    original = em_model.EMCapsLayer.__init__
+
+    def init(self, num_inputs, num_parents, config):
+        original(self, num_inputs, num_parents, config)
+        positions = config.em_grids[-1][0] * config.em_grids[-1][1] if isinstance(self, em_model.ClassCaps) else 1
+        inputs = num_inputs * positions
+        scale = 100 * num_parents / inputs
+        self.inverse_temperature *= scale
+        with torch.no_grad():
+            nn.init.trunc_normal_(self.beta_a, -1000.0, 500.0, -2000.0, 0.0).div_(scale)
+
+    em_model.EMCapsLayer.__init__ = init
+
+
+def linear_head() -> None:
+    """Diagnosis only: the class capsules replaced by linear maps of ConvCaps2's poses and activations (class
+    activations through a logistic, class poses for the decoder), to see whether the EM class layer limits learning."""
+    class LinearHead(nn.Module):
+        def __init__(self, in_types, grid, num_classes, config):
+            super().__init__()
+            inputs = grid[0] * grid[1] * in_types * 17
+            self.activations = nn.Linear(inputs, num_classes)
+            self.poses = nn.Linear(inputs, num_classes * 16)
+
+        def forward(self, poses, activations):  # (B, 4, 4, D, 16), (B, 4, 4, D)
+            flat = torch.cat([poses.flatten(1), activations.flatten(1)], dim=1)  # (B, 4*4*D*17)
+            out = torch.sigmoid(self.activations(flat))  # (B, J)
+            no_assignments = out.new_zeros(out.shape[0], 1, out.shape[1])  # (B, 1, J)
+            return em_model.EMResult(self.poses(flat).unflatten(1, (-1, 16)), out, no_assignments)
+
+    em_model.ClassCaps = LinearHead
+
+
+def conv_body() -> None:
+    """Diagnosis only: PrimaryCaps, ConvCaps1 and ConvCaps2 replaced by ReLU convolutions of the same grids
+    (14 -> 6 -> 4, 64 channels) ending in D poses (linear) and activations (logistic), before the EM class layer."""
+    original_init = em_model.EMCapsNet.__init__
+
+    class Body(nn.Module):
+        def __init__(self, channels, types):
+            super().__init__()
+            self.types = types
+            self.conv_a = nn.Conv2d(channels, 64, 3, stride=2)
+            self.conv_b = nn.Conv2d(64, 64, 3)
+            self.out = nn.Conv2d(64, types * 17, 1)
+
+        def forward(self, features):  # (B, A, 14, 14)
+            x = self.out(F.relu(self.conv_b(F.relu(self.conv_a(features)))))  # (B, D*17, 4, 4)
+            x = x.permute(0, 2, 3, 1).unflatten(-1, (self.types, 17))  # (B, 4, 4, D, 17)
+            return x[..., :16], torch.sigmoid(x[..., 16])
+
+    def init(self, config):
+        original_init(self, config)
+        self.body = Body(config.conv1_channels, config.conv_caps_types[-1])
+
+    def forward(self, images, target=None):
+        poses, activations = self.body(self.features(images))
+        routed = self.class_caps(poses, activations)
+        if target is None:
+            target = routed.activations.argmax(dim=1)
+        return em_model.CapsNetOutput(routed.activations, routed.poses, self.decoder(routed.poses, target),
+                                      routed.assignments)
+
+    em_model.EMCapsNet.__init__, em_model.EMCapsNet.forward = init, forward
+
+
+def pose_layer_norm() -> None:
+    """Layer normalisation of each primary capsule's 16 pose entries: the scale control of `batch-norm` without batch
+    statistics, so training and evaluation compute the same function."""
+    original_init, original_forward = em_model.PrimaryMatrixCaps.__init__, em_model.PrimaryMatrixCaps.forward
+
+    def init(self, in_channels, types):
+        original_init(self, in_channels, types)
+        self.pose_layer_norm = nn.LayerNorm(16)
+
+    def forward(self, features):
+        poses, activations = original_forward(self, features)  # (B, H, W, N, 16), (B, H, W, N)
+        return self.pose_layer_norm(poses), activations
+
+    em_model.PrimaryMatrixCaps.__init__, em_model.PrimaryMatrixCaps.forward = init, forward
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("name")
@@ -181,16 +300,21 @@ def main() -> None:
     patches = {"bn": conv1_batch_norm, "margin-per-step": lambda: margin_per_step(args.epochs),
                "renormalise-r": renormalise_r, "transforms-normal": transforms_normal,
                "logit-beta": lambda: logit_beta(both=True), "logit-beta-a": lambda: logit_beta(both=False),
-               "no-reconstruction": lambda: None, "direct-moments": direct_moments, "logit-ce": logit_cross_entropy}
-    for flag in flags:
+               "no-reconstruction": lambda: None, "direct-moments": direct_moments, "logit-ce": logit_cross_entropy,
+               "cross-position": cross_position, "ibm-cost": ibm_cost, "pose-ln": pose_layer_norm,
+               "linear-head": linear_head, "conv-body": conv_body}
+    for flag in flags - {"batch-norm", "no-batch-norm"}:
         patches[flag]()
-    if "conv2" in settings:
-        second_conv(int(settings["conv2"]))
+    if "conv3" in settings:
+        third_conv(int(settings["conv3"]))
     if "class-lambda" in settings:
         class_lambda(float(settings["class-lambda"]))
     overrides = {"reconstruction_weight": 0.0} if "no-reconstruction" in flags else {}
+    if flags & {"batch-norm", "no-batch-norm"}:
+        overrides["em_batch_norm"] = "batch-norm" in flags
     for key, field, kind in (("iterations", "routing_iterations", int), ("lambda", "em_inverse_temperature", float),
-                             ("conv1", "conv1_channels", int), ("margin-start", "spread_margin_start", float),
+                             ("conv1", "conv1_channels", int), ("conv2", "em_conv2_channels", int),
+                             ("margin-start", "spread_margin_start", float),
                              ("margin-step", "spread_margin_step", float)):
         if key in settings:
             overrides[field] = kind(settings[key])
