@@ -311,8 +311,8 @@ def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOp
         return EpochProgress()
     try:
         fields = dict(resumed.epoch_progress)
-        recorded_plan = fields.pop("batch_plan")
-        planned = {name: {**BATCH_PLAN_BEFORE_FLAG, **recorded_plan}[name] for name in plan}
+        recorded_plan = {**BATCH_PLAN_BEFORE_FLAG, **fields.pop("batch_plan")}
+        planned = {name: recorded_plan[name] for name in plan}
         progress = EpochProgress(**fields)
     except (KeyError, TypeError):
         raise CapsNetError(f"checkpoint {options.resume} is damaged: its progress into epoch {resumed.epoch + 1} "
