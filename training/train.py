@@ -17,7 +17,7 @@ import contextlib
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -251,8 +251,20 @@ def prepare_output(out: Path) -> None:
         raise CapsNetError(f"cannot write to {out.parent}")
 
 
+def use_transparent_huge_pages(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Ask torch's CPU allocator for transparent huge pages under its buffers of 2 MiB and more.
+
+    A training step frees its large buffers and maps them again the next step, page by page; with 2 MiB pages it
+    takes 512 times fewer faults (PyTorch's CPU tuning recipe; docs/experiments: an EM step ~20% faster). Freed
+    memory still goes back to the system. c10 reads the variable at its first CPU allocation, so this acts only
+    before one, as in `capsnet train`; a value the user set is kept (0 turns it off).
+    """
+    environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
 def train(options: TrainOptions) -> Checkpoint:
     """Train, validate after each epoch, write the best (`options.out`) and last checkpoints; return the last."""
+    use_transparent_huge_pages()
     context = distributed.context_from_environment()
     device = distributed.resolve_device(options.device, context)
     if options.batch_size % context.world_size:

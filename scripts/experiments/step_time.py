@@ -1,9 +1,12 @@
 """Training-step time of the dynamic-routing `paper` CapsNet against the `em` model, measured in one run.
 
 Alternates the two models' steps (forward, loss, backward, Adam) on the same random 64-image batches, so
-both see the same machine load, and prints the median seconds per step and their ratio.
+both see the same machine load, and prints the median seconds per step and their ratio. Like `capsnet train`
+it asks torch for transparent huge pages (THP_MEM_ALLOC_ENABLE=0 in the environment measures without them).
 
 Usage: python scripts/experiments/step_time.py [--steps 5] [--batch-size 64] [--amp] [--threads 1]
+       [--em FIELD=JSON ...]
+(--em changes a field of the `em` preset for the measurement, e.g. --em 'conv_caps_types=[16, 16]')
 """
 
 from __future__ import annotations
@@ -11,14 +14,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import time
 
 import torch
 
+from capsnet.errors import CapsNetError
 from capsnet.training.checkpoint import create_model
-from capsnet.training.config import preset
+from capsnet.training.config import CapsNetConfig, preset
 from capsnet.training.loss import capsnet_loss
+from capsnet.training.train import use_transparent_huge_pages
 
 
 def main() -> None:
@@ -27,12 +33,27 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--amp", action="store_true", help="bf16 autocast, as capsnet train --amp on CPU")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--em", action="append", default=[], metavar="FIELD=JSON",
+                        help="a field of the em preset and its value as JSON (repeatable)")
     args = parser.parse_args()
+    em_changes = {}
+    for change in args.em:
+        field, _, value = change.partition("=")
+        try:
+            em_changes[field] = json.loads(value)
+        except json.JSONDecodeError:
+            parser.error(f"--em {change}: the value after '=' must be JSON")
+    use_transparent_huge_pages()  # as capsnet train does; THP_MEM_ALLOC_ENABLE=0 in the environment turns it off
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     models = {}
     for name in ("paper", "em"):
         config = preset(name)
+        if name == "em" and em_changes:
+            try:
+                config = CapsNetConfig.from_dict({**config.to_dict(), **em_changes})
+            except CapsNetError as error:
+                parser.error(str(error))
         model = create_model(config)
         models[name] = (config, model, torch.optim.Adam(model.parameters(), lr=1e-3))
     seconds: dict[str, list[float]] = {name: [] for name in models}
@@ -51,7 +72,8 @@ def main() -> None:
             if step:
                 seconds[name].append(time.perf_counter() - started)
     medians = {name: statistics.median(values) for name, values in seconds.items()}
-    print(json.dumps({"batch_size": args.batch_size, "amp": args.amp, "threads": args.threads, "steps": args.steps,
+    print(json.dumps({"thp_mem_alloc_enable": os.environ["THP_MEM_ALLOC_ENABLE"], "em_changes": em_changes,
+                      "batch_size": args.batch_size, "amp": args.amp, "threads": args.threads, "steps": args.steps,
                       "seconds_per_step": medians, "em_over_paper": medians["em"] / medians["paper"]}, indent=1))
 
 
