@@ -18,13 +18,11 @@ import subprocess
 import sys
 import time
 
+from capsnet.bench.memory import memory_mib
+from capsnet.errors import CapsNetError
+
 # <malloc.h>: M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD and the values the docs' table names
 MALLOPT_SETTINGS = ((-1, 2**31 - 1), (-2, 64 << 20), (-3, 1 << 30))
-
-
-def rss_mib(pid: int | str = "self") -> int:
-    with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmRSS:"))
 
 
 def loop(mib: int, passes: int, mallopt: bool) -> dict:
@@ -34,10 +32,10 @@ def loop(mib: int, passes: int, mallopt: bool) -> dict:
         libc = ctypes.CDLL(None)
         if not all(libc.mallopt(parameter, value) == 1 for parameter, value in MALLOPT_SETTINGS):
             sys.exit("malloc_reuse.py: glibc refused a mallopt setting")
-    figures = [rss_mib()]
+    figures = [int(memory_mib()["rss_mib"])]
     for _ in range(passes):
         buffer = torch.ones(mib << 18)  # float32: mib MiB
-        figures.append(rss_mib())
+        figures.append(int(memory_mib()["rss_mib"]))
         del buffer
     return {"mode": "loop", "mib": mib, "mallopt": mallopt, "rss_mib_start_then_each_pass": figures}
 
@@ -47,8 +45,8 @@ def train(arguments: list[str]) -> dict:
     samples = []
     while child.poll() is None:
         try:
-            samples.append(rss_mib(child.pid))
-        except (OSError, StopIteration):  # the child exited between poll and read
+            samples.append(int(memory_mib(child.pid)["rss_mib"]))
+        except CapsNetError:  # the child exited between poll and read
             break
         time.sleep(2)
     return {"mode": "train", "arguments": arguments, "exit": child.wait(), "peak_rss_mib": max(samples, default=0),
