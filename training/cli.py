@@ -37,8 +37,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--batch-size", type=int, default=64, metavar="B",
                        help="global batch size, split across torchrun processes (default 64)")
     train.add_argument("--lr", type=float, help="Adam learning rate (default 0.001; 0.01 for --arch em)")
-    train.add_argument("--lr-decay", type=float, default=0.9, metavar="FACTOR",
-                       help="learning-rate factor per epoch (default 0.9)")
+    train.add_argument("--lr-schedule", choices=("exponential", "linear"),
+                       help="exponential: the rate times --lr-decay after every epoch; linear: per step, a warmup "
+                            "over --warmup of the steps, then down to 0 at the last step of --epochs (default: "
+                            "linear for --arch em, else exponential; with --resume the checkpoint's)")
+    train.add_argument("--lr-decay", type=float, metavar="FACTOR",
+                       help="exponential schedule: learning-rate factor per epoch (default 0.9)")
+    train.add_argument("--warmup", type=float, metavar="SHARE",
+                       help="linear schedule: share of all steps over which the rate rises to --lr (default 0.1)")
     train.add_argument("--max-shift", type=int, default=2, metavar="PIXELS",
                        help="random shift augmentation in pixels: a random crop of the image zero-padded by PIXELS "
                             "(default 2)")
@@ -112,9 +118,9 @@ def run_train(args: argparse.Namespace) -> int:
         routing_iterations=args.routing_iterations, squash_constant=args.squash_constant,
         reconstruction_weight=args.reconstruction_weight, detach_agreement=args.detach_agreement,
         normalize=args.normalize, val_fraction=args.val_fraction,
-        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, lr_decay=args.lr_decay, max_shift=args.max_shift,
-        hflip=args.hflip, erase=args.erase, seed=args.seed, device=args.device, amp=args.amp, compile=args.compile,
-        threads=args.threads,
+        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, lr_schedule=args.lr_schedule,
+        lr_decay=args.lr_decay, warmup=args.warmup, max_shift=args.max_shift, hflip=args.hflip, erase=args.erase,
+        seed=args.seed, device=args.device, amp=args.amp, compile=args.compile, threads=args.threads,
         resume=resume, checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
     ))
     return 0

@@ -233,3 +233,50 @@ def test_cuda_mixed_precision_resume_mid_epoch_keeps_the_loss_scale(cuda_amp_run
     # fp16 gradients are scaled before they are rounded: a loss scale restarted at its default would change them
     assert resumed.scaler_state == straight.scaler_state
     assert_same_weights(resumed, straight)
+
+
+def test_the_linear_schedule_warms_up_then_falls_towards_zero():
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.Adam([weight], lr=0.01)
+    options = train_module.TrainOptions(epochs=3, lr_schedule="linear", warmup=0.1)
+    scheduler = train_module.learning_rate_scheduler(optimizer, options, steps_per_epoch=10)  # 30 steps, 3 rising
+    rates = []
+    for _ in range(30):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates[:3] == pytest.approx([0.01 / 3, 0.02 / 3, 0.01])
+    assert max(rates) == pytest.approx(0.01) and rates[-1] == pytest.approx(0.01 / 27)
+    falls = [earlier - later for earlier, later in zip(rates[3:], rates[4:])]
+    assert falls == pytest.approx([0.01 / 27] * 26)  # a straight line from the peak to 0 one step past the end
+
+
+@pytest.fixture(scope="module")
+def linear_schedule_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("linear-tiny") / "model.ckpt"
+    assert main([*FIXTURE_ARGS, "--epochs", "2", "--lr-schedule", "linear", "--out", str(path)]) == 0
+    return path
+
+
+def test_a_linear_schedule_resumes_mid_epoch_and_keeps_its_length(linear_schedule_run, tmp_path, monkeypatch, capsys):
+    straight = load_checkpoint(linear_schedule_run.with_name("model.last.ckpt"))
+    assert (straight.metrics["lr_schedule"], straight.metrics["warmup"], straight.metrics["epochs"]) == ("linear", 0.1, 2)
+    assert straight.metrics["lr_decay"] is None
+    assert main([*FIXTURE_ARGS, "--epochs", "3", "--out", str(linear_schedule_run), "--resume"]) == 2
+    assert "has finished its linear learning-rate schedule (the rate fell to 0 in epoch 2)" in capsys.readouterr().err
+    out = tmp_path / "model.ckpt"
+    args = [*FIXTURE_ARGS, "--lr-schedule", "linear", "--out", str(out)]
+    stop_after_mid_epoch_checkpoint(monkeypatch)
+    assert main([*args, "--epochs", "2", "--checkpoint-every", "20"]) == 130
+    monkeypatch.undo()
+    # the rate reaches 0 at the end of the planned epochs, so the plan cannot change on the way
+    for flags, message in ((["--epochs", "3"], "ends after epoch 2; resume it with --epochs 2"),
+                           (["--epochs", "2", "--lr-schedule", "exponential"],
+                            "--lr-schedule exponential (checkpoint: linear)"),
+                           (["--epochs", "2", "--warmup", "0.2"], "--warmup 0.2 (checkpoint: 0.1)")):
+        assert main([*args, *flags, "--resume"]) == 2
+        assert message in capsys.readouterr().err
+    # the schedule is the checkpoint's without --lr-schedule, and its steps go on where they stopped
+    assert main([*FIXTURE_ARGS, "--epochs", "2", "--out", str(out), "--resume"]) == 0
+    assert "resuming epoch 2 after step 40" in capsys.readouterr().out
+    assert_same_weights(load_checkpoint(out.with_name("model.last.ckpt")), straight)
