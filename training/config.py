@@ -51,6 +51,7 @@ class CapsNetConfig:
     conv_caps_types: tuple[int, ...] = (16, 16)  # ConvCaps1 (3×3, stride 2) and ConvCaps2 (3×3, stride 1)
     em_inverse_temperature: float = 0.01  # the limit of λ's schedule over the EM iterations
     em_conv2_channels: int = 0  # > 0: a second ReLU convolution (3×3, "same") between Conv1 and PrimaryCaps
+    em_conv3_channels: int = 0  # > 0: a third after it (3×3, "same"; batch-normalised with em_batch_norm)
     em_batch_norm: bool = False  # batch-normalise Conv1 (before its ReLU) and the primary poses
     # spread loss (arch "em"): the margin starts at spread_margin_start, grows by spread_margin_step per epoch
     spread_margin_start: float = 0.2
@@ -92,6 +93,10 @@ class CapsNetConfig:
             raise CapsNetError("config: EM capsules have 4x4 poses: primary_caps_dim and digit_caps_dim must be 16")
         if not isinstance(self.em_conv2_channels, int) or self.em_conv2_channels < 0:
             raise CapsNetError(f"config: em_conv2_channels must be an integer >= 0, got {self.em_conv2_channels!r}")
+        if not isinstance(self.em_conv3_channels, int) or self.em_conv3_channels < 0:
+            raise CapsNetError(f"config: em_conv3_channels must be an integer >= 0, got {self.em_conv3_channels!r}")
+        if self.em_conv3_channels and not self.em_conv2_channels:
+            raise CapsNetError("config: em_conv3_channels needs em_conv2_channels > 0 (the third convolution follows the second)")
         if not isinstance(self.em_batch_norm, bool):
             raise CapsNetError(f"config: em_batch_norm must be true or false, got {self.em_batch_norm!r}")
         if not self.em_inverse_temperature > 0:
@@ -171,15 +176,16 @@ PRESETS: dict[str, CapsNetConfig] = {
         decoder_hidden=(64, 128),
     ),
     # Matrix capsules with EM routing, smaller than the paper's small model (A=64, B=8, C=D=16, 3 iterations):
-    # A=32, B=8, C=D=8 and 2 iterations train as fast per image as `paper` on a CPU and learned faster
+    # A=32, B=8, C=D=8 and 2 iterations train faster per image than `paper` on a CPU and learned faster
     # (docs/experiments; 2 iterations also did best in public MNIST runs). The capsule layers are close to
-    # linear in the primary poses, so a second ReLU convolution gives the features their nonlinearity, and
+    # linear in the primary poses, so two more ReLU convolutions give the features their nonlinearity, and
     # batch normalisation keeps the poses' scale (and with it σ and the cost) from following the front end.
     "em": CapsNetConfig(
         arch="em",
         conv1_channels=32,
         conv1_kernel=5,
         em_conv2_channels=128,
+        em_conv3_channels=128,
         em_batch_norm=True,
         primary_caps_channels=8,
         primary_caps_dim=EM_POSE_SIZE,
@@ -191,6 +197,7 @@ PRESETS: dict[str, CapsNetConfig] = {
         conv1_channels=16,
         conv1_kernel=5,
         em_conv2_channels=16,
+        em_conv3_channels=16,
         em_batch_norm=True,
         primary_caps_channels=4,
         primary_caps_dim=EM_POSE_SIZE,

@@ -1,7 +1,7 @@
 """Matrix capsules with EM routing (Hinton, Sabour & Frosst 2018): `capsnet train --arch em`.
 
 ReLU Conv1 (5×5, stride 2; batch-normalised with `em_batch_norm`) → an optional second ReLU convolution
-(`em_conv2_channels`, 3×3) → PrimaryCaps (1×1 convolutions: a 4×4 pose matrix, batch-normalised with
+(`em_conv2_channels`, 3×3) → an optional third (`em_conv3_channels`, 3×3, batch-normalised) → PrimaryCaps (1×1 convolutions: a 4×4 pose matrix, batch-normalised with
 `em_batch_norm`, and a logistic activation per capsule type and position) → ConvCaps1 (3×3, stride 2) →
 ConvCaps2 (3×3, stride 1) → ClassCaps (one transform per input type shared over positions, with coordinate
 addition). Every capsule layer votes V_ij = M_i · W_ij and is routed by a fixed number of EM iterations
@@ -228,10 +228,14 @@ class EMCapsNet(nn.Module):
         # The capsule layers are close to linear in the primary poses (docs/experiments), so the features'
         # nonlinearity comes from the front end: Conv1 alone capped accuracy near 93%.
         features = config.conv1_channels
-        self.conv2 = None
+        self.conv2 = self.conv3 = None
         if config.em_conv2_channels:
             self.conv2 = nn.Conv2d(features, config.em_conv2_channels, kernel_size=3, padding=1)
             features = config.em_conv2_channels
+        if config.em_conv3_channels:
+            self.conv3 = nn.Conv2d(features, config.em_conv3_channels, kernel_size=3, padding=1)
+            self.conv3_norm = batch_norm(config.em_conv3_channels) if config.em_batch_norm else nn.Identity()
+            features = config.em_conv3_channels
         self.primary_caps = PrimaryMatrixCaps(features, config.primary_caps_channels, config.em_batch_norm)
         self.conv_caps1 = ConvCaps(config.primary_caps_channels, first_types, kernel=3, stride=2, config=config)
         self.conv_caps2 = ConvCaps(first_types, second_types, kernel=3, stride=1, config=config)
@@ -243,6 +247,8 @@ class EMCapsNet(nn.Module):
         features = F.relu(self.conv1_norm(self.conv1(self.input_normalisation(images))))  # (B, A, 14, 14)
         if self.conv2 is not None:
             features = F.relu(self.conv2(features))  # (B, A2, 14, 14)
+        if self.conv3 is not None:
+            features = F.relu(self.conv3_norm(self.conv3(features)))  # (B, A3, 14, 14)
         return features
 
     def forward(self, images: Tensor, target: Tensor | None = None) -> CapsNetOutput:

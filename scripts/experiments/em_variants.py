@@ -1,6 +1,9 @@
 """Train the `em` preset with one or more variants, for the EM diagnosis in docs/experiments/README.md. The
 variants not adopted are patched in here rather than made model options; each patch says what it changes.
-`conv2=0 no-batch-norm` gives the `em` preset as it was before issue 16's fifth session (the docs' earlier tables).
+With no variant it trains what `capsnet train --arch em` trains. The earlier presets of the docs' tables:
+`conv3=0 schedule=exponential` until issue 16's seventh session, `conv2=0 conv3=0 no-batch-norm schedule=exponential`
+before its fifth; the rows with `conv3=N` before the seventh added that convolution by a patch (the same layers,
+initialised in another order), those with `lr-decay=X` had `schedule=exponential`.
 
 Usage: python scripts/experiments/em_variants.py NAME [--epochs 3] [--seed 0] [--out-dir /tmp] [VARIANT ...]
 VARIANT: bn | direct-moments | no-reconstruction | logit-ce (cross-entropy on the class logits) | margin-per-step |
@@ -8,7 +11,8 @@ VARIANT: bn | direct-moments | no-reconstruction | logit-ce (cross-entropy on th
          class-lambda=X (the class layer's alone) | conv1=N | types=N (ConvCaps1 and 2) | max-shift=N | lr-decay=X |
          margin-start=X | margin-step=X (the spread margin's start and its rise per epoch; 0.2 and 0.1) |
          conv2=N (em_conv2_channels; 0: none) | batch-norm | no-batch-norm (em_batch_norm) |
-         conv3=N (a third ReLU conv) | cross-position | ibm-cost | pose-ln |
+         conv3=N (em_conv3_channels; 0: none) | schedule=linear|exponential (--lr-schedule) | warmup=X |
+         cross-position | ibm-cost | pose-ln |
          linear-head | conv-body (diagnosis only: parts of the model replaced by ordinary layers)
 Prints one JSON line: the variants and (epoch, validation %, test %) per epoch. Embedded data, its default 10%
 validation split, batch 64, fp32, one thread.
@@ -43,23 +47,6 @@ def conv1_batch_norm() -> None:
         self.conv1 = nn.Sequential(self.conv1, nn.BatchNorm2d(config.conv1_channels))
 
     em_model.EMCapsNet.__init__ = init
-
-
-def third_conv(channels: int) -> None:
-    """A third ReLU convolution (3×3, "same", `channels`, batch-normalised with the model's `batch_norm`) after
-    the model's second, before PrimaryCaps."""
-    original_init, original_features = em_model.EMCapsNet.__init__, em_model.EMCapsNet.features
-
-    def init(self, config):
-        original_init(self, config)
-        self.conv3 = nn.Sequential(nn.Conv2d(config.em_conv2_channels, channels, kernel_size=3, padding=1),
-                                   em_model.batch_norm(channels), nn.ReLU())
-        self.primary_caps = em_model.PrimaryMatrixCaps(channels, config.primary_caps_channels, config.em_batch_norm)
-
-    def features(self, images):
-        return self.conv3(original_features(self, images))  # (B, channels, 14, 14)
-
-    em_model.EMCapsNet.__init__, em_model.EMCapsNet.features = init, features
 
 
 def margin_per_step(epochs: int) -> None:
@@ -305,8 +292,6 @@ def main() -> None:
                "linear-head": linear_head, "conv-body": conv_body}
     for flag in flags - {"batch-norm", "no-batch-norm"}:
         patches[flag]()
-    if "conv3" in settings:
-        third_conv(int(settings["conv3"]))
     if "class-lambda" in settings:
         class_lambda(float(settings["class-lambda"]))
     overrides = {"reconstruction_weight": 0.0} if "no-reconstruction" in flags else {}
@@ -314,6 +299,7 @@ def main() -> None:
         overrides["em_batch_norm"] = "batch-norm" in flags
     for key, field, kind in (("iterations", "routing_iterations", int), ("lambda", "em_inverse_temperature", float),
                              ("conv1", "conv1_channels", int), ("conv2", "em_conv2_channels", int),
+                             ("conv3", "em_conv3_channels", int),
                              ("margin-start", "spread_margin_start", float),
                              ("margin-step", "spread_margin_step", float)):
         if key in settings:
@@ -323,6 +309,8 @@ def main() -> None:
     config_module.PRESETS["em"] = config_module.PRESETS["em"].replace(**overrides)
     # the training options a variant may set; the rest keep TrainOptions' defaults
     chosen = {field: kind(settings[key]) for key, field, kind in (("lr", "lr", float), ("lr-decay", "lr_decay", float),
+                                                                   ("schedule", "lr_schedule", str),
+                                                                   ("warmup", "warmup", float),
                                                                    ("max-shift", "max_shift", int)) if key in settings}
     options = TrainOptions(data="embedded", arch="em", epochs=args.epochs, batch_size=64, seed=args.seed, threads=1,
                            out=f"{args.out_dir}/{args.name}.ckpt", progress=False, **chosen)
