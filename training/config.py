@@ -91,12 +91,13 @@ class CapsNetConfig:
             raise CapsNetError(f"config: conv_caps_types must be two positive integers, got {self.conv_caps_types!r}")
         if self.primary_caps_dim != EM_POSE_SIZE or self.digit_caps_dim != EM_POSE_SIZE:
             raise CapsNetError("config: EM capsules have 4x4 poses: primary_caps_dim and digit_caps_dim must be 16")
-        if not isinstance(self.em_conv2_channels, int) or self.em_conv2_channels < 0:
-            raise CapsNetError(f"config: em_conv2_channels must be an integer >= 0, got {self.em_conv2_channels!r}")
-        if not isinstance(self.em_conv3_channels, int) or self.em_conv3_channels < 0:
-            raise CapsNetError(f"config: em_conv3_channels must be an integer >= 0, got {self.em_conv3_channels!r}")
+        for name in ("em_conv2_channels", "em_conv3_channels"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise CapsNetError(f"config: {name} must be an integer >= 0, got {value!r}")
         if self.em_conv3_channels and not self.em_conv2_channels:
-            raise CapsNetError("config: em_conv3_channels needs em_conv2_channels > 0 (the third convolution follows the second)")
+            raise CapsNetError("config: em_conv3_channels needs em_conv2_channels > 0 "
+                               "(the third convolution follows the second)")
         if not isinstance(self.em_batch_norm, bool):
             raise CapsNetError(f"config: em_batch_norm must be true or false, got {self.em_batch_norm!r}")
         if not self.em_inverse_temperature > 0:

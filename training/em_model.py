@@ -1,7 +1,8 @@
 """Matrix capsules with EM routing (Hinton, Sabour & Frosst 2018): `capsnet train --arch em`.
 
 ReLU Conv1 (5×5, stride 2; batch-normalised with `em_batch_norm`) → an optional second ReLU convolution
-(`em_conv2_channels`, 3×3) → an optional third (`em_conv3_channels`, 3×3, batch-normalised) → PrimaryCaps (1×1 convolutions: a 4×4 pose matrix, batch-normalised with
+(`em_conv2_channels`, 3×3) → an optional third (`em_conv3_channels`, 3×3, batch-normalised with
+`em_batch_norm`) → PrimaryCaps (1×1 convolutions: a 4×4 pose matrix, batch-normalised with
 `em_batch_norm`, and a logistic activation per capsule type and position) → ConvCaps1 (3×3, stride 2) →
 ConvCaps2 (3×3, stride 1) → ClassCaps (one transform per input type shared over positions, with coordinate
 addition). Every capsule layer votes V_ij = M_i · W_ij and is routed by a fixed number of EM iterations
