@@ -139,7 +139,7 @@ def run_eval(args: argparse.Namespace) -> int:
     checkpoint = load_checkpoint(args.checkpoint)
     # the training run's own split of the training images; checkpoints from before it held none out
     dataset = load_dataset(args.data, checkpoint.metrics.get("validation_fraction", 0.0))
-    check_dataset_fits(checkpoint.config, dataset, f"checkpoint {args.checkpoint}")
+    check_dataset_fits(checkpoint.config, dataset, f"checkpoint {args.checkpoint}", tuple(checkpoint.class_names))
     if args.split == "validation" and dataset.validation is None:
         raise CapsNetError(f"checkpoint {args.checkpoint} was trained without a validation split")
     split = {"train": dataset.train, "validation": dataset.validation, "test": dataset.test}[args.split]

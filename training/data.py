@@ -11,6 +11,7 @@ import dataclasses
 import gzip
 import math
 import struct
+import zlib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -67,7 +68,7 @@ def read_idx(path: Path) -> np.ndarray:
     try:
         with opener(path, "rb") as f:
             raw = f.read()
-    except (OSError, EOFError) as err:
+    except (OSError, EOFError, zlib.error) as err:  # zlib.error: a gzip stream whose body is corrupt
         raise CapsNetError(f"cannot read IDX file {path}: {err}") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
         raise CapsNetError(f"{path} is not an unsigned-byte IDX file (bad magic number)")
@@ -94,7 +95,11 @@ def guess_class_names(directory: Path, num_classes: int) -> tuple[str, ...]:
     """Class names travel with the data: a `classes.txt` (one per line) wins, then the folder name."""
     names_file = directory / "classes.txt"
     if names_file.is_file():
-        names = tuple(line.strip() for line in names_file.read_text().splitlines() if line.strip())
+        try:
+            text = names_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise CapsNetError(f"cannot read {names_file}: {err}") from None
+        names = tuple(line.strip() for line in text.splitlines() if line.strip())
         if len(names) != num_classes:
             raise CapsNetError(f"{names_file} lists {len(names)} names for {num_classes} classes")
         return names
@@ -122,9 +127,19 @@ def load_idx_directory(directory: str | Path) -> Dataset:
             raise CapsNetError(f"{image_stem} in {directory} has {images.ndim} dimensions; expected 3 or 4")
         if labels.ndim != 1 or len(labels) != len(images):
             raise CapsNetError(f"{label_stem} in {directory} has {labels.shape} labels for {len(images)} images")
+        if not len(images):
+            raise CapsNetError(f"{image_stem} in {directory} holds no images")
         splits[split] = Split(np.ascontiguousarray(images), labels.astype(np.int64))
+    if splits["train"].images.shape[1:] != splits["test"].images.shape[1:]:
+        raise CapsNetError(f"the training images in {directory} are {_shape_text(splits['train'])} but the test "
+                           f"images {_shape_text(splits['test'])}; both splits need one size")
     num_classes = int(max(splits["train"].labels.max(), splits["test"].labels.max())) + 1
     return Dataset(directory.name, splits["train"], splits["test"], guess_class_names(directory, num_classes))
+
+
+def _shape_text(split: Split) -> str:
+    channels, height, width = split.images.shape[1:]
+    return f"{height}x{width} with {channels} channel{'s' if channels != 1 else ''}"
 
 
 def load_embedded() -> Dataset:

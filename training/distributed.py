@@ -8,6 +8,7 @@ across ranks. Alone, the context is rank 0 of 1 and every collective is a no-op.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -88,9 +89,19 @@ def process_group(context: DistributedContext, device: torch.device) -> Iterator
     if not context.is_distributed:
         yield
         return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise CapsNetError(f"WORLD_SIZE={context.world_size} asks for a process group but {' and '.join(missing)} "
+                           f"{'is' if len(missing) == 1 else 'are'} not set: start the run with torchrun, or unset WORLD_SIZE")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=context.rank, world_size=context.world_size,
-                            device_id=device if device.type == "cuda" else None)
+    if context.is_main:  # otherwise a stray WORLD_SIZE waits in silence for peers that never come
+        print(f"waiting for {context.world_size} processes at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+              file=sys.stderr, flush=True)
+    try:
+        dist.init_process_group(backend, rank=context.rank, world_size=context.world_size,
+                                device_id=device if device.type == "cuda" else None)
+    except (RuntimeError, ValueError) as err:  # torch's DistError (timeouts, refused store) is a RuntimeError
+        raise CapsNetError(f"cannot join the process group of {context.world_size}: {str(err).splitlines()[0]}") from None
     try:
         yield
     finally:

@@ -72,8 +72,9 @@ class Evaluation:
         return "\n".join(lines)
 
 
-def check_dataset_fits(config: CapsNetConfig, dataset: Dataset, what: str) -> None:
-    """A model only takes images of its own shape and labels below its class count."""
+def check_dataset_fits(config: CapsNetConfig, dataset: Dataset, what: str, class_names: tuple[str, ...] = ()) -> None:
+    """A model only takes images of its own shape and labels below its class count; given the model's
+    `class_names`, only data of those classes (a digit model scored on clothes gives a meaningless figure)."""
     model_shape = (config.in_channels, config.height, config.width)
     if dataset.image_shape != model_shape:
         raise CapsNetError(f"{what} takes {'x'.join(map(str, model_shape))} images; data {dataset.name!r} has "
@@ -81,6 +82,10 @@ def check_dataset_fits(config: CapsNetConfig, dataset: Dataset, what: str) -> No
     highest = max(int(dataset.train.labels.max(initial=0)), int(dataset.test.labels.max(initial=0)))
     if highest >= config.num_classes:
         raise CapsNetError(f"{what} has {config.num_classes} classes; data {dataset.name!r} has label {highest}")
+    # data may hold fewer classes than the model (a subset of digits), never other ones
+    if class_names and tuple(dataset.class_names) != tuple(class_names)[:len(dataset.class_names)]:
+        raise CapsNetError(f"{what} was trained on classes {', '.join(class_names)}; data {dataset.name!r} has "
+                           f"{', '.join(dataset.class_names)} (a classes.txt in the data folder names its classes)")
 
 
 @torch.no_grad()

@@ -68,6 +68,7 @@ def run_robustness(args: argparse.Namespace) -> int:
     from capsnet.training.data import load_dataset
     from capsnet.training.distributed import DistributedContext, resolve_device
     from capsnet.training.evaluate import check_dataset_fits, evaluate
+    from capsnet.training.train import SEED_LIMIT
     from capsnet.training.transforms import MAX_ROTATION_DEGREES, MAX_SHEAR, OVERLAY_MAX_SHIFT, SCALE_RANGE, \
         affine_split, overlay_pairs
 
@@ -75,10 +76,12 @@ def run_robustness(args: argparse.Namespace) -> int:
         raise CapsNetError("--batch-size must be at least 1")
     if args.pairs is not None and args.pairs < 1:
         raise CapsNetError("--pairs must be at least 1")
+    if not 0 <= args.seed < SEED_LIMIT:
+        raise CapsNetError(f"--seed must be in [0, {SEED_LIMIT})")
     device = resolve_device(args.device, DistributedContext())
     checkpoint = load_checkpoint(args.checkpoint)
     dataset = load_dataset(args.data)
-    check_dataset_fits(checkpoint.config, dataset, f"checkpoint {args.checkpoint}")
+    check_dataset_fits(checkpoint.config, dataset, f"checkpoint {args.checkpoint}", tuple(checkpoint.class_names))
     model = checkpoint.build_model().to(device)
     names = tuple(checkpoint.class_names)
     clean = evaluate(model, dataset.test, names, args.batch_size, device)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, MutableMapping
@@ -55,6 +56,7 @@ LR_SCHEDULES = ("exponential", "linear")
 DEFAULT_LR_SCHEDULE = {"capsnet": "exponential", "em": "linear", "cnn-baseline": "exponential"}
 DEFAULT_LR_DECAY = 0.9
 DEFAULT_WARMUP = 0.1
+SEED_LIMIT = 2**63  # torch.manual_seed and numpy's SeedSequence both take 0 .. 2**63 - 1
 DEFAULT_VAL_FRACTION = 0.1
 
 
@@ -110,7 +112,9 @@ class TrainOptions:
             "--threads must be at least 1": self.threads is None or self.threads >= 1,
             "--checkpoint-every must be at least 1": self.checkpoint_every is None or self.checkpoint_every >= 1,
             "--routing-iterations must be at least 1": self.routing_iterations is None or self.routing_iterations >= 1,
-            "--squash-constant must be a positive number": self.squash_constant is None or self.squash_constant > 0,
+            "--squash-constant must be a positive number": self.squash_constant is None or (
+                self.squash_constant > 0 and np.isfinite(self.squash_constant)),
+            f"--seed must be in [0, {SEED_LIMIT})": 0 <= self.seed < SEED_LIMIT,
             "--reconstruction-weight must be 0 or more": self.reconstruction_weight is None or (
                 self.reconstruction_weight >= 0 and np.isfinite(self.reconstruction_weight)),
         }
@@ -314,8 +318,12 @@ def prepare_output(out: Path) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise CapsNetError(f"cannot create the folder for --out {out}: {err.strerror or err}") from None
-    if not os.access(out.parent, os.W_OK):
-        raise CapsNetError(f"cannot write to {out.parent}")
+    try:  # a real write: os.access says yes to root even where nothing can be created (/proc)
+        probe, probe_path = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".probe")
+    except OSError as err:
+        raise CapsNetError(f"cannot write to {out.parent}: {err.strerror or err}") from None
+    os.close(probe)
+    os.unlink(probe_path)
 
 
 def use_transparent_huge_pages(environ: MutableMapping[str, str] = os.environ) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from capsnet.errors import CapsNetError
 from capsnet.training.data import Split, random_shift, to_float
 
 MAX_ROTATION_DEGREES = 20.0
@@ -73,6 +74,8 @@ class OverlaySet:
 def overlay_pairs(split: Split, count: int, seed: int, max_shift: int = OVERLAY_MAX_SHIFT) -> OverlaySet:
     """`count` images, each two digits of different classes from `split`, each shifted by up to
     `max_shift` pixels in x and y, added and clipped at 255."""
+    if len(np.unique(split.labels)) < 2:
+        raise CapsNetError("overlaid pairs need images of at least 2 classes in the test split")
     rng = np.random.default_rng(seed)
     first = rng.integers(0, len(split), count)  # (N,)
     second = rng.integers(0, len(split), count)  # (N,)

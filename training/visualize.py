@@ -77,7 +77,7 @@ def visualize(checkpoint_path: Path, data: str, out: Path, images: int, examples
     device = resolve_device(device_name, DistributedContext())
     checkpoint = load_checkpoint(checkpoint_path)
     dataset = load_dataset(data)
-    check_dataset_fits(checkpoint.config, dataset, f"checkpoint {checkpoint_path}")
+    check_dataset_fits(checkpoint.config, dataset, f"checkpoint {checkpoint_path}", tuple(checkpoint.class_names))
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from capsnet.errors import CapsNetError
 from capsnet.training.data import Split, load_embedded
 from capsnet.training.transforms import (
     MAX_ROTATION_DEGREES, MAX_SHEAR, SCALE_RANGE, AffineParameters, affine_split, affine_transform, overlay_pairs,
@@ -92,3 +93,9 @@ def test_overlay_shifts_are_seeded(digits):
     ink = overlay.images.astype(int).sum(axis=(1, 2, 3))  # (N,)
     sources = digits.images[overlay.sources].astype(int).sum(axis=(2, 3, 4))  # (N, 2)
     assert (ink <= sources.sum(axis=1)).all() and (ink >= 0.9 * sources.max(axis=1)).all()
+
+
+def test_overlay_pairs_of_one_class_is_a_clear_error(digits):
+    one_class = Split(digits.images[digits.labels == 3], digits.labels[digits.labels == 3])
+    with pytest.raises(CapsNetError, match="at least 2 classes"):
+        overlay_pairs(one_class, 4, seed=0)

@@ -45,6 +45,9 @@ def assert_one_line_error(capsys, argv, message):
     (["--routing", "dynamic"], "routing must be one of sabour, leaky, su"),
     (["--routing-iterations", "0"], "--routing-iterations must be at least 1"),
     (["--squash-constant", "-1"], "--squash-constant must be a positive number"),
+    (["--squash-constant", "inf"], "--squash-constant must be a positive number"),
+    (["--seed", "-1"], "--seed must be in [0, 9223372036854775808)"),
+    (["--seed", str(2**70)], "--seed must be in [0, 9223372036854775808)"),
     (["--threads", "0"], "--threads must be at least 1"),
     (["--device", "tpu"], "unknown device 'tpu'"),
     (["--device", "meta"], "unsupported device 'meta'"),
@@ -73,6 +76,16 @@ def test_unwritable_out(capsys, tmp_path):
     assert_one_line_error(capsys, [*TRAIN, "--out", str(tmp_path)], "is a directory")
     (tmp_path / "file").write_text("")
     assert_one_line_error(capsys, [*TRAIN, "--out", str(tmp_path / "file" / "m.ckpt")], "cannot create the folder")
+    # a folder that exists but takes no files: os.access says yes to root there, a real write says no
+    assert_one_line_error(capsys, [*TRAIN, "--out", "/proc/m.ckpt"], "cannot write to /proc")
+
+
+def test_a_stray_world_size_without_torchrun(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert_one_line_error(capsys, [*TRAIN, "--out", str(tmp_path / "m.ckpt")],
+                          "WORLD_SIZE=2 asks for a process group but MASTER_ADDR and MASTER_PORT are not set")
 
 
 def test_bad_resume(capsys, tmp_path, random_tiny_checkpoint, copy_of):
@@ -114,3 +127,12 @@ def test_the_installed_command_reports_errors_without_a_traceback(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "argument --epochs: invalid int value: 'three'" in result.stderr.splitlines()[-1]
+
+
+def test_eval_refuses_data_of_other_classes(capsys, random_tiny_checkpoint, idx_dataset):
+    images, labels = torch.zeros(20, 28, 28, dtype=torch.uint8).numpy(), (torch.arange(20) % 10).numpy()
+    clothes = idx_dataset(images, labels, images, labels, name="fashion-mnist")  # the folder name names the classes
+    assert_one_line_error(capsys, ["eval", str(random_tiny_checkpoint), "--data", str(clothes)],
+                          "was trained on classes 0, 1, 2, 3, 4, 5, 6, 7, 8, 9; data 'fashion-mnist' has T-shirt/top")
+    some_digits = idx_dataset(images, labels % 5, images, labels % 5, name="digits-0-4")  # a subset is fine
+    assert main(["eval", str(random_tiny_checkpoint), "--data", str(some_digits)]) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import warnings
 from pathlib import Path
 
@@ -56,6 +57,13 @@ def corrupt(directory: Path, name: str, data: bytes) -> None:
     (directory / name).write_bytes(data)
 
 
+def gzip_with_corrupt_body(path: Path) -> None:
+    """Replace an IDX file with a .gz whose header is valid and whose deflate stream is not."""
+    packed = gzip.compress(path.read_bytes())
+    path.unlink()
+    path.with_name(path.name + ".gz").write_bytes(packed[:10] + b"\xff" * 40 + packed[50:])
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda d: (d / "t10k-labels-idx1-ubyte").unlink(), "has no t10k-labels-idx1-ubyte"),
     (lambda d: corrupt(d, "train-images-idx3-ubyte", b"\x00\x00\x0d\x03" + bytes(16)), "bad magic number"),
@@ -65,12 +73,24 @@ def corrupt(directory: Path, name: str, data: bytes) -> None:
     (lambda d: corrupt(d, "train-labels-idx1-ubyte", b"\x00\x00\x08\x01\x00\x00\x00\x02\x01\x02"),
      "labels for 30 images"),
     (lambda d: (d / "classes.txt").write_text("a\nb\n"), "lists 2 names for 10 classes"),
+    (lambda d: (d / "classes.txt").write_bytes(b"\xff\xfe\x00"), "cannot read .*classes.txt"),
+    (lambda d: gzip_with_corrupt_body(d / "train-images-idx3-ubyte"), "cannot read IDX file .*decompressing"),
 ])
 def test_malformed_idx_directory_is_a_clear_error(idx_dataset, damage, message):
     train_images, train_labels = small_digits(30, 0)
     train_labels[:10] = np.arange(10)
     directory = idx_dataset(train_images, train_labels, *small_digits(12, 1))
     damage(directory)
+    with pytest.raises(CapsNetError, match=message):
+        load_dataset(str(directory))
+
+
+@pytest.mark.parametrize("test_images, message", [
+    (np.zeros((0, 28, 28), np.uint8), "t10k-images-idx3-ubyte in .* holds no images"),
+    (np.zeros((12, 20, 20), np.uint8), "training images in .* are 28x28 with 1 channel but the test images 20x20"),
+])
+def test_a_test_split_that_cannot_be_scored_is_a_clear_error(idx_dataset, test_images, message):
+    directory = idx_dataset(*small_digits(30, 0), test_images, np.zeros(len(test_images), np.uint8))
     with pytest.raises(CapsNetError, match=message):
         load_dataset(str(directory))
 
