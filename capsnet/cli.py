@@ -59,10 +59,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"capsnet {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"capsnet {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted(args.command)
     except BrokenPipeError:
         # The reader went away (`capsnet predict --json | head`): stop quietly as Unix tools do, with stdout
         # pointed at /dev/null so the flush at exit cannot raise again; 141 is a shell's SIGPIPE status.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except Exception as err:  # after BrokenPipeError, an Exception too
+        # Ctrl-C inside a library can come back wrapped: torch's ONNX exporter re-raises it as its own error.
+        if _caused_by_interrupt(err):
+            return _interrupted(args.command)
+        raise
+
+
+def _interrupted(command: str) -> int:
+    print(f"capsnet {command}: interrupted", file=sys.stderr)
+    return 130
+
+
+def _caused_by_interrupt(err: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is in err's __cause__/__context__ chain (each exception visited once)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False

@@ -3,6 +3,7 @@ show the defaults in `capsnet export --help` without loading onnx or torch."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,8 +92,8 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         check_opset(self.opset)
-        if self.int8_max_drop < 0:
-            raise CapsNetError(f"--int8-max-drop must be >= 0 accuracy points, got {self.int8_max_drop}")
+        if not (math.isfinite(self.int8_max_drop) and self.int8_max_drop >= 0):  # nan turned the gate off
+            raise CapsNetError(f"--int8-max-drop must be finite and >= 0 accuracy points, got {self.int8_max_drop}")
         if self.calibration_images < 1:
             raise CapsNetError(f"--calibration-images must be at least 1, got {self.calibration_images}")
         if self.max_queue_delay_us < 0:

@@ -90,6 +90,7 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
         if triton_model_dir.parent.exists() and not triton_model_dir.parent.is_dir():
             raise CapsNetError(f"Triton repository {triton_model_dir.parent} exists and is not a directory")
         _check_target(triton_model_dir, CONFIG_NAME)
+        _check_apart(out_dir, triton_model_dir.parent)
     tensorrt_error = unavailable_reason(config.gpu) if config.tensorrt else None
     if tensorrt_error:
         log.warning("--tensorrt: %s; writing the other artifacts, then failing", tensorrt_error)
@@ -295,6 +296,15 @@ def _check_target(target: Path, marker: str) -> None:
         raise CapsNetError(f"{target} exists and is not a directory")
     if target.is_dir() and any(target.iterdir()) and not (target / marker).is_file():
         raise CapsNetError(f"{target} is not empty and holds no previous export ({marker}); refusing to replace it")
+
+
+def _check_apart(out_dir: Path, triton_repo: Path) -> None:
+    """--out and the Triton repository must not hold one another: publishing one replaced the other, or the
+    staging directory beside it, and the export failed after destroying the previous one. --out anywhere in the
+    repository is refused too, as Triton would take it for a model."""
+    out, repo = out_dir.resolve(), triton_repo.resolve()  # through symlinks and "..", as the renames will go
+    if out == repo or out.is_relative_to(repo) or repo.is_relative_to(out):
+        raise CapsNetError(f"--out {out_dir} and --triton {triton_repo} overlap; give them separate directories")
 
 
 def _staging_dir(target: Path) -> Path:

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 
 from capsnet.errors import CapsNetError
 
 DEFAULT_SERVER = "127.0.0.1:8001"
+# Longer deadlines are a typo rather than a wish; gRPC also overflows on huge ones (1e10 s) and expires at once.
+MAX_TIMEOUT_S = 3600.0
+
+
+def default_server() -> str:
+    """$CAPSNET_SERVER where set and not empty (`CAPSNET_SERVER=` unsets it, as for most variables), else the default."""
+    return os.environ.get("CAPSNET_SERVER") or DEFAULT_SERVER
 
 
 def register(subparsers) -> None:
@@ -62,7 +70,7 @@ def register(subparsers) -> None:
     predict = subparsers.add_parser("predict", help="classify image files with a running server",
                                     description="Send PNG/JPEG files to a capsnet server and print each one's class.")
     predict.add_argument("images", nargs="+", metavar="IMG", help="PNG or JPEG files")
-    predict.add_argument("--server", default=os.environ.get("CAPSNET_SERVER", DEFAULT_SERVER), metavar="HOST:PORT",
+    predict.add_argument("--server", default=default_server(), metavar="HOST:PORT",
                          help=f"server address (default $CAPSNET_SERVER or {DEFAULT_SERVER})")
     predict.add_argument("--top-k", type=int, default=1, metavar="K", help="print the K most probable classes (default 1)")
     predict.add_argument("--poses", action="store_true", help="also print every class capsule's pose vector")
@@ -74,20 +82,22 @@ def register(subparsers) -> None:
     predict.add_argument("--tls-ca", metavar="PEM", help="CA certificate of the server (enables TLS)")
     predict.add_argument("--tls-cert", metavar="PEM", help="client certificate, for mutual TLS")
     predict.add_argument("--tls-key", metavar="PEM", help="client private key, for mutual TLS")
-    predict.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the answer (default 30)")
+    predict.add_argument("--timeout", type=float, default=30.0,
+                         help=f"seconds to wait for the answer (default 30, at most {MAX_TIMEOUT_S:g})")
     predict.set_defaults(handler=run_predict)
 
     health = subparsers.add_parser("health", help="ask a running server whether it is serving (gRPC health check)",
                                    description="grpc.health.v1 Check against a server, as grpcurl or grpc_health_probe "
                                                "would: prints SERVING and exits 0, else one error line and exits 2.")
-    health.add_argument("--server", default=os.environ.get("CAPSNET_SERVER", DEFAULT_SERVER), metavar="HOST:PORT",
+    health.add_argument("--server", default=default_server(), metavar="HOST:PORT",
                         help=f"server address (default $CAPSNET_SERVER or {DEFAULT_SERVER})")
     health.add_argument("--service", default="", metavar="NAME",
                         help="one API, e.g. inference.GRPCInferenceService (default '': the whole server)")
     health.add_argument("--tls-ca", metavar="PEM", help="CA certificate of the server (enables TLS)")
     health.add_argument("--tls-cert", metavar="PEM", help="client certificate, for mutual TLS")
     health.add_argument("--tls-key", metavar="PEM", help="client private key, for mutual TLS")
-    health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
+    health.add_argument("--timeout", type=float, default=3.0,
+                        help=f"seconds to wait for the answer (default 3, at most {MAX_TIMEOUT_S:g})")
     health.set_defaults(handler=run_health)
 
 
@@ -111,6 +121,7 @@ def run_predict(args: argparse.Namespace) -> int:
 
     if args.top_k < 1:
         raise CapsNetError(f"--top-k must be >= 1, got {args.top_k}")
+    check_client_args(args)
     for path in args.images:
         if not os.path.isfile(path):
             raise CapsNetError(f"{path} is not a file")
@@ -149,8 +160,7 @@ def run_health(args: argparse.Namespace) -> int:
 
     from capsnet.serving.client import check_health
 
-    if args.timeout <= 0:
-        raise CapsNetError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+    check_client_args(args)
     try:
         status = check_health(args.server, args.service, timeout=args.timeout, tls_ca=args.tls_ca,
                               tls_cert=args.tls_cert, tls_key=args.tls_key)
@@ -162,6 +172,20 @@ def run_health(args: argparse.Namespace) -> int:
         raise CapsNetError(f"{args.server}{f' {args.service}' if args.service else ''}: {status}")
     print(f"{args.server}{f' {args.service}' if args.service else ''}: {status}")
     return 0
+
+
+def check_client_args(args: argparse.Namespace) -> None:
+    """What `predict` and `health` share: --server, --timeout and the TLS files, checked before any channel opens."""
+    _, colon, port = args.server.rpartition(":")
+    # Only a numeric port is checked: targets such as unix:/path or dns:///name are gRPC's to parse. Out of range,
+    # gRPC would quietly connect to the port modulo 65536 and report that one.
+    if colon and port.isdigit() and not 1 <= int(port) <= 65535:
+        raise CapsNetError(f"--server {args.server}: port must be 1-65535, got {port}")
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_S):
+        raise CapsNetError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, got {args.timeout:g}")
+    # grpc core aborts the whole process on a certificate without its key; a key alone would be silently ignored.
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise CapsNetError("--tls-cert and --tls-key go together")
 
 
 def reconstruction_paths(target: str, count: int) -> list[str]:

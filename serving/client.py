@@ -50,6 +50,8 @@ def channel(target: str, *, tls_ca: str | os.PathLike | None = None, tls_cert: s
             tls_key: str | os.PathLike | None = None, options: list[tuple[str, int]] | None = None) -> grpc.Channel:
     """A channel to "host:port": TLS with tls_ca (the server's CA; None: system roots when tls_cert is given),
     mutual TLS adding tls_cert + tls_key; plaintext without either."""
+    if bool(tls_cert) != bool(tls_key):  # grpc core aborts the process on a certificate without its key
+        raise ValueError("tls_cert and tls_key go together")
     if tls_ca or tls_cert:
         credentials = grpc.ssl_channel_credentials(root_certificates=_read(tls_ca), private_key=_read(tls_key),
                                                    certificate_chain=_read(tls_cert))

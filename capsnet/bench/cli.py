@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -20,6 +21,9 @@ DEFAULTS = {
     "accuracy_images": (0, 200),
     "profile_runs": (10, 2),
 }
+# Largest batch size and concurrency: the export and the timing buffers scale with them, and a CapsNet batch of
+# 1024 already needs about 1 GB for its routing; far larger values ended in a NumPy out-of-memory traceback.
+MAX_BATCH = 1024
 
 
 def register(subparsers) -> None:
@@ -39,9 +43,9 @@ def register(subparsers) -> None:
                         help=f"backends to time in-process (default all: {','.join(BACKEND_NAMES)}; "
                              "those that cannot run here are skipped with the reason)")
     parser.add_argument("--batch-sizes", type=_positive_ints, metavar="N,N",
-                        help=f"in-process batch sizes (default {_show('batch_sizes')})")
+                        help=f"in-process batch sizes, at most {MAX_BATCH} (default {_show('batch_sizes')})")
     parser.add_argument("--concurrency", type=_positive_ints, metavar="N,N",
-                        help=f"concurrent gRPC requests (default {_show('concurrency')})")
+                        help=f"concurrent gRPC requests, at most {MAX_BATCH} (default {_show('concurrency')})")
     parser.add_argument("--no-grpc", dest="grpc", action="store_false", help="skip the end-to-end gRPC benchmark")
     parser.add_argument("--threads", type=int, default=0,
                         help="compute threads per backend (default 0: one per CPU core available)")
@@ -61,16 +65,17 @@ def register(subparsers) -> None:
 
 def run_bench_command(args: argparse.Namespace) -> int:
     from capsnet.bench.machine import cores
-    from capsnet.bench.report import verdict
+    from capsnet.bench.report import check_out_dir, verdict
     from capsnet.bench.suite import BenchOptions, run_bench
 
     settings = {name: getattr(args, name) if getattr(args, name) is not None else values[args.quick]
                 for name, values in DEFAULTS.items()}
     for name in ("seconds", "grpc_seconds", "peak_seconds", "rounds", "profile_runs"):
-        if settings[name] <= 0:
-            raise CapsNetError(f"--{name.replace('_', '-')} must be > 0, got {settings[name]}")
+        if not (math.isfinite(settings[name]) and settings[name] > 0):  # inf ran forever; nan skipped the timing
+            raise CapsNetError(f"--{name.replace('_', '-')} must be finite and > 0, got {settings[name]}")
     if settings["accuracy_images"] < 0 or args.threads < 0:
         raise CapsNetError("--accuracy-images and --threads must be >= 0")
+    check_out_dir(args.out)
     options = BenchOptions(
         model=args.model,
         out=args.out,
@@ -100,8 +105,8 @@ def _positive_ints(text: str) -> tuple[int, ...]:
         values = tuple(int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    if not values or min(values) < 1 or max(values) > MAX_BATCH:
+        raise argparse.ArgumentTypeError(f"expected integers from 1 to {MAX_BATCH}, got {text!r}")
     return values
 
 

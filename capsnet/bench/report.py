@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from pathlib import Path
 
 from capsnet.bench.backends import BACKEND_NAMES
 from capsnet.bench.ortprofile import CONV_OP_TYPES
+from capsnet.errors import CapsNetError
 
 log = logging.getLogger(__name__)
 
@@ -23,13 +25,31 @@ def verdict(target: dict, quick: bool) -> str:
     return "met" if target["met"] else "MISSED"
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """Fail now, not after minutes of measuring, when `out_dir` could not be created or written.
+
+    Nothing is created: the nearest existing ancestor must be a directory a file can be made in. A real probe
+    file rather than os.access, which says yes to root even on a read-only mount."""
+    existing = next(path for path in (out_dir, *out_dir.absolute().parents) if path.exists())
+    if not existing.is_dir():
+        raise CapsNetError(f"--out {out_dir}: {existing} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise CapsNetError(f"--out {out_dir}: cannot write in {existing}: {err.strerror or err}") from None
+
+
 def write_report(results: dict, out_dir: Path) -> list[Path]:
     """Write results.json, README.md and the plots into `out_dir`; return the paths written."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = [out_dir / "results.json", out_dir / "README.md"]
-    written[0].write_text(json.dumps(results, indent=2) + "\n")
-    plots = _plot(results, out_dir)
-    written[1].write_text(markdown(results, [p.name for p in plots], (out_dir / NOTES).is_file()))
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        written = [out_dir / "results.json", out_dir / "README.md"]
+        written[0].write_text(json.dumps(results, indent=2) + "\n")
+        plots = _plot(results, out_dir)
+        written[1].write_text(markdown(results, [p.name for p in plots], (out_dir / NOTES).is_file()))
+    except OSError as err:  # checked before the run, but a disk can still fill up or a folder go away
+        raise CapsNetError(f"cannot write the report to {out_dir}: {err.strerror or err}") from None
     return written + plots
 
 

@@ -75,3 +75,27 @@ def test_export_refuses_a_checkpoint_without_capsules(tmp_path, capsys, random_c
     line = _export_error([str(baseline), "--out", str(tmp_path / "out")], capsys)
     assert "cnn-baseline checkpoint" in line and "export takes capsule networks (capsnet or em)" in line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("out, triton", [
+    ("exp", "exp"),  # was: the export replaced exp, then lost the Triton staging directory inside the old one
+    ("exp", "exp/triton"),
+    ("repo/exp", "repo"),  # Triton would also take exp for a model
+    ("exp", "other/../exp"),
+])
+def test_export_refuses_overlapping_out_and_triton(random_tiny_checkpoint, tmp_path, capsys, out, triton):
+    previous = tmp_path / out / "model.json"  # a previous export, which must survive the refusal
+    previous.parent.mkdir(parents=True)
+    previous.write_text("{}")
+    argv = [str(random_tiny_checkpoint), "--out", str(tmp_path / out), "--triton", str(tmp_path / triton)]
+    line = _export_error(argv, capsys)
+    assert "overlap; give them separate directories" in line
+    assert set(tmp_path.rglob("*")) == {previous, *(path for path in previous.parents if tmp_path in path.parents)}
+
+
+@pytest.mark.parametrize("drop", ["nan", "inf", "-1"])
+def test_export_int8_max_drop_must_be_finite_and_not_negative(tmp_path, capsys, drop):
+    # nan passed every comparison: the accuracy gate was off and model.json recorded NaN
+    line = _export_error([str(tmp_path / "any.ckpt"), "--out", str(tmp_path / "out"), "--int8-max-drop", drop], capsys)
+    assert f"--int8-max-drop must be finite and >= 0 accuracy points, got {float(drop)}" in line
+    assert list(tmp_path.iterdir()) == []

@@ -9,7 +9,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from capsnet.cli import main
+from capsnet.cli import build_parser, main
+from capsnet.serving.cli import DEFAULT_SERVER
+from capsnet.serving.client import check_health
 
 
 def one_error_line(capsys) -> str:
@@ -24,6 +26,12 @@ def one_error_line(capsys) -> str:
 def test_health_of_a_serving_server(server, capsys, service):
     assert main(["health", "--server", server.target, "--service", service]) == 0
     assert capsys.readouterr().out == f"{server.target}{f' {service}' if service else ''}: SERVING\n"
+
+
+def test_health_with_the_longest_timeout(server, capsys):
+    # 1e10 overflowed gRPC's deadline into DEADLINE_EXCEEDED at once; the largest accepted value must not
+    assert main(["health", "--server", server.target, "--timeout", "3600"]) == 0
+    assert capsys.readouterr().out.endswith(": SERVING\n")
 
 
 def test_health_of_an_unknown_service_is_not_found(server, capsys):
@@ -56,3 +64,35 @@ def test_health_with_nothing_listening(capsys):
 def test_health_bad_timeout_is_refused(capsys):
     assert main(["health", "--timeout", "0"]) == 2
     assert "--timeout must be > 0" in one_error_line(capsys)
+
+
+# predict and health share these checks; each runs before any channel opens, so no server is needed.
+@pytest.mark.parametrize("command", ["health", "predict"])
+@pytest.mark.parametrize("flags, message", [
+    (["--tls-cert", "client.pem"], "--tls-cert and --tls-key go together"),  # grpc core aborted the process
+    (["--tls-key", "client.key"], "--tls-cert and --tls-key go together"),  # was silently ignored
+    (["--timeout", "inf"], "--timeout must be > 0"),
+    (["--timeout", "nan"], "--timeout must be > 0"),
+    (["--timeout", "1e10"], "--timeout must be > 0 and at most 3600"),  # gRPC overflowed to DEADLINE_EXCEEDED
+    (["--timeout", "0"], "--timeout must be > 0"),
+    (["--timeout", "-1"], "--timeout must be > 0"),
+    (["--server", "127.0.0.1:99999"], "port must be 1-65535, got 99999"),  # gRPC dialled 99999 % 65536
+])
+def test_client_flags_are_checked(capsys, command, flags, message):
+    argv = [command, "--server", "127.0.0.1:1", *flags] + (["image.png"] if command == "predict" else [])
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err and captured.out == "", captured
+    assert lines[0].startswith(f"capsnet {command}: error: ") and message in lines[0]
+
+
+def test_client_with_cert_without_key_raises_instead_of_aborting():
+    with pytest.raises(ValueError, match="go together"):
+        check_health("127.0.0.1:1", tls_cert="client.pem")
+
+
+@pytest.mark.parametrize("value, expected", [("", DEFAULT_SERVER), ("10.0.0.1:9000", "10.0.0.1:9000")])
+def test_empty_capsnet_server_counts_as_unset(monkeypatch, value, expected):
+    monkeypatch.setenv("CAPSNET_SERVER", value)
+    assert build_parser().parse_args(["health"]).server == expected
