@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -10,6 +11,12 @@ from capsnet.errors import CapsNetError
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
 PRECISIONS = ("auto", "fp32", "fp16", "int8", "bf16")  # bf16: the torch backend on a CPU with native bf16
+
+# gRPC takes its size and count options as C ints: larger values raise OverflowError inside grpcio.
+GRPC_INT_MAX = 2 ** 31 - 1
+# The longest --drain-window: ample for any load balancer to notice NOT_SERVING (Kubernetes allows the
+# whole shutdown 30 s by default), and short enough that a stopped server does stop.
+MAX_DRAIN_WINDOW_S = 300.0
 
 # Settings an operator may also give as environment variables (container images, Kubernetes).
 ENV_VARS = {"host": "CAPSNET_HOST", "grpc_port": "CAPSNET_GRPC_PORT", "metrics_port": "CAPSNET_METRICS_PORT"}
@@ -66,12 +73,20 @@ class ServerConfig:
         for name in ("max_batch_size", "max_queue_size", "max_pending_rpcs", "max_message_bytes", "max_image_scale"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise CapsNetError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_pending_rpcs", "max_message_bytes"):  # given to gRPC as they are
+            if getattr(self, name) is not None and getattr(self, name) > GRPC_INT_MAX:
+                raise CapsNetError(f"--{name.replace('_', '-')} must be <= {GRPC_INT_MAX} (gRPC's limit), "
+                                   f"got {getattr(self, name)}")
         if self.max_pending_rpcs < self.max_queue_size:
             raise CapsNetError(f"--max-pending-rpcs ({self.max_pending_rpcs}) must be >= --max-queue-size "
                                f"({self.max_queue_size}), so that gRPC does not cut calls the queue would take")
         for name in ("max_queue_delay_us", "threads", "drain_window_s", "grace_period_s", "gpu"):
-            if getattr(self, name) < 0:
+            if not getattr(self, name) >= 0:  # `not >=`: NaN fails it too
                 raise CapsNetError(f"--{name.removesuffix('_s').replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not math.isfinite(self.grace_period_s):
+            raise CapsNetError(f"--grace-period must be a number of seconds, got {self.grace_period_s}")
+        if self.drain_window_s > MAX_DRAIN_WINDOW_S:
+            raise CapsNetError(f"--drain-window must be <= {MAX_DRAIN_WINDOW_S:g} seconds, got {self.drain_window_s:g}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise CapsNetError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:

@@ -6,13 +6,14 @@ import io
 import math
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, JpegImagePlugin, PngImagePlugin, UnidentifiedImageError
 
 from capsnet.serving.errors import InvalidInput
 from capsnet.v1 import capsnet_pb2 as pb
 
 PIL_MODES = {1: "L", 3: "RGB"}  # model channels -> the PIL mode encoded images are converted to
 TENSOR_DTYPES = {pb.DATA_TYPE_UINT8: np.dtype("u1"), pb.DATA_TYPE_FLOAT32: np.dtype("<f4")}
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # A PNG file: 8-byte signature, then the IHDR chunk (length, type, width, height, bit depth, ...).
 PNG_BIT_DEPTH_OFFSET = 24
 
@@ -68,15 +69,21 @@ def decode_encoded(data: bytes, field: str, shape: tuple[int, int, int], max_sca
     try:
         with Image.open(io.BytesIO(data), formats=["PNG", "JPEG"]) as image:  # reads the header only
             if image.width > max_scale * width or image.height > max_scale * height:
-                raise InvalidInput(f"{field}: a {image.width}x{image.height} image is too large; expected at most "
-                                   f"{max_scale * width}x{max_scale * height} ({max_scale}x the model's "
-                                   f"{width}x{height}, --max-image-scale)")
+                raise _too_large(field, image.size, shape, max_scale)
             if image.format == "PNG" and data[PNG_BIT_DEPTH_OFFSET] == 16:
                 # PIL would cut 16-bit RGB to 8 bits and clip 16-bit grey to 0..255, not scale them
                 raise InvalidInput(f"{field}: a 16-bit PNG; expected an 8-bit PNG or a JPEG, "
                                    "or send the pixels as a float32 tensor")
             converted = image.convert(PIL_MODES[channels])  # decodes
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+    except Image.DecompressionBombError:  # Pillow's own limit, met before ours when --max-image-scale is large
+        size = _declared_size(data)
+        if size[0] > max_scale * width or size[1] > max_scale * height:
+            raise _too_large(field, size, shape, max_scale) from None
+        raise InvalidInput(f"{field}: a {size[0]}x{size[1]} image is too large; expected at most "
+                           f"{2 * Image.MAX_IMAGE_PIXELS} pixels (the image decoder's limit)") from None
+    except UnidentifiedImageError:  # its text is only the repr of our BytesIO
+        raise InvalidInput(f"{field}: cannot decode ({len(data)} bytes): expected a PNG or JPEG file") from None
+    except (OSError, SyntaxError, ValueError) as err:
         raise InvalidInput(f"{field}: cannot decode ({len(data)} bytes): expected a PNG or JPEG file "
                            f"({type(err).__name__}: {err})") from None
     if converted.size != (width, height):
@@ -85,3 +92,18 @@ def decode_encoded(data: bytes, field: str, shape: tuple[int, int, int], max_sca
     if channels == 1:
         return pixels[None]  # (1, H, W)
     return pixels.transpose(2, 0, 1)  # (3, H, W)
+
+
+def _too_large(field: str, size: tuple[int, int], shape: tuple[int, int, int], max_scale: int) -> InvalidInput:
+    _, height, width = shape
+    return InvalidInput(f"{field}: a {size[0]}x{size[1]} image is too large; expected at most "
+                        f"{max_scale * width}x{max_scale * height} ({max_scale}x the model's "
+                        f"{width}x{height}, --max-image-scale)")
+
+
+def _declared_size(data: bytes) -> tuple[int, int]:
+    """The width and height an image's header declares, read by the format's plugin itself: unlike
+    Image.open, it does not apply Pillow's decompression bomb limit."""
+    plugin = PngImagePlugin.PngImageFile if data.startswith(PNG_SIGNATURE) else JpegImagePlugin.JpegImageFile
+    with plugin(io.BytesIO(data)) as image:
+        return image.size

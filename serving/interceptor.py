@@ -7,8 +7,9 @@
   (gRPC itself would answer UNKNOWN with interpreter text and log an ERROR traceback).
 - A response over the message limit gets RESOURCE_EXHAUSTED with a message saying so (gRPC would fail the
   send and the server would never know).
-- Every RPC is counted once by its real outcome: CANCELLED and DEADLINE_EXCEEDED when the client gave up,
-  and calls gRPC ended before the handler ran (a request over the message limit) as RESOURCE_EXHAUSTED.
+- Every RPC whose handler ran is counted once by its real outcome: CANCELLED and DEADLINE_EXCEEDED when the
+  client gave up. Calls gRPC ended before the handler ran are not counted: a request over the message limit,
+  a client that cancelled and a deadline that passed while gRPC held the call all look the same from here.
 - The RPCs in flight are counted, health checks aside, so a shutdown can wait for them and the in-flight
   gauge (which the Kubernetes HPA scales on) is load, not open health watches.
 """
@@ -19,7 +20,6 @@ import asyncio
 import inspect
 import logging
 import time
-import weakref
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -59,22 +59,24 @@ class _Unparseable:
 
 
 class _Call:
-    """One RPC's bookkeeping; counted when its handler ends, or when gRPC drops it before the handler ran."""
+    """One RPC's bookkeeping; counted when its handler ends."""
 
     def __init__(self, interceptor: "RequestInterceptor", api: str, method: str):
         self.interceptor, self.api, self.method = interceptor, api, method
         self.started: float | None = None
+        self.task: asyncio.Task | None = None  # the task running the handler, once it runs
         self.code: grpc.StatusCode | None = None  # set by our handling; None: read it from the context
 
     def begin(self) -> None:
         self.started = time.monotonic()
-        if self.api not in _NOT_IN_FLIGHT:
-            self.interceptor.active.add(self)
+        self.task = asyncio.current_task()
+        (self.interceptor.watching if self.api in _NOT_IN_FLIGHT else self.interceptor.active).add(self)
 
     def end(self, context) -> None:
         code = self.code or context.code() or grpc.StatusCode.OK
         metrics = self.interceptor.metrics
         self.interceptor.active.discard(self)
+        self.interceptor.watching.discard(self)
         metrics.requests.labels(self.api, self.method, code.name).inc()
         metrics.request_duration.labels(self.api, self.method).observe(time.monotonic() - self.started)
 
@@ -89,23 +91,27 @@ class _Call:
         self.code = grpc.StatusCode.DEADLINE_EXCEEDED if context.time_remaining() == 0 else grpc.StatusCode.CANCELLED
 
 
-def _never_handled(metrics: Metrics, call: _Call) -> None:
-    """gRPC ended the call before its handler ran: its request was over the message limit (or the client
-    cancelled while sending it: gRPC does not tell the two apart)."""
-    if call.started is None:
-        metrics.requests.labels(call.api, call.method, grpc.StatusCode.RESOURCE_EXHAUSTED.name).inc()
-
-
 class RequestInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: Metrics, max_message_bytes: int):
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.active: set[_Call] = set()  # RPCs (but health checks) whose handler is running
+        self.watching: set[_Call] = set()  # health checks (Watch streams) whose handler is running
+        self.ending_watches = False
         metrics.inflight.set_function(lambda: len(self.active))  # read at each scrape, never out of step
 
     def busy_before(self, moment: float) -> bool:
         """Whether an RPC that started before `moment` (time.monotonic()) is still running."""
         return any(call.started < moment for call in self.active)
+
+    async def end_watches(self, timeout: float) -> None:
+        """Shutdown: end the health Watch streams (which last as long as their client wants) with UNAVAILABLE,
+        so that gRPC's stop does not cancel them (it logs an ERROR traceback for each)."""
+        self.ending_watches = True
+        for call in self.watching:
+            call.task.cancel()
+        if tasks := {call.task for call in self.watching}:
+            await asyncio.wait(tasks, timeout=timeout)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -116,8 +122,6 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         call = _Call(self, API_NAMES.get(service, "unknown"), method)
         kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
         wrapped = self._wrap(getattr(handler, kind), call, handler.request_streaming)
-        # gRPC drops the handler when the call ends; if the wrapper never ran, gRPC ended the call itself.
-        weakref.finalize(wrapped, _never_handled, self.metrics, call)
         return handler._replace(request_deserializer=_guarded(handler.request_deserializer), **{kind: wrapped})
 
     def _wrap(self, behavior, call: _Call, request_streaming: bool):
@@ -156,7 +160,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                             yield response
                 except ServingError as err:
                     call.refuse(context, STATUS_CODES[type(err)], err.message)
-                except asyncio.CancelledError:
+                except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: cancelled while at `yield`
                     call.gave_up(context)
                     raise
                 finally:
@@ -173,6 +177,12 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                     call.refuse(context, STATUS_CODES[type(err)], err.message)
                     return None
                 except asyncio.CancelledError:
+                    if self.ending_watches and call in self.watching:  # end_watches(): the call ends, not its task
+                        task = asyncio.current_task()
+                        if hasattr(task, "uncancel"):  # Python 3.11+ counts cancellations; 3.10 needs nothing
+                            task.uncancel()
+                        call.refuse(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+                        return None
                     call.gave_up(context)
                     raise
                 finally:

@@ -94,10 +94,11 @@ class MetricsHTTPServer(wsgiref.simple_server.WSGIServer):
 
     def __init__(self, address: tuple[str, int], app):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        super().__init__(address, _QuietHandler)
-        self.set_app(app)
+        # before binding: a port in use makes socketserver call server_close(), which shuts the pool down
         self._workers = threading.BoundedSemaphore(HTTP_WORKERS)
         self._pool = ThreadPoolExecutor(HTTP_WORKERS, thread_name_prefix="capsnet-metrics")
+        super().__init__(address, _QuietHandler)
+        self.set_app(app)
 
     def process_request(self, request, client_address) -> None:
         if not self._workers.acquire(blocking=False):

@@ -6,11 +6,13 @@ requests are still served for the drain window, so load balancers stop sending f
 that arrive get UNAVAILABLE while those that arrived before finish (up to the grace period), and only
 when none is left does gRPC stop. gRPC cancels calls it holds when it stops, so stopping it while
 calls still arrive would answer them CANCELLED; the server's own refusal keeps taking them meanwhile.
+Open health Watch streams are ended with UNAVAILABLE just before. A second signal skips the waits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import signal
@@ -24,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from capsnet.errors import CapsNetError
 from capsnet.kserve import reflection_pool
 from capsnet.serving import capsnet_api, kserve
-from capsnet.serving.config import ServerConfig
+from capsnet.serving.config import GRPC_INT_MAX, ServerConfig
 from capsnet.serving.images import max_encoded_bytes
 from capsnet.serving.interceptor import RequestInterceptor
 from capsnet.serving.metrics import Metrics
@@ -42,8 +44,9 @@ MESSAGE_OVERHEAD_BYTES = 64 * 1024
 # During shutdown, after the last request that arrived before the refusals has ended, gRPC is stopped
 # this much later: time for the event loop to take (and refuse) the calls gRPC still holds.
 SETTLE_S = 0.1
-# Then what is left are quick calls (refusals, metadata) and health Watch streams, which gRPC clients with
-# client-side health checking keep open: gRPC cancels them after this, not after the whole grace period.
+# Then what is left are quick calls (refusals, metadata), and health Watch streams (which gRPC clients with
+# client-side health checking keep open) while they end: gRPC cancels them after this, not after the whole
+# grace period.
 STOP_GRACE_S = 1.0
 
 
@@ -70,12 +73,17 @@ class CapsNetServer:
         self._interceptor: RequestInterceptor | None = None
         self._health = health.aio.HealthServicer()
         self._metrics_http = None
+        self._stop_now = asyncio.Event()
 
     async def start(self) -> None:
         """Load, listen, warm up. CapsNetError when the model, a port or a TLS file is unusable."""
         config = self.config
         self.service = InferenceService.load(config, self.metrics)
         self.max_message_bytes = config.max_message_bytes or message_limit(self.service.spec, config.max_image_scale)
+        if self.max_message_bytes > GRPC_INT_MAX:  # only a derived limit gets here: config checks a given one
+            raise CapsNetError(f"the message limit derived from --max-batch-size {self.service.spec.max_batch_size} and "
+                               f"--max-image-scale {config.max_image_scale} is {self.max_message_bytes} bytes, over "
+                               f"gRPC's limit of {GRPC_INT_MAX}: lower them, or set --max-message-bytes")
         self._interceptor = RequestInterceptor(self.metrics, self.max_message_bytes)
         self._grpc = grpc.aio.server(
             interceptors=[self._interceptor],
@@ -97,7 +105,7 @@ class CapsNetServer:
         for name in HEALTH_SERVICES:
             await self._health.set(name, NOT_SERVING)
 
-        address = f"[{config.host}]:{config.grpc_port}" if ":" in config.host else f"{config.host}:{config.grpc_port}"  # IPv6
+        address = _address(config.host, config.grpc_port)
         try:
             if config.tls_cert is None:
                 self.grpc_port = self._grpc.add_insecure_port(address)
@@ -110,7 +118,7 @@ class CapsNetServer:
             self._metrics_http = self.metrics.serve_http(config.host, config.metrics_port)
         except OSError as err:
             await self._grpc.stop(None)
-            raise CapsNetError(f"cannot serve metrics on {config.host}:{config.metrics_port}: {err.strerror or err}") from None
+            raise CapsNetError(f"cannot listen on {_address(config.host, config.metrics_port)}: {err.strerror or err}") from None
         self.metrics_port = self._metrics_http.server_port
 
         await self.service.warmup()
@@ -118,19 +126,32 @@ class CapsNetServer:
             await self._health.set(name, SERVING)
 
     async def stop(self) -> None:
-        """Drain (see the module's docstring); requests still running after the grace period are cancelled."""
+        """Drain (see the module's docstring); requests still running after the grace period are cancelled.
+        stop_now() meanwhile cuts the waits short: every call still running is cancelled at once."""
         await self._health.enter_graceful_shutdown()
         self.service.ready = False
-        await asyncio.sleep(self.config.drain_window_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop_now.wait(), self.config.drain_window_s)
         refusing_since = self.service.refuse_new_requests()
         deadline = refusing_since + self.config.grace_period_s
-        while self._interceptor.busy_before(refusing_since) and time.monotonic() < deadline:
+        while self._interceptor.busy_before(refusing_since) and time.monotonic() < deadline and not self._stop_now.is_set():
             await asyncio.sleep(0.01)
         await asyncio.sleep(SETTLE_S)
-        await self._grpc.stop(min(STOP_GRACE_S, max(0.0, deadline - time.monotonic())))
+        await self._interceptor.end_watches(STOP_GRACE_S)
+        grace = None if self._stop_now.is_set() else min(STOP_GRACE_S, max(0.0, deadline - time.monotonic()))
+        await self._grpc.stop(grace)
         await self.service.close()
         self._metrics_http.shutdown()
         self._metrics_http.server_close()
+
+    def stop_now(self) -> None:
+        """During stop(): give up draining (an operator's second signal)."""
+        log.warning("stopping at once: requests still in flight are cancelled")
+        self._stop_now.set()
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 in brackets
 
 
 def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
@@ -161,6 +182,8 @@ async def serve(config: ServerConfig) -> int:
         loop.add_signal_handler(signum, stopping.set)
     await stopping.wait()
     log.info("shutting down: new requests refused, in-flight ones get %.1f s", config.grace_period_s)
+    for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal: stop at once
+        loop.add_signal_handler(signum, server.stop_now)
     await server.stop()
     print("capsnet serve: stopped", file=sys.stderr, flush=True)
     return 0

@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 from capsnet.serving.client import image_message
+from capsnet.serving.images import PNG_SIGNATURE
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
 from serving_helpers import ServerThread, server_config
@@ -43,12 +44,18 @@ def png(width: int, height: int, mode: str = "L") -> bytes:
 
 def png_16bit_rgb(width: int, height: int) -> bytes:
     """A valid 16-bit RGB PNG (Pillow cannot write one): signature, IHDR, IDAT, IEND."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
     rows = b"".join(b"\0" + bytes(range(256))[:6 * width].ljust(6 * width, b"\x80") for _ in range(height))
     header = struct.pack(">IIBBBBB", width, height, 16, 2, 0, 0, 0)  # bit depth 16, colour type 2 (RGB)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    return PNG_SIGNATURE + png_chunk(b"IHDR", header) + png_chunk(b"IDAT", zlib.compress(rows)) + png_chunk(b"IEND", b"")
+
+
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A grey PNG declaring width x height, with no pixels: the header is all a size check may read."""
+    return PNG_SIGNATURE + png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)) + png_chunk(b"IEND", b"")
 
 
 CASES = {
@@ -64,6 +71,8 @@ CASES = {
     "undecodable": ([pb.Image(encoded=b"certainly not a PNG")], "images[0].encoded: cannot decode (19 bytes): expected a PNG or JPEG"),
     "truncated png": ([pb.Image(encoded=png(28, 28)[:40])], "images[0].encoded: cannot decode (40 bytes)"),
     "decompression bomb": ([pb.Image(encoded=png(5000, 5000))], "images[0].encoded: a 5000x5000 image is too large"),
+    "over pillow's pixel limit": ([pb.Image(encoded=png_header_only(60000, 60000))],
+                                  "images[0].encoded: a 60000x60000 image is too large; expected at most 224x224"),
     "over 8x the model's size": ([pb.Image(encoded=png(225, 28))],
                                  "images[0].encoded: a 225x28 image is too large; expected at most 224x224 "
                                  "(8x the model's 28x28, --max-image-scale)"),
@@ -93,6 +102,27 @@ def test_bad_request_is_invalid_argument(server, stub, case):
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
     assert message in caught.value.details()
     assert_still_answers(server, stub)
+
+
+def test_decode_errors_name_no_python_objects(server, stub):
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Classify(pb.ClassifyRequest(images=[pb.Image(encoded=b"certainly not a PNG")]), timeout=30)
+    assert caught.value.details() == "images[0].encoded: cannot decode (19 bytes): expected a PNG or JPEG file"
+
+
+def test_image_within_the_scale_but_over_pillows_pixel_limit_is_too_large(model_dir):
+    # 20000x20000 is within 1000x the model's 28x28, yet Pillow refuses its 400 M pixels as a decompression bomb
+    running = ServerThread(server_config(model_dir, max_image_scale=1000, max_message_bytes=1_000_000))
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            with pytest.raises(grpc.RpcError) as caught:
+                capsnet_pb2_grpc.CapsNetServiceStub(channel).Classify(
+                    pb.ClassifyRequest(images=[pb.Image(encoded=png_header_only(20000, 20000))]), timeout=30)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.details() == ("images[0].encoded: a 20000x20000 image is too large; expected at most "
+                                          f"{2 * Image.MAX_IMAGE_PIXELS} pixels (the image decoder's limit)")
+    finally:
+        running.stop()
 
 
 def test_top_k_over_classes(server, stub):

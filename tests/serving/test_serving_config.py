@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from capsnet.errors import CapsNetError
 from capsnet.serving.config import ServerConfig
+from capsnet.serving.server import CapsNetServer
+from serving_helpers import server_config
 
 
 def test_defaults_are_loopback_and_triton_ports():
@@ -35,8 +38,27 @@ def test_environment_then_flags():
     ({"max_pending_rpcs": 100}, {}, "--max-pending-rpcs (100) must be >= --max-queue-size (256)"),
     ({"max_image_scale": 0}, {}, "--max-image-scale must be >= 1, got 0"),
     ({"drain_window_s": -1}, {}, "--drain-window must be >= 0, got -1"),
+    ({"drain_window_s": float("nan")}, {}, "--drain-window must be >= 0, got nan"),
+    ({"drain_window_s": float("inf")}, {}, "--drain-window must be <= 300 seconds, got inf"),
+    ({"drain_window_s": 1e9}, {}, "--drain-window must be <= 300 seconds, got 1e+09"),
+    ({"grace_period_s": float("nan")}, {}, "--grace-period must be >= 0, got nan"),
+    ({"grace_period_s": float("inf")}, {}, "--grace-period must be a number of seconds, got inf"),
+    ({"max_message_bytes": 2 ** 31}, {}, "--max-message-bytes must be <= 2147483647 (gRPC's limit), got 2147483648"),
+    ({"max_pending_rpcs": 10 ** 12}, {}, "--max-pending-rpcs must be <= 2147483647 (gRPC's limit)"),
 ])
 def test_bad_settings_are_user_errors(values, env, message):
     with pytest.raises(CapsNetError) as caught:
         ServerConfig.from_sources({"model_dir": "m", **values}, env=env)
     assert message in str(caught.value)
+
+
+def test_largest_drain_window_is_accepted():
+    assert ServerConfig.from_sources({"model_dir": "m", "drain_window_s": 300}, env={}).drain_window_s == 300
+
+
+@pytest.mark.parametrize("values", [{"max_image_scale": 1000}, {"max_batch_size": 50000}])
+def test_derived_message_limit_over_grpcs_is_a_user_error(model_dir, values):
+    server = CapsNetServer(server_config(model_dir, **values))
+    with pytest.raises(CapsNetError) as caught:
+        asyncio.run(server.start())
+    assert "over gRPC's limit of 2147483647: lower them, or set --max-message-bytes" in str(caught.value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import signal
 import socket
@@ -78,15 +79,35 @@ def test_rejected_large_requests_leave_no_memory_behind(model_dir):
         served.stop()
 
 
-def test_default_message_limit_follows_the_model_and_refusals_are_counted(server, channel):
+def test_default_message_limit_follows_the_model(server, channel):
     # tiny model: 28x28 grey, batch 8 -> 8 x (224 x 225 bytes + 1 KiB) + 64 KiB
     assert server.server.max_message_bytes == 8 * (224 * 225 + 1024) + 64 * 1024
-    before = requests_total(server.metrics_url, api="kserve", method="ModelInfer", code="RESOURCE_EXHAUSTED")
     with pytest.raises(grpc.RpcError) as caught:
         kserve_grpc.GRPCInferenceServiceStub(channel).ModelInfer(oversized_kserve_request(1), timeout=30)
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    wait_until(lambda: requests_total(server.metrics_url, api="kserve", method="ModelInfer",
-                                      code="RESOURCE_EXHAUSTED") == before + 1)
+    assert "larger than max" in caught.value.details()
+
+
+def test_calls_gone_before_the_handler_ran_are_not_counted_as_refusals(model_dir):
+    """gRPC ends a call whose deadline passed while it held it the same way as an oversized request, before the
+    handler: neither may be counted RESOURCE_EXHAUSTED (the server cannot tell them apart, so counts neither)."""
+    running = ServerThread(server_config(model_dir))
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            stub = capsnet_pb2_grpc.CapsNetServiceStub(channel)
+            request = pb.ClassifyRequest(images=[image_message(IMAGE)])
+            stub.Classify(request, timeout=30)  # connected, so the next call reaches gRPC at once
+            running.loop.call_soon_threadsafe(time.sleep, 1.0)  # the event loop takes no call for 1 s
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Classify(request, timeout=0.2)
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            stub.Classify(request, timeout=30)  # taken after the expired one
+        samples = scrape(running.metrics_url)
+        assert metric(samples, "capsnet_requests_total", method="Classify", code="OK") == 2
+        assert metric(samples, "capsnet_requests_total", code="RESOURCE_EXHAUSTED") == 0
+        assert metric(samples, "capsnet_inflight_requests") == 0
+    finally:
+        running.stop()
 
 
 def test_response_over_the_limit_is_refused_and_counted(model_dir):
@@ -159,6 +180,22 @@ def test_given_up_calls_are_counted_by_their_real_outcome(slow_server):
     assert metric(samples, "capsnet_requests_total", method="Classify", code="CANCELLED") == 1
     assert metric(samples, "capsnet_requests_total", method="Classify", code="OK") == 0
     assert metric(samples, "capsnet_requests_total", api="unknown", code="UNIMPLEMENTED") == 1
+
+
+def test_stream_cancelled_while_its_response_waits_to_be_sent_is_counted_cancelled(server):
+    # Requests without end, answered with reconstructions (30 KB each) the client does not read: the HTTP/2
+    # window fills (a few MB), so the handler is suspended at `yield` when the cancel comes (gRPC closes it
+    # with GeneratorExit, not CancelledError).
+    request = pb.ClassifyRequest(images=[image_message(IMAGE)] * 8, include_reconstruction=True)
+    url = server.metrics_url
+    before = {code: requests_total(url, method="ClassifyStream", code=code) for code in ("OK", "CANCELLED")}
+    with grpc.insecure_channel(server.target) as channel:
+        stream = capsnet_pb2_grpc.CapsNetServiceStub(channel).ClassifyStream(itertools.repeat(request), timeout=30)
+        next(stream)
+        time.sleep(0.5)
+        stream.cancel()
+    wait_until(lambda: requests_total(url, method="ClassifyStream", code="CANCELLED") == before["CANCELLED"] + 1)
+    assert requests_total(url, method="ClassifyStream", code="OK") == before["OK"]
 
 
 def test_burst_of_3000_calls_gets_only_ok_or_queue_full_all_counted(model_dir):

@@ -38,6 +38,23 @@ def test_missing_model_directory_exits_non_zero(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == f"capsnet serve: error: model directory {tmp_path / 'nowhere'} does not exist"
 
 
+@pytest.mark.parametrize("holder", ["another process", "the server's own gRPC port"])
+def test_metrics_port_in_use_is_a_one_line_error(model_dir, holder):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        if holder == "another process":
+            held.listen()
+            ports = ["--grpc-port", "0", "--metrics-port", str(port)]
+        else:
+            held.close()  # free again: gRPC takes it first
+            ports = ["--grpc-port", str(port), "--metrics-port", str(port)]
+        result = subprocess.run([sys.executable, "-m", "capsnet", "serve", "--model", str(model_dir), *ports],
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == f"capsnet serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda d: (d / "model.json").write_text("{not json"), "model.json is damaged: not valid JSON"),
     (lambda d: (d / "model.json").unlink(), "is not a capsnet model directory (no model.json)"),
@@ -90,6 +107,46 @@ def test_sigterm_drains_health_first_then_refuses_and_finishes_in_flight(model_d
             assert len(in_window.result(timeout=30).results) == 1
         assert served.process.wait(timeout=30) == 0
         assert "capsnet serve: stopped" in served.process.stderr.read()
+    finally:
+        served.stop()
+
+
+def sigterm_after_health_watch(served: ServeProcess, channel) -> grpc.Call:
+    """SIGTERM, once a health Watch is open; returns the watch once it has seen NOT_SERVING."""
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    served.process.send_signal(signal.SIGTERM)
+    assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    return watch
+
+
+def test_health_watch_open_at_shutdown_ends_unavailable_without_a_traceback(model_dir):
+    served = ServeProcess("--model", str(model_dir), "--drain-window", "0")
+    try:
+        with grpc.insecure_channel(served.target) as channel:
+            watch = sigterm_after_health_watch(served, channel)
+            with pytest.raises(grpc.RpcError) as caught:
+                next(watch)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert caught.value.details() == "the server is shutting down"
+        assert served.process.wait(timeout=30) == 0
+        stderr = served.process.stderr.read()
+        assert "Traceback" not in stderr and " ERROR " not in stderr, stderr
+    finally:
+        served.stop()
+
+
+def test_second_signal_cuts_the_drain_short(model_dir):
+    served = ServeProcess("--model", str(model_dir), "--drain-window", "300")
+    try:
+        with grpc.insecure_channel(served.target) as channel:
+            sigterm_after_health_watch(served, channel)
+            second = time.monotonic()
+            served.process.send_signal(signal.SIGINT)
+            assert served.process.wait(timeout=30) == 0
+        assert time.monotonic() - second < 10
+        stderr = served.process.stderr.read()
+        assert "stopping at once" in stderr and "Traceback" not in stderr, stderr
     finally:
         served.stop()
 
