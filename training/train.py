@@ -319,11 +319,10 @@ def prepare_output(out: Path) -> None:
     except OSError as err:
         raise CapsNetError(f"cannot create the folder for --out {out}: {err.strerror or err}") from None
     try:  # a real write: os.access says yes to root even where nothing can be created (/proc)
-        probe, probe_path = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".probe")
+        with tempfile.TemporaryFile(dir=out.parent):
+            pass
     except OSError as err:
         raise CapsNetError(f"cannot write to {out.parent}: {err.strerror or err}") from None
-    os.close(probe)
-    os.unlink(probe_path)
 
 
 def use_transparent_huge_pages(environ: MutableMapping[str, str] = os.environ) -> None:
