@@ -67,7 +67,8 @@ from capsnet.model_description import (
 from capsnet.tensorrt_runner import unavailable_reason
 from capsnet.training.checkpoint import Checkpoint, load_checkpoint
 from capsnet.training.config import CAPSULE_ARCHITECTURES
-from capsnet.training.data import Dataset, load_dataset
+from capsnet.training.data import Dataset
+from capsnet.training.evaluate import load_checkpoint_data
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,8 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
     tensorrt_error = unavailable_reason(config.gpu) if config.tensorrt else None
     if tensorrt_error:
         log.warning("--tensorrt: %s; writing the other artifacts, then failing", tensorrt_error)
-    dataset = _load_matching_data(checkpoint, checkpoint_path, config.data)
+    # parity, INT8 calibration and its per-class gate need the model's own data, every class of it
+    dataset = load_checkpoint_data(checkpoint, checkpoint_path, config.data, every_class=True)
 
     staging = _staging_dir(out_dir)
     triton_staging = None
@@ -117,34 +119,6 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
     if tensorrt_error:
         raise CapsNetError(f"no TensorRT engine: {tensorrt_error} (the other artifacts are in {out_dir})")
     return description
-
-
-def _load_matching_data(checkpoint: Checkpoint, checkpoint_path: Path, data: str | None) -> Dataset:
-    """--data, or the data the checkpoint was trained on; its images and classes must be the model's."""
-    if data is None:
-        data = checkpoint.metrics.get("data") or ("embedded" if checkpoint.dataset == "embedded-mnist-5k" else None)
-        if data is None or (data != "embedded" and not Path(data).is_dir()):
-            where = f" ({data} is not here)" if data else ""
-            raise CapsNetError(f"{checkpoint_path} was trained on {checkpoint.dataset or 'unrecorded data'}{where}; "
-                               "pass --data with that dataset's IDX folder (parity, INT8 calibration and its gate use it)")
-        log.info("--data: %s, the checkpoint's training data", data)
-    dataset = load_dataset(data)
-    model_config = checkpoint.config
-    image_shape = (model_config.in_channels, model_config.height, model_config.width)
-    if tuple(dataset.image_shape) != image_shape:
-        raise CapsNetError(
-            f"--data {data} has images of shape {tuple(dataset.image_shape)}; the checkpoint's model takes {image_shape}"
-        )
-    if tuple(dataset.class_names) != tuple(checkpoint.class_names):
-        raise CapsNetError(f"--data {data} has classes {_names(dataset.class_names)}; the checkpoint was trained on "
-                           f"{_names(checkpoint.class_names)} ({checkpoint.dataset}): calibration and the accuracy gate "
-                           "need the model's own data")
-    return dataset
-
-
-def _names(names) -> str:
-    shown = ", ".join(names[:4])
-    return f"[{shown}{', ...' if len(names) > 4 else ''}] ({len(names)})"
 
 
 def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoint, dataset: Dataset,

@@ -1,13 +1,16 @@
-"""Fixtures shared by every area's tests: checkpoints of the `tiny` preset and the GPU skip.
+"""Fixtures shared by every area's tests: checkpoints of the `tiny` preset, IDX data sets and the GPU skip.
 
 Each area keeps its own tests (and any local conftest.py) in tests/<area>/.
 """
 
 from __future__ import annotations
 
+import gzip
 import shutil
+import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,3 +93,27 @@ def copy_of(tmp_path):
         return target
 
     return _copy
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """An unsigned-byte IDX file (the MNIST format): magic 0x0000 08 <ndim>, big-endian sizes, data."""
+    header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    payload = header + array.astype(np.uint8).tobytes()
+    path.write_bytes(gzip.compress(payload) if path.suffix == ".gz" else payload)
+
+
+@pytest.fixture()
+def idx_dataset(tmp_path):
+    """make(images (N, H, W[, C]) uint8, labels, test_images, test_labels, gz=False) -> a folder of IDX files."""
+
+    def make(train_images, train_labels, test_images, test_labels, gz: bool = False, name: str = "idx-data") -> Path:
+        directory = tmp_path / name
+        directory.mkdir()
+        suffix = ".gz" if gz else ""
+        write_idx(directory / f"train-images-idx3-ubyte{suffix}", train_images)
+        write_idx(directory / f"train-labels-idx1-ubyte{suffix}", train_labels)
+        write_idx(directory / f"t10k-images-idx3-ubyte{suffix}", test_images)
+        write_idx(directory / f"t10k-labels-idx1-ubyte{suffix}", test_labels)
+        return directory
+
+    return make

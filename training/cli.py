@@ -9,6 +9,7 @@ from pathlib import Path
 
 # shared by train and eval
 DATA_HELP = "'embedded' (5,000 MNIST digits shipped in the package) or a folder of MNIST-format IDX files"
+CHECKPOINT_DATA_HELP = DATA_HELP + "; its classes must be the checkpoint's (default: the data it was trained on)"
 DEVICE_HELP = "auto (CUDA if present, else CPU), cpu, cuda or cuda:N"
 
 
@@ -95,7 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Evaluate a checkpoint on a data split: accuracy, per-class accuracy, confusion matrix.",
     )
     evaluate.add_argument("checkpoint", type=Path, help="a checkpoint written by capsnet train")
-    evaluate.add_argument("--data", default="embedded", metavar="embedded|DIR", help=DATA_HELP)
+    evaluate.add_argument("--data", metavar="embedded|DIR", help=CHECKPOINT_DATA_HELP)
     evaluate.add_argument("--split", choices=("train", "validation", "test"), default="test",
                           help="which split (default test); validation and train are the checkpoint's: the "
                                "training images less the share its training run held out (--val-fraction)")
@@ -129,17 +130,14 @@ def run_train(args: argparse.Namespace) -> int:
 def run_eval(args: argparse.Namespace) -> int:
     from capsnet.errors import CapsNetError
     from capsnet.training.checkpoint import load_checkpoint
-    from capsnet.training.data import load_dataset
     from capsnet.training.distributed import DistributedContext, resolve_device
-    from capsnet.training.evaluate import check_dataset_fits, evaluate
+    from capsnet.training.evaluate import evaluate, load_checkpoint_data
 
     if args.batch_size < 1:
         raise CapsNetError("--batch-size must be at least 1")
     device = resolve_device(args.device, DistributedContext())
     checkpoint = load_checkpoint(args.checkpoint)
-    # the training run's own split of the training images; checkpoints from before it held none out
-    dataset = load_dataset(args.data, checkpoint.metrics.get("validation_fraction", 0.0))
-    check_dataset_fits(checkpoint.config, dataset, f"checkpoint {args.checkpoint}", tuple(checkpoint.class_names))
+    dataset = load_checkpoint_data(checkpoint, args.checkpoint, args.data)
     if args.split == "validation" and dataset.validation is None:
         raise CapsNetError(f"checkpoint {args.checkpoint} was trained without a validation split")
     split = {"train": dataset.train, "validation": dataset.validation, "test": dataset.test}[args.split]

@@ -7,18 +7,22 @@ summed, so the figures are exact under torchrun) and by `capsnet eval`.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from capsnet.errors import CapsNetError
+from capsnet.training.checkpoint import Checkpoint
 from capsnet.training.config import CapsNetConfig
-from capsnet.training.data import Dataset, Split, to_float
+from capsnet.training.data import Dataset, Split, load_dataset, to_float
 from capsnet.training.distributed import DistributedContext, all_reduce_sum
 from capsnet.training.loss import capsnet_loss
 from capsnet.training.model import CapsNet
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class Evaluation:
@@ -72,9 +76,29 @@ class Evaluation:
         return "\n".join(lines)
 
 
-def check_dataset_fits(config: CapsNetConfig, dataset: Dataset, what: str, class_names: tuple[str, ...] = ()) -> None:
+def load_checkpoint_data(checkpoint: Checkpoint, checkpoint_path: Path, data: str | None,
+                         every_class: bool = False) -> Dataset:
+    """`data` (`--data`), or else the data the checkpoint was trained on, with the validation share its training
+    run held out (so `validation` is the run's own split), checked to fit the model (`check_dataset_fits`)."""
+    if data is None:
+        # checkpoints from before `data` was recorded name only the dataset; the embedded one is always here
+        data = checkpoint.metrics.get("data") or ("embedded" if checkpoint.dataset == "embedded-mnist-5k" else None)
+        if data is None or (data != "embedded" and not Path(data).is_dir()):
+            where = f" ({data} is not here)" if data else ""
+            raise CapsNetError(f"{checkpoint_path} was trained on {checkpoint.dataset or 'unrecorded data'}{where}; "
+                               "pass --data with that dataset's IDX folder")
+        log.info("--data: %s, the checkpoint's training data", data)
+    dataset = load_dataset(data, checkpoint.metrics.get("validation_fraction", 0.0))
+    check_dataset_fits(checkpoint.config, dataset, f"checkpoint {checkpoint_path}", tuple(checkpoint.class_names),
+                       every_class)
+    return dataset
+
+
+def check_dataset_fits(config: CapsNetConfig, dataset: Dataset, what: str, class_names: tuple[str, ...] = (),
+                       every_class: bool = False) -> None:
     """A model only takes images of its own shape and labels below its class count; given the model's
-    `class_names`, only data of those classes (a digit model scored on clothes gives a meaningless figure)."""
+    `class_names`, only data of those classes (a digit model scored on clothes gives a meaningless figure),
+    and with `every_class` all of them (export calibrates on them and gates on each)."""
     model_shape = (config.in_channels, config.height, config.width)
     if dataset.image_shape != model_shape:
         raise CapsNetError(f"{what} takes {'x'.join(map(str, model_shape))} images; data {dataset.name!r} has "
@@ -82,10 +106,17 @@ def check_dataset_fits(config: CapsNetConfig, dataset: Dataset, what: str, class
     highest = max(int(dataset.train.labels.max(initial=0)), int(dataset.test.labels.max(initial=0)))
     if highest >= config.num_classes:
         raise CapsNetError(f"{what} has {config.num_classes} classes; data {dataset.name!r} has label {highest}")
-    # data may hold fewer classes than the model (a subset of digits), never other ones
-    if class_names and tuple(dataset.class_names) != tuple(class_names)[:len(dataset.class_names)]:
-        raise CapsNetError(f"{what} was trained on classes {', '.join(class_names)}; data {dataset.name!r} has "
-                           f"{', '.join(dataset.class_names)} (a classes.txt in the data folder names its classes)")
+    # without `every_class`, data may hold fewer classes than the model (a subset of digits), never other ones
+    wanted = tuple(class_names) if every_class else tuple(class_names)[:len(dataset.class_names)]
+    if class_names and tuple(dataset.class_names) != wanted:
+        need = " and needs data of all of them" if every_class else ""
+        raise CapsNetError(f"{what} was trained on classes {_names(class_names)}{need}; data {dataset.name!r} has "
+                           f"{_names(dataset.class_names)} (a classes.txt in the data folder names its classes)")
+
+
+def _names(names: tuple[str, ...]) -> str:
+    """At most 10 names: Fashion-MNIST's ten are worth reading in full, a thousand classes are not."""
+    return ", ".join(names[:10]) + (f", ... ({len(names)} in all)" if len(names) > 10 else "")
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from capsnet.training.cli import DATA_HELP, DEVICE_HELP
+from capsnet.training.cli import CHECKPOINT_DATA_HELP, DEVICE_HELP
 
 PRESENT_THRESHOLD = 0.5
 
@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "Every set is rebuilt exactly from --seed.",
     )
     parser.add_argument("checkpoint", type=Path, help="a checkpoint written by capsnet train")
-    parser.add_argument("--data", default="embedded", metavar="embedded|DIR", help=DATA_HELP)
+    parser.add_argument("--data", metavar="embedded|DIR", help=CHECKPOINT_DATA_HELP)
     parser.add_argument("--pairs", type=int, metavar="N", help="overlaid pairs (default: one per test image)")
     parser.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the distortions and pairs (default 0)")
     parser.add_argument("--batch-size", type=int, default=256, metavar="B", help="images per forward pass (default 256)")
@@ -65,9 +65,8 @@ def overlap_scores(probabilities, labels) -> dict[str, float]:
 def run_robustness(args: argparse.Namespace) -> int:
     from capsnet.errors import CapsNetError
     from capsnet.training.checkpoint import load_checkpoint
-    from capsnet.training.data import load_dataset
     from capsnet.training.distributed import DistributedContext, resolve_device
-    from capsnet.training.evaluate import check_dataset_fits, evaluate
+    from capsnet.training.evaluate import evaluate, load_checkpoint_data
     from capsnet.training.train import SEED_LIMIT
     from capsnet.training.transforms import MAX_ROTATION_DEGREES, MAX_SHEAR, OVERLAY_MAX_SHIFT, SCALE_RANGE, \
         affine_split, overlay_pairs
@@ -80,8 +79,7 @@ def run_robustness(args: argparse.Namespace) -> int:
         raise CapsNetError(f"--seed must be in [0, {SEED_LIMIT})")
     device = resolve_device(args.device, DistributedContext())
     checkpoint = load_checkpoint(args.checkpoint)
-    dataset = load_dataset(args.data)
-    check_dataset_fits(checkpoint.config, dataset, f"checkpoint {args.checkpoint}", tuple(checkpoint.class_names))
+    dataset = load_checkpoint_data(checkpoint, args.checkpoint, args.data)
     model = checkpoint.build_model().to(device)
     names = tuple(checkpoint.class_names)
     clean = evaluate(model, dataset.test, names, args.batch_size, device)

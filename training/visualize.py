@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from capsnet.training.cli import DATA_HELP, DEVICE_HELP
+from capsnet.training.cli import CHECKPOINT_DATA_HELP, DEVICE_HELP
 
 PERTURBATION_STEP = 0.05
 PERTURBATION_STEPS = 11  # -0.25 ... +0.25
@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "coupling heat maps, the confusion matrix and the training curves.",
     )
     parser.add_argument("checkpoint", type=Path, help="a checkpoint written by capsnet train")
-    parser.add_argument("--data", default="embedded", metavar="embedded|DIR", help=DATA_HELP)
+    parser.add_argument("--data", metavar="embedded|DIR", help=CHECKPOINT_DATA_HELP)
     parser.add_argument("--out", type=Path, default=Path("pictures"), metavar="DIR",
                         help="folder for the PNG files (default pictures)")
     parser.add_argument("--images", type=int, default=1000, metavar="N",
@@ -58,7 +58,7 @@ def run_visualize(args: argparse.Namespace) -> int:
     return 0
 
 
-def visualize(checkpoint_path: Path, data: str, out: Path, images: int, examples: int, batch_size: int,
+def visualize(checkpoint_path: Path, data: str | None, out: Path, images: int, examples: int, batch_size: int,
               device_name: str) -> list[Path]:
     import numpy as np
     import torch
@@ -66,9 +66,9 @@ def visualize(checkpoint_path: Path, data: str, out: Path, images: int, examples
     from capsnet.errors import CapsNetError
     from capsnet.training.checkpoint import load_checkpoint
     from capsnet.training.config import CAPSULE_ARCHITECTURES
-    from capsnet.training.data import Split, load_dataset, to_float
+    from capsnet.training.data import Split, to_float
     from capsnet.training.distributed import DistributedContext, resolve_device
-    from capsnet.training.evaluate import check_dataset_fits, evaluate
+    from capsnet.training.evaluate import evaluate, load_checkpoint_data
     from capsnet.training.robustness import class_probabilities
 
     for flag, value in (("--images", images), ("--examples", examples), ("--batch-size", batch_size)):
@@ -76,8 +76,7 @@ def visualize(checkpoint_path: Path, data: str, out: Path, images: int, examples
             raise CapsNetError(f"{flag} must be at least 1")
     device = resolve_device(device_name, DistributedContext())
     checkpoint = load_checkpoint(checkpoint_path)
-    dataset = load_dataset(data)
-    check_dataset_fits(checkpoint.config, dataset, f"checkpoint {checkpoint_path}", tuple(checkpoint.class_names))
+    dataset = load_checkpoint_data(checkpoint, checkpoint_path, data)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:

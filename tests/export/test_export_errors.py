@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from capsnet.cli import main
@@ -99,3 +100,14 @@ def test_export_int8_max_drop_must_be_finite_and_not_negative(tmp_path, capsys, 
     line = _export_error([str(tmp_path / "any.ckpt"), "--out", str(tmp_path / "out"), "--int8-max-drop", drop], capsys)
     assert f"--int8-max-drop must be finite and >= 0 accuracy points, got {float(drop)}" in line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_export_needs_data_of_every_class_the_model_has(random_tiny_checkpoint, idx_dataset, tmp_path, capsys):
+    # eval takes a subset of the model's classes; export calibrates INT8 on them and gates on each one
+    images, labels = np.zeros((20, 28, 28), dtype=np.uint8), np.arange(20) % 5
+    some_digits = idx_dataset(images, labels, images, labels, name="digits-0-4")
+    line = _export_error([str(random_tiny_checkpoint), "--out", str(tmp_path / "out"), "--data", str(some_digits)],
+                         capsys)
+    assert line.endswith("was trained on classes 0, 1, 2, 3, 4, 5, 6, 7, 8, 9 and needs data of all of them; data "
+                         "'digits-0-4' has 0, 1, 2, 3, 4 (a classes.txt in the data folder names its classes)")
+    assert not (tmp_path / "out").exists()

@@ -47,19 +47,11 @@ def test_export_int8_accuracy_is_measured_on_the_test_split(tiny_export, embedde
     assert int8["calibration_images"] == 200
 
 
-def _write_idx(path, array: np.ndarray) -> None:
-    header = bytes([0, 0, 0x08, array.ndim]) + np.array(array.shape, dtype=">u4").tobytes()
-    path.write_bytes(header + array.astype(np.uint8).tobytes())
-
-
-def test_export_int8_is_refused_when_accuracy_drops_too_far(trained_tiny_checkpoint, embedded, tmp_path, capsys):
+def test_export_int8_is_refused_when_accuracy_drops_too_far(trained_tiny_checkpoint, embedded, idx_dataset, tmp_path,
+                                                            capsys):
     # Calibrating on black images gives activation ranges far too narrow for real digits.
-    data = tmp_path / "black-calibration"
-    data.mkdir()
-    _write_idx(data / "train-images-idx3-ubyte", np.zeros((64, 28, 28)))
-    _write_idx(data / "train-labels-idx1-ubyte", np.zeros(64))
-    _write_idx(data / "t10k-images-idx3-ubyte", embedded.test.images[:, 0])
-    _write_idx(data / "t10k-labels-idx1-ubyte", embedded.test.labels)
+    data = idx_dataset(np.zeros((64, 28, 28)), np.arange(64) % 10, embedded.test.images[:, 0], embedded.test.labels,
+                       name="black-calibration")
     out = tmp_path / "model"
     code = main(["export", str(trained_tiny_checkpoint), "--out", str(out), "--int8", "--data", str(data)])
     stderr = capsys.readouterr().err

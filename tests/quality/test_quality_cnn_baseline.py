@@ -80,7 +80,7 @@ def test_train_records_the_architecture_and_eval_takes_it(cnn_checkpoint, monkey
     assert checkpoint.config.arch == "cnn-baseline" and checkpoint.config.reconstruction_weight == 0.0
     assert isinstance(checkpoint.build_model(), CnnBaseline)
     assert checkpoint.metrics["parameters"] == count_parameters(CnnBaseline(CONFIG))
-    monkeypatch.setattr("capsnet.training.data.load_dataset", small_embedded)
+    monkeypatch.setattr("capsnet.training.evaluate.load_dataset", small_embedded)
     capsys.readouterr()
     assert main(["eval", str(cnn_checkpoint)]) == 0
     correct = round(checkpoint.metrics["test_accuracy"] * 63)

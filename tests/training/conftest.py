@@ -1,37 +1,9 @@
-"""Helpers for the training tests: small MNIST-format IDX datasets written on the fly."""
+"""Helpers for the training tests: a colour data set (IDX files written by the shared `idx_dataset`)."""
 
 from __future__ import annotations
 
-import gzip
-import struct
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-
-def write_idx(path: Path, array: np.ndarray) -> None:
-    """An unsigned-byte IDX file (the MNIST format): magic 0x0000 08 <ndim>, big-endian sizes, data."""
-    header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
-    payload = header + array.astype(np.uint8).tobytes()
-    path.write_bytes(gzip.compress(payload) if path.suffix == ".gz" else payload)
-
-
-@pytest.fixture()
-def idx_dataset(tmp_path):
-    """make(images (N, H, W[, C]) uint8, labels, test_images, test_labels, gz=False) -> a folder of IDX files."""
-
-    def make(train_images, train_labels, test_images, test_labels, gz: bool = False, name: str = "idx-data") -> Path:
-        directory = tmp_path / name
-        directory.mkdir()
-        suffix = ".gz" if gz else ""
-        write_idx(directory / f"train-images-idx3-ubyte{suffix}", train_images)
-        write_idx(directory / f"train-labels-idx1-ubyte{suffix}", train_labels)
-        write_idx(directory / f"t10k-images-idx3-ubyte{suffix}", test_images)
-        write_idx(directory / f"t10k-labels-idx1-ubyte{suffix}", test_labels)
-        return directory
-
-    return make
 
 
 @pytest.fixture()

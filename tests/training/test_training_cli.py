@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -136,3 +137,26 @@ def test_eval_refuses_data_of_other_classes(capsys, random_tiny_checkpoint, idx_
                           "was trained on classes 0, 1, 2, 3, 4, 5, 6, 7, 8, 9; data 'fashion-mnist' has T-shirt/top")
     some_digits = idx_dataset(images, labels % 5, images, labels % 5, name="digits-0-4")  # a subset is fine
     assert main(["eval", str(random_tiny_checkpoint), "--data", str(some_digits)]) == 0
+
+
+def test_commands_that_read_a_checkpoint_default_to_its_training_data(capsys, random_tiny_checkpoint, idx_dataset):
+    from capsnet.training.checkpoint import load_checkpoint, save_checkpoint
+    from capsnet.training.data import FASHION_MNIST_NAMES
+
+    images, labels = torch.zeros(20, 28, 28, dtype=torch.uint8).numpy(), (torch.arange(20) % 10).numpy()
+    clothes = idx_dataset(images, labels, images, labels, name="fashion-mnist")
+    checkpoint = load_checkpoint(random_tiny_checkpoint)
+    checkpoint.class_names, checkpoint.dataset = list(FASHION_MNIST_NAMES), "fashion-mnist"
+    checkpoint.metrics = {"data": str(clothes)}
+    path = clothes.parent / "clothes.ckpt"
+    save_checkpoint(checkpoint, path)
+    # no --data: the clothes it was trained on, not the embedded digits
+    assert main(["eval", str(path), "--json"]) == 0
+    assert '"data": "fashion-mnist"' in capsys.readouterr().out
+    assert main(["robustness", str(path), "--pairs", "4", "--json"]) == 0
+    assert '"data": "fashion-mnist"' in capsys.readouterr().out
+    shutil.rmtree(clothes)
+    for command in ("eval", "visualize", "robustness"):
+        extra = ["--out", str(path.parent / "pictures")] if command == "visualize" else []
+        assert_one_line_error(capsys, [command, str(path), *extra],
+                              f"was trained on fashion-mnist ({clothes} is not here); pass --data")
