@@ -53,12 +53,20 @@ STOP_GRACE_S = 1.0
 def message_limit(spec: ModelSpec, max_image_scale: int) -> int:
     """The default --max-message-bytes: a full batch of the largest accepted images, as float32 tensors or
     encoded (max_encoded_bytes), or of their float32 outputs, whichever is largest, with framing."""
-    channels, height, width = spec.input_shape
-    output_values = sum(math.prod(shape) for shape in spec.output_shapes.values())
-    per_image = max(4 * channels * height * width,  # float32 tensor (KServe FP32 raw or typed, our tensor)
-                    max_encoded_bytes(spec.input_shape, max_image_scale),
-                    4 * output_values)  # float32 outputs
+    per_image = max(_float32_image_bytes(spec), max_encoded_bytes(spec.input_shape, max_image_scale))
     return spec.max_batch_size * (per_image + IMAGE_OVERHEAD_BYTES) + MESSAGE_OVERHEAD_BYTES
+
+
+def least_message_limit(spec: ModelSpec) -> int:
+    """Below this --max-message-bytes, one image as a float32 tensor, or its answer, cannot pass: every
+    request of that kind would be refused."""
+    return _float32_image_bytes(spec) + IMAGE_OVERHEAD_BYTES
+
+
+def _float32_image_bytes(spec: ModelSpec) -> int:
+    """One image as a float32 tensor (KServe FP32, raw or typed; our tensor), or its float32 outputs."""
+    output_values = sum(math.prod(shape) for shape in spec.output_shapes.values())
+    return 4 * max(math.prod(spec.input_shape), output_values)
 
 
 class CapsNetServer:
@@ -80,6 +88,9 @@ class CapsNetServer:
         config = self.config
         self.service = InferenceService.load(config, self.metrics)
         self.max_message_bytes = config.max_message_bytes or message_limit(self.service.spec, config.max_image_scale)
+        if self.max_message_bytes < least_message_limit(self.service.spec):  # only a given limit can be this small
+            raise CapsNetError(f"--max-message-bytes {self.max_message_bytes} cannot hold one float32 image of this "
+                               f"model or its answer; it must be at least {least_message_limit(self.service.spec)}")
         if self.max_message_bytes > GRPC_INT_MAX:  # only a derived limit gets here: config checks a given one
             raise CapsNetError(f"the message limit derived from --max-batch-size {self.service.spec.max_batch_size} and "
                                f"--max-image-scale {config.max_image_scale} is {self.max_message_bytes} bytes, over "

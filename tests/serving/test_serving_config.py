@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 
 import pytest
 
 from capsnet.errors import CapsNetError
 from capsnet.serving.config import ServerConfig
-from capsnet.serving.server import CapsNetServer
+from capsnet.serving.server import IMAGE_OVERHEAD_BYTES, CapsNetServer
 from serving_helpers import server_config
 
 
@@ -62,3 +63,15 @@ def test_derived_message_limit_over_grpcs_is_a_user_error(model_dir, values):
     with pytest.raises(CapsNetError) as caught:
         asyncio.run(server.start())
     assert "over gRPC's limit of 2147483647: lower them, or set --max-message-bytes" in str(caught.value)
+
+
+def test_message_limit_below_one_image_is_a_user_error(model_dir):
+    server = CapsNetServer(server_config(model_dir, max_message_bytes=1000))
+    with pytest.raises(CapsNetError) as caught:
+        asyncio.run(server.start())
+    spec = server.service.spec
+    # the larger of a float32 image and its float32 outputs (probabilities, poses and the reconstruction if exported)
+    outputs = sum(math.prod(shape) for shape in spec.output_shapes.values())
+    least = 4 * max(math.prod(spec.input_shape), outputs) + IMAGE_OVERHEAD_BYTES
+    assert str(caught.value) == (f"--max-message-bytes 1000 cannot hold one float32 image of this model or its answer; "
+                                 f"it must be at least {least}")
