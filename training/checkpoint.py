@@ -8,6 +8,8 @@ It loads with `torch.load(weights_only=True)`: plain containers and tensors only
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from capsnet.training.model import CapsNet
 
 FORMAT_NAME = "capsnet-checkpoint"
 FORMAT_VERSION = 1
+TEMPORARY_SUFFIX = ".tmp"  # a save writes .NAME.XXXXXXXX.tmp beside NAME, then renames it
 
 
 def create_model(config: CapsNetConfig) -> nn.Module:
@@ -77,7 +80,7 @@ def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike) -> None:
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX, dir=path.parent)
     except OSError as err:
         raise CapsNetError(f"cannot write checkpoint {path}: {err.strerror or err}") from None
     try:
@@ -88,6 +91,18 @@ def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def remove_leftover_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files that saves of `path` killed midway (SIGKILL, out of memory) left behind; only
+    for a caller that owns `path`, since another process's save in progress looks the same."""
+    path = Path(path)
+    removed = []
+    for leftover in path.parent.glob(f"{glob.escape('.' + path.name)}.*{TEMPORARY_SUFFIX}"):
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove: nothing worse than before
+            leftover.unlink()
+            removed.append(leftover)
+    return removed
 
 
 def _current_umask() -> int:

@@ -32,7 +32,8 @@ from tqdm import tqdm
 from capsnet.cpu import CpuKind, bf16_autocast_pays
 from capsnet.errors import CapsNetError
 from capsnet.training import distributed
-from capsnet.training.checkpoint import Checkpoint, create_model, load_checkpoint, save_checkpoint
+from capsnet.training.checkpoint import (Checkpoint, create_model, load_checkpoint, remove_leftover_temporaries,
+                                         save_checkpoint)
 from capsnet.training.config import CapsNetConfig, preset
 from capsnet.training.data import (Augmentation, Dataset, Split, channel_mean_std, data_location, load_dataset,
                                    to_float)
@@ -310,8 +311,9 @@ def announce(context: DistributedContext, message: str) -> None:
         print(message, flush=True)
 
 
-def prepare_output(out: Path) -> None:
-    """Fail before training, not after the first epoch, if the checkpoint cannot be written."""
+def prepare_output(out: Path, context: DistributedContext) -> None:
+    """Fail before training, not after the first epoch, if the checkpoint cannot be written; clear what an
+    earlier run killed while saving left."""
     if out.is_dir():
         raise CapsNetError(f"--out {out} is a directory; give a file name such as {out / 'model.ckpt'}")
     try:
@@ -323,6 +325,9 @@ def prepare_output(out: Path) -> None:
             pass
     except OSError as err:
         raise CapsNetError(f"cannot write to {out.parent}: {err.strerror or err}") from None
+    if context.is_main:  # the rank that saves
+        for leftover in (*remove_leftover_temporaries(out), *remove_leftover_temporaries(last_checkpoint_path(out))):
+            announce(context, f"removed {leftover}, left by a run killed while saving")
 
 
 def use_transparent_huge_pages(environ: MutableMapping[str, str] = os.environ) -> None:
@@ -351,7 +356,7 @@ def train(options: TrainOptions) -> Checkpoint:
         if not native:
             announce(context, f"--amp: training in fp32: {why}; emulated bf16 is many times slower than fp32")
             options = replace(options, amp=False)
-    prepare_output(options.out)
+    prepare_output(options.out, context)
     resumed = load_checkpoint(options.resume) if options.resume is not None else None
     if options.val_fraction is None:
         # checkpoints from before the validation split trained on every training image

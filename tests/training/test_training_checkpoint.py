@@ -1,12 +1,17 @@
-"""Checkpoints: bit-identical round trip, the metadata training records, clear errors for bad files."""
+"""Checkpoints: bit-identical round trip, the metadata training records, clear errors for bad files, no litter."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from capsnet.errors import CapsNetError
-from capsnet.training.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
+from capsnet.training.checkpoint import FORMAT_VERSION, load_checkpoint, remove_leftover_temporaries, save_checkpoint
+from capsnet.training.distributed import DistributedContext
+from capsnet.training.train import prepare_output
 from capsnet.training.data import load_embedded, to_float
 
 
@@ -72,3 +77,35 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
         load_checkpoint(tmp_path / "absent.ckpt")
     with pytest.raises(CapsNetError, match="is not a file"):
         load_checkpoint(tmp_path)
+
+
+def test_a_save_killed_midway_leaves_a_temporary_that_the_next_run_removes(random_tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "model.ckpt"
+    # a real save, SIGKILLed while torch.save writes (the payload's first bytes are out, then it stalls)
+    script = ("import sys, time, torch\n"
+              "from capsnet.training import checkpoint\n"
+              "def stalled_save(payload, f):\n"
+              "    f.write(b'PK'); f.flush(); print('saving', flush=True); time.sleep(60)\n"
+              "torch.save = stalled_save\n"
+              "checkpoint.save_checkpoint(checkpoint.load_checkpoint(sys.argv[1]), sys.argv[2])\n")
+    saver = subprocess.Popen([sys.executable, "-c", script, str(random_tiny_checkpoint), str(out)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert saver.stdout.readline() == "saving\n"
+    finally:
+        saver.kill()
+        saver.wait(timeout=30)
+        saver.stdout.close()
+    (leftover,) = tmp_path.glob(".model.ckpt.*.tmp")
+    others = [tmp_path / ".other.ckpt.abc.tmp", tmp_path / "model.ckpt.abc.tmp", tmp_path / ".model.ckpt.keep"]
+    for other in others:
+        other.write_bytes(b"not ours")
+    last_leftover = tmp_path / ".model.last.ckpt.x1y2z3.tmp"
+    last_leftover.write_bytes(b"PK")
+    prepare_output(out, DistributedContext())
+    assert capsys.readouterr().out.splitlines() == [
+        f"removed {leftover}, left by a run killed while saving",
+        f"removed {last_leftover}, left by a run killed while saving",
+    ]
+    assert sorted(tmp_path.iterdir()) == sorted(others)
+    assert remove_leftover_temporaries(out) == []
