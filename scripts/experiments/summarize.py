@@ -1,8 +1,13 @@
-"""Summarise training runs as a Markdown table: held-out accuracy after the last epoch, mean ± standard
-deviation and range over the seeds of each configuration.
+"""Summarise training runs as a Markdown table, over the seeds of each configuration.
 
-Usage: python scripts/experiments/summarize.py models/ablation/*.last.ckpt
-A run is named <configuration>-seed<N>.last.ckpt (as scripts/experiments/ablation.sh writes them).
+Usage:
+  python scripts/experiments/summarize.py models/ablation/*.last.ckpt
+      held-out accuracy after the last epoch (no selection): mean ± standard deviation and range
+  python scripts/experiments/summarize.py --choose models/fashion-levers/*-seed?.ckpt
+      the best checkpoints (chosen on validation): each configuration's mean validation accuracy, then the
+      rule fixed before the runs: the run with the highest validation accuracy is the model, and its test
+      accuracy is read once, for the report
+A run is named <configuration>-seed<N>[.last].ckpt (as scripts/experiments/*.sh write them).
 """
 
 from __future__ import annotations
@@ -13,31 +18,56 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.training.checkpoint import Checkpoint, load_checkpoint
 
-RUN_NAME = re.compile(r"(?P<configuration>.+)-seed(?P<seed>\d+)\.last\.ckpt$")
+RUN_NAME = re.compile(r"(?P<configuration>.+)-seed(?P<seed>\d+)(\.last)?\.ckpt$")
 
 
-def main(paths: list[str]) -> int:
-    runs: dict[str, dict[int, tuple[float, float]]] = defaultdict(dict)
+def main(argv: list[str]) -> int:
+    choose = argv[:1] == ["--choose"]
+    paths = argv[1:] if choose else argv
+    runs: dict[str, dict[int, Checkpoint]] = defaultdict(dict)
     for path in paths:
         match = RUN_NAME.search(Path(path).name)
         if match is None:
-            print(f"summarize: {path} is not named <configuration>-seed<N>.last.ckpt", file=sys.stderr)
+            print(f"summarize: {path} is not named <configuration>-seed<N>[.last].ckpt", file=sys.stderr)
             return 2
-        checkpoint = load_checkpoint(path)
-        last = checkpoint.history[-1]
-        runs[match["configuration"]][int(match["seed"])] = (100 * last["test_accuracy"], last["train_seconds"])
+        runs[match["configuration"]][int(match["seed"])] = load_checkpoint(path)
+    if not runs:
+        print("summarize: no checkpoints given", file=sys.stderr)
+        return 2
+    (print_choice if choose else print_last_epochs)(runs)
+    return 0
+
+
+def print_last_epochs(runs: dict[str, dict[int, Checkpoint]]) -> None:
     print("| configuration | seeds | held-out accuracy, mean ± std | range | per seed | training s per run |")
     print("|---|---|---|---|---|---|")
     for configuration, by_seed in runs.items():
-        accuracies = [by_seed[seed][0] for seed in sorted(by_seed)]
+        lasts = [by_seed[seed].history[-1] for seed in sorted(by_seed)]
+        accuracies = [100 * last["test_accuracy"] for last in lasts]
         spread = statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0
-        seconds = statistics.mean(value[1] for value in by_seed.values())
+        seconds = statistics.mean(last["train_seconds"] for last in lasts)
         per_seed = ", ".join(f"{accuracy:.1f}" for accuracy in accuracies)
         print(f"| {configuration} | {len(accuracies)} | {statistics.mean(accuracies):.2f} ± {spread:.2f} | "
               f"{min(accuracies):.1f}–{max(accuracies):.1f} | {per_seed} | {seconds:.0f} |")
-    return 0
+
+
+def print_choice(runs: dict[str, dict[int, Checkpoint]]) -> None:
+    def validation(checkpoint: Checkpoint) -> float:
+        return 100 * checkpoint.metrics["validation_accuracy"]
+
+    print("| configuration | seeds | best validation accuracy, mean | per seed (epoch) |")
+    print("|---|---|---|---|")
+    by_mean = sorted(runs.items(), key=lambda item: -statistics.mean(map(validation, item[1].values())))
+    for configuration, by_seed in by_mean:
+        per_seed = ", ".join(f"{validation(by_seed[seed]):.2f} ({by_seed[seed].epoch})" for seed in sorted(by_seed))
+        print(f"| {configuration} | {len(by_seed)} | {statistics.mean(map(validation, by_seed.values())):.2f} | "
+              f"{per_seed} |")
+    name, chosen = max(((f"{configuration}-seed{seed}", checkpoint) for configuration, by_seed in runs.items()
+                        for seed, checkpoint in by_seed.items()), key=lambda run: validation(run[1]))
+    print(f"\nchosen: {name}, epoch {chosen.epoch}: validation {validation(chosen):.2f}%, "
+          f"test {100 * chosen.metrics['test_accuracy']:.2f}%")
 
 
 if __name__ == "__main__":
