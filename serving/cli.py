@@ -71,7 +71,7 @@ def register(subparsers) -> None:
                                     description="Send PNG/JPEG files to a capsnet server and print each one's class.")
     predict.add_argument("images", nargs="+", metavar="IMG", help="PNG or JPEG files")
     predict.add_argument("--server", default=default_server(), metavar="HOST:PORT",
-                         help=f"server address (default $CAPSNET_SERVER or {DEFAULT_SERVER})")
+                         help=f"server address, HOST[:PORT] (port 8001 if none; default $CAPSNET_SERVER or {DEFAULT_SERVER})")
     predict.add_argument("--top-k", type=int, default=1, metavar="K", help="print the K most probable classes (default 1)")
     predict.add_argument("--poses", action="store_true", help="also print every class capsule's pose vector")
     predict.add_argument("--json", action="store_true", help="print JSON (one object per image, in a list)")
@@ -90,7 +90,7 @@ def register(subparsers) -> None:
                                    description="grpc.health.v1 Check against a server, as grpcurl or grpc_health_probe "
                                                "would: prints SERVING and exits 0, else one error line and exits 2.")
     health.add_argument("--server", default=default_server(), metavar="HOST:PORT",
-                        help=f"server address (default $CAPSNET_SERVER or {DEFAULT_SERVER})")
+                        help=f"server address, HOST[:PORT] (port 8001 if none; default $CAPSNET_SERVER or {DEFAULT_SERVER})")
     health.add_argument("--service", default="", metavar="NAME",
                         help="one API, e.g. inference.GRPCInferenceService (default '': the whole server)")
     health.add_argument("--tls-ca", metavar="PEM", help="CA certificate of the server (enables TLS)")
@@ -165,6 +165,9 @@ def run_health(args: argparse.Namespace) -> int:
         status = check_health(args.server, args.service, timeout=args.timeout, tls_ca=args.tls_ca,
                               tls_cert=args.tls_cert, tls_key=args.tls_key)
     except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.NOT_FOUND:  # the health service says no more than the code
+            raise CapsNetError(f"{args.server}: NOT_FOUND: the server reports no health for service "
+                               f"{args.service!r}") from None
         raise CapsNetError(f"{args.server}: {err.code().name}: {err.details()}") from None
     except OSError as err:
         raise CapsNetError(f"cannot read {err.filename}: {err.strerror}") from None
@@ -176,6 +179,9 @@ def run_health(args: argparse.Namespace) -> int:
 
 def check_client_args(args: argparse.Namespace) -> None:
     """What `predict` and `health` share: --server, --timeout and the TLS files, checked before any channel opens."""
+    # gRPC dials port 443 for a name without one; a capsnet server listens on 8001 unless told otherwise
+    if "/" not in args.server and (":" not in args.server or args.server.endswith("]")):
+        args.server = f"{args.server}:{DEFAULT_SERVER.rpartition(':')[2]}"
     _, colon, port = args.server.rpartition(":")
     # Only a numeric port is checked: targets such as unix:/path or dns:///name are gRPC's to parse. Out of range,
     # gRPC would quietly connect to the port modulo 65536 and report that one.

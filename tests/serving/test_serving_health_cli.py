@@ -36,7 +36,18 @@ def test_health_with_the_longest_timeout(server, capsys):
 
 def test_health_of_an_unknown_service_is_not_found(server, capsys):
     assert main(["health", "--server", server.target, "--service", "no.such.Service"]) == 2
-    assert f"{server.target}: NOT_FOUND" in one_error_line(capsys)
+    assert one_error_line(capsys).endswith(
+        f"{server.target}: NOT_FOUND: the server reports no health for service 'no.such.Service'")
+
+
+def test_a_server_without_a_port_is_dialled_on_8001(capsys):
+    # nothing listens on 127.0.0.1:8001 in the tests: the refusal names the port dialled (gRPC's own default is 443)
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", 8001)) == 0:
+            pytest.skip("something listens on 127.0.0.1:8001 here")
+    assert main(["health", "--server", "127.0.0.1", "--timeout", "5"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("capsnet health: error: 127.0.0.1:8001: UNAVAILABLE"), line
 
 
 def test_health_of_a_not_serving_server(capsys):
