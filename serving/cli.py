@@ -19,6 +19,13 @@ def default_server() -> str:
     return os.environ.get("CAPSNET_SERVER") or DEFAULT_SERVER
 
 
+def server_address(value: str) -> str:
+    """--server: HOST[:PORT]. gRPC dials port 443 for a name without one; a capsnet server listens on 8001."""
+    if "/" not in value and (":" not in value or value.endswith("]")):  # not unix:/path, dns:///name, [::1]:8001
+        return f"{value}:{DEFAULT_SERVER.rpartition(':')[2]}"
+    return value
+
+
 def register(subparsers) -> None:
     from capsnet.serving.config import BACKENDS, ENV_VARS, PRECISIONS, ServerConfig
 
@@ -70,8 +77,9 @@ def register(subparsers) -> None:
     predict = subparsers.add_parser("predict", help="classify image files with a running server",
                                     description="Send PNG/JPEG files to a capsnet server and print each one's class.")
     predict.add_argument("images", nargs="+", metavar="IMG", help="PNG or JPEG files")
-    predict.add_argument("--server", default=default_server(), metavar="HOST:PORT",
-                         help=f"server address, HOST[:PORT] (port 8001 if none; default $CAPSNET_SERVER or {DEFAULT_SERVER})")
+    predict.add_argument("--server", default=default_server(), type=server_address, metavar="HOST:PORT",
+                         help=f"server address, HOST[:PORT] (port 8001 if none; default $CAPSNET_SERVER or "
+                              f"{DEFAULT_SERVER})")
     predict.add_argument("--top-k", type=int, default=1, metavar="K", help="print the K most probable classes (default 1)")
     predict.add_argument("--poses", action="store_true", help="also print every class capsule's pose vector")
     predict.add_argument("--json", action="store_true", help="print JSON (one object per image, in a list)")
@@ -89,8 +97,9 @@ def register(subparsers) -> None:
     health = subparsers.add_parser("health", help="ask a running server whether it is serving (gRPC health check)",
                                    description="grpc.health.v1 Check against a server, as grpcurl or grpc_health_probe "
                                                "would: prints SERVING and exits 0, else one error line and exits 2.")
-    health.add_argument("--server", default=default_server(), metavar="HOST:PORT",
-                        help=f"server address, HOST[:PORT] (port 8001 if none; default $CAPSNET_SERVER or {DEFAULT_SERVER})")
+    health.add_argument("--server", default=default_server(), type=server_address, metavar="HOST:PORT",
+                        help=f"server address, HOST[:PORT] (port 8001 if none; default $CAPSNET_SERVER or "
+                             f"{DEFAULT_SERVER})")
     health.add_argument("--service", default="", metavar="NAME",
                         help="one API, e.g. inference.GRPCInferenceService (default '': the whole server)")
     health.add_argument("--tls-ca", metavar="PEM", help="CA certificate of the server (enables TLS)")
@@ -179,9 +188,6 @@ def run_health(args: argparse.Namespace) -> int:
 
 def check_client_args(args: argparse.Namespace) -> None:
     """What `predict` and `health` share: --server, --timeout and the TLS files, checked before any channel opens."""
-    # gRPC dials port 443 for a name without one; a capsnet server listens on 8001 unless told otherwise
-    if "/" not in args.server and (":" not in args.server or args.server.endswith("]")):
-        args.server = f"{args.server}:{DEFAULT_SERVER.rpartition(':')[2]}"
     _, colon, port = args.server.rpartition(":")
     # Only a numeric port is checked: targets such as unix:/path or dns:///name are gRPC's to parse. Out of range,
     # gRPC would quietly connect to the port modulo 65536 and report that one.

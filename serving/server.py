@@ -88,9 +88,10 @@ class CapsNetServer:
         config = self.config
         self.service = InferenceService.load(config, self.metrics)
         self.max_message_bytes = config.max_message_bytes or message_limit(self.service.spec, config.max_image_scale)
-        if self.max_message_bytes < least_message_limit(self.service.spec):  # only a given limit can be this small
+        least = least_message_limit(self.service.spec)
+        if self.max_message_bytes < least:  # only a given limit can be this small
             raise CapsNetError(f"--max-message-bytes {self.max_message_bytes} cannot hold one float32 image of this "
-                               f"model or its answer; it must be at least {least_message_limit(self.service.spec)}")
+                               f"model or its answer; it must be at least {least}")
         if self.max_message_bytes > GRPC_INT_MAX:  # only a derived limit gets here: config checks a given one
             raise CapsNetError(f"the message limit derived from --max-batch-size {self.service.spec.max_batch_size} and "
                                f"--max-image-scale {config.max_image_scale} is {self.max_message_bytes} bytes, over "

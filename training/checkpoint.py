@@ -28,7 +28,8 @@ from capsnet.training.model import CapsNet
 
 FORMAT_NAME = "capsnet-checkpoint"
 FORMAT_VERSION = 1
-TEMPORARY_SUFFIX = ".tmp"  # a save writes .NAME.XXXXXXXX.tmp beside NAME, then renames it
+# A save writes .NAME.XXXXXXXX.tmp beside NAME (hidden, random), then renames it over NAME.
+TEMPORARY_SUFFIX = ".tmp"
 
 
 def create_model(config: CapsNetConfig) -> nn.Module:
@@ -80,7 +81,7 @@ def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike) -> None:
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX, dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=TEMPORARY_SUFFIX, dir=path.parent)
     except OSError as err:
         raise CapsNetError(f"cannot write checkpoint {path}: {err.strerror or err}") from None
     try:
@@ -98,11 +99,15 @@ def remove_leftover_temporaries(path: str | os.PathLike) -> list[Path]:
     for a caller that owns `path`, since another process's save in progress looks the same."""
     path = Path(path)
     removed = []
-    for leftover in path.parent.glob(f"{glob.escape('.' + path.name)}.*{TEMPORARY_SUFFIX}"):
+    for leftover in path.parent.glob(f"{glob.escape(_temporary_prefix(path))}*{TEMPORARY_SUFFIX}"):
         with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove: nothing worse than before
             leftover.unlink()
             removed.append(leftover)
     return removed
+
+
+def _temporary_prefix(path: Path) -> str:
+    return f".{path.name}."
 
 
 def _current_umask() -> int:

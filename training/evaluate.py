@@ -24,6 +24,7 @@ from capsnet.training.model import CapsNet
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class Evaluation:
     confusion: np.ndarray  # (J, J) counts: rows are true classes, columns predicted classes

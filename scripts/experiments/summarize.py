@@ -57,13 +57,14 @@ def print_choice(runs: dict[str, dict[int, Checkpoint]]) -> None:
     def validation(checkpoint: Checkpoint) -> float:
         return 100 * checkpoint.metrics["validation_accuracy"]
 
+    means = {configuration: statistics.mean(map(validation, by_seed.values()))
+             for configuration, by_seed in runs.items()}
     print("| configuration | seeds | best validation accuracy, mean | per seed (epoch) |")
     print("|---|---|---|---|")
-    by_mean = sorted(runs.items(), key=lambda item: -statistics.mean(map(validation, item[1].values())))
-    for configuration, by_seed in by_mean:
+    for configuration in sorted(runs, key=lambda name: -means[name]):
+        by_seed = runs[configuration]
         per_seed = ", ".join(f"{validation(by_seed[seed]):.2f} ({by_seed[seed].epoch})" for seed in sorted(by_seed))
-        print(f"| {configuration} | {len(by_seed)} | {statistics.mean(map(validation, by_seed.values())):.2f} | "
-              f"{per_seed} |")
+        print(f"| {configuration} | {len(by_seed)} | {means[configuration]:.2f} | {per_seed} |")
     name, chosen = max(((f"{configuration}-seed{seed}", checkpoint) for configuration, by_seed in runs.items()
                         for seed, checkpoint in by_seed.items()), key=lambda run: validation(run[1]))
     print(f"\nchosen: {name}, epoch {chosen.epoch}: validation {validation(chosen):.2f}%, "
