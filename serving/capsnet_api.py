@@ -12,9 +12,9 @@ import grpc
 import numpy as np
 from google.protobuf.duration_pb2 import Duration
 
-from capsnet.serving.errors import InvalidInput
+from capsnet.serving.errors import InvalidInput, ServerNotReady
 from capsnet.serving.images import decode_images
-from capsnet.serving.service import InferenceResult, InferenceService
+from capsnet.serving.service import SHUTTING_DOWN, InferenceResult, InferenceService
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc as pb_grpc
 
@@ -39,26 +39,36 @@ class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
         slots = asyncio.Semaphore(self.service.spec.max_batch_size)
         pending: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()
 
+        def end_after_answered(err: Exception) -> None:
+            """End the stream with `err` once the requests already in progress are answered."""
+            failed = asyncio.get_running_loop().create_future()
+            failed.set_exception(err)
+            pending.put_nowait(failed)
+
         async def read() -> None:
             try:
                 async for request in request_iterator:
                     await slots.acquire()
                     pending.put_nowait(asyncio.create_task(self._classify(request, context, time.monotonic())))
-            except InvalidInput as err:  # an unparseable message: ends the stream after the earlier answers
-                failed = asyncio.get_running_loop().create_future()
-                failed.set_exception(err)
-                pending.put_nowait(failed)
+            except InvalidInput as err:  # an unparseable message
+                end_after_answered(err)
             finally:
                 pending.put_nowait(None)  # end of the requests
 
-        reader = asyncio.create_task(read())
+        async def end_at_shutdown() -> None:
+            # An open stream would otherwise hold the shutdown for its whole grace period.
+            await self.service.refusing.wait()
+            end_after_answered(ServerNotReady(SHUTTING_DOWN))
+
+        helpers = [asyncio.create_task(read()), asyncio.create_task(end_at_shutdown())]
         try:
             while (task := await pending.get()) is not None:
                 response = await task  # a ServingError ends the stream with its status (the interceptor's)
                 slots.release()
                 yield response
         finally:
-            reader.cancel()
+            for helper in helpers:
+                helper.cancel()
             while not pending.empty():
                 if task := pending.get_nowait():
                     task.cancel()  # on a task that already failed, this drops its error unlogged

@@ -14,8 +14,6 @@ from capsnet.v1 import capsnet_pb2 as pb
 PIL_MODES = {1: "L", 3: "RGB"}  # model channels -> the PIL mode encoded images are converted to
 TENSOR_DTYPES = {pb.DATA_TYPE_UINT8: np.dtype("u1"), pb.DATA_TYPE_FLOAT32: np.dtype("<f4")}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-# A PNG file: 8-byte signature, then the IHDR chunk (length, type, width, height, bit depth, ...).
-PNG_BIT_DEPTH_OFFSET = 24
 
 
 def max_encoded_bytes(shape: tuple[int, int, int], max_scale: int) -> int:
@@ -70,7 +68,7 @@ def decode_encoded(data: bytes, field: str, shape: tuple[int, int, int], max_sca
         with Image.open(io.BytesIO(data), formats=["PNG", "JPEG"]) as image:  # reads the header only
             if image.width > max_scale * width or image.height > max_scale * height:
                 raise _too_large(field, image.size, shape, max_scale)
-            if image.format == "PNG" and data[PNG_BIT_DEPTH_OFFSET] == 16:
+            if image.format == "PNG" and _sixteen_bit(image):
                 # PIL would cut 16-bit RGB to 8 bits and clip 16-bit grey to 0..255, not scale them
                 raise InvalidInput(f"{field}: a 16-bit PNG; expected an 8-bit PNG or a JPEG, "
                                    "or send the pixels as a float32 tensor")
@@ -92,6 +90,12 @@ def decode_encoded(data: bytes, field: str, shape: tuple[int, int, int], max_sca
     if channels == 1:
         return pixels[None]  # (1, H, W)
     return pixels.transpose(2, 0, 1)  # (3, H, W)
+
+
+def _sixteen_bit(image: Image.Image) -> bool:
+    """Whether Pillow will read 16-bit samples: its raw mode says so ("I;16B", "RGB;16B", ...), wherever the file
+    put its IHDR chunk (Pillow accepts chunks before it)."""
+    return any(isinstance(tile.args, str) and ";16" in tile.args for tile in image.tile)
 
 
 def _too_large(field: str, size: tuple[int, int], shape: tuple[int, int, int], max_scale: int) -> InvalidInput:

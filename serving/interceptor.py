@@ -10,8 +10,8 @@
 - Every RPC whose handler ran is counted once by its real outcome: CANCELLED and DEADLINE_EXCEEDED when the
   client gave up. Calls gRPC ended before the handler ran are not counted: a request over the message limit,
   a client that cancelled and a deadline that passed while gRPC held the call all look the same from here.
-- The RPCs in flight are counted, health checks aside, so a shutdown can wait for them and the in-flight
-  gauge (which the Kubernetes HPA scales on) is load, not open health watches.
+- The RPCs in flight are counted, health checks and reflection aside, so a shutdown can wait for them and the
+  in-flight gauge (which the Kubernetes HPA scales on) is load, not open health watches.
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ API_NAMES = {
     "grpc.health.v1.Health": "health",
     "grpc.reflection.v1alpha.ServerReflection": "reflection",
 }
-# Health watches live as long as their client wants: a shutdown does not wait for them, and the in-flight
-# gauge does not count them (a load balancer holding one Watch per replica would read as constant load).
-_NOT_IN_FLIGHT = {"health"}
+# Health watches and reflection streams live as long as their client wants: a shutdown ends them instead of
+# waiting for them, and the in-flight gauge does not count them (a load balancer holding one Watch per replica
+# would read as constant load).
+_NOT_IN_FLIGHT = {"health", "reflection"}
 
 
 class _Unparseable:
@@ -70,13 +71,13 @@ class _Call:
     def begin(self) -> None:
         self.started = time.monotonic()
         self.task = asyncio.current_task()
-        (self.interceptor.watching if self.api in _NOT_IN_FLIGHT else self.interceptor.active).add(self)
+        (self.interceptor.open_streams if self.api in _NOT_IN_FLIGHT else self.interceptor.active).add(self)
 
     def end(self, context) -> None:
         code = self.code or context.code() or grpc.StatusCode.OK
         metrics = self.interceptor.metrics
         self.interceptor.active.discard(self)
-        self.interceptor.watching.discard(self)
+        self.interceptor.open_streams.discard(self)
         metrics.requests.labels(self.api, self.method, code.name).inc()
         metrics.request_duration.labels(self.api, self.method).observe(time.monotonic() - self.started)
 
@@ -96,21 +97,21 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.active: set[_Call] = set()  # RPCs (but health checks) whose handler is running
-        self.watching: set[_Call] = set()  # health checks (Watch streams) whose handler is running
-        self.ending_watches = False
+        self.open_streams: set[_Call] = set()  # health checks and reflection streams whose handler is running
+        self.ending_open_streams = False
         metrics.inflight.set_function(lambda: len(self.active))  # read at each scrape, never out of step
 
     def busy_before(self, moment: float) -> bool:
         """Whether an RPC that started before `moment` (time.monotonic()) is still running."""
         return any(call.started < moment for call in self.active)
 
-    async def end_watches(self, timeout: float) -> None:
-        """Shutdown: end the health Watch streams (which last as long as their client wants) with UNAVAILABLE,
-        so that gRPC's stop does not cancel them (it logs an ERROR traceback for each)."""
-        self.ending_watches = True
-        for call in self.watching:
+    async def end_open_streams(self, timeout: float) -> None:
+        """Shutdown: end the health Watch and reflection streams (which last as long as their client wants) with
+        UNAVAILABLE, so that gRPC's stop does not cancel them (it logs an ERROR traceback for each)."""
+        self.ending_open_streams = True
+        for call in self.open_streams:
             call.task.cancel()
-        if tasks := {call.task for call in self.watching}:
+        if tasks := {call.task for call in self.open_streams}:
             await asyncio.wait(tasks, timeout=timeout)
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -160,7 +161,11 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                             yield response
                 except ServingError as err:
                     call.refuse(context, STATUS_CODES[type(err)], err.message)
-                except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: cancelled while at `yield`
+                except asyncio.CancelledError:
+                    if not self._ended_by_shutdown(call, context):
+                        call.gave_up(context)
+                        raise
+                except GeneratorExit:  # cancelled while at `yield`
                     call.gave_up(context)
                     raise
                 finally:
@@ -177,17 +182,23 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                     call.refuse(context, STATUS_CODES[type(err)], err.message)
                     return None
                 except asyncio.CancelledError:
-                    if self.ending_watches and call in self.watching:  # end_watches(): the call ends, not its task
-                        task = asyncio.current_task()
-                        if hasattr(task, "uncancel"):  # Python 3.11+ counts cancellations; 3.10 needs nothing
-                            task.uncancel()
-                        call.refuse(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+                    if self._ended_by_shutdown(call, context):
                         return None
                     call.gave_up(context)
                     raise
                 finally:
                     call.end(context)
         return wrapped
+
+    def _ended_by_shutdown(self, call: _Call, context) -> bool:
+        """Whether end_open_streams() cancelled this call; if so the call ends UNAVAILABLE, and its task goes on."""
+        if not (self.ending_open_streams and call in self.open_streams):
+            return False
+        task = asyncio.current_task()
+        if hasattr(task, "uncancel"):  # Python 3.11+ counts cancellations; 3.10 needs nothing
+            task.uncancel()
+        call.refuse(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        return True
 
 
 def _guarded(deserializer):

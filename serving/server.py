@@ -6,7 +6,8 @@ requests are still served for the drain window, so load balancers stop sending f
 that arrive get UNAVAILABLE while those that arrived before finish (up to the grace period), and only
 when none is left does gRPC stop. gRPC cancels calls it holds when it stops, so stopping it while
 calls still arrive would answer them CANCELLED; the server's own refusal keeps taking them meanwhile.
-Open health Watch streams are ended with UNAVAILABLE just before. A second signal skips the waits.
+Open health Watch and reflection streams are ended with UNAVAILABLE just before; our API's open streams end
+once their requests in progress are answered. A second signal skips the waits.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ MESSAGE_OVERHEAD_BYTES = 64 * 1024
 # During shutdown, after the last request that arrived before the refusals has ended, gRPC is stopped
 # this much later: time for the event loop to take (and refuse) the calls gRPC still holds.
 SETTLE_S = 0.1
-# Then what is left are quick calls (refusals, metadata), and health Watch streams (which gRPC clients with
-# client-side health checking keep open) while they end: gRPC cancels them after this, not after the whole
-# grace period.
+# Then what is left are quick calls (refusals, metadata), and health Watch and reflection streams (which clients
+# keep open, e.g. gRPC's client-side health checking) while they end: gRPC cancels them after this, not after the
+# whole grace period.
 STOP_GRACE_S = 1.0
 
 
@@ -81,10 +82,12 @@ class CapsNetServer:
         self._interceptor: RequestInterceptor | None = None
         self._health = health.aio.HealthServicer()
         self._metrics_http = None
+        self._served = False  # whether health ever said SERVING
         self._stop_now = asyncio.Event()
 
-    async def start(self) -> None:
-        """Load, listen, warm up. CapsNetError when the model, a port or a TLS file is unusable."""
+    async def start(self, stopping: asyncio.Event | None = None) -> None:
+        """Load, listen, warm up, then SERVING unless `stopping` was set meanwhile (a signal during startup:
+        stop() follows). CapsNetError when the model, a port or a TLS file is unusable."""
         config = self.config
         self.service = InferenceService.load(config, self.metrics)
         self.max_message_bytes = config.max_message_bytes or message_limit(self.service.spec, config.max_image_scale)
@@ -134,22 +137,26 @@ class CapsNetServer:
         self.metrics_port = self._metrics_http.server_port
 
         await self.service.warmup()
+        if stopping is not None and stopping.is_set():
+            return
         for name in HEALTH_SERVICES:
             await self._health.set(name, SERVING)
+        self._served = True
 
     async def stop(self) -> None:
         """Drain (see the module's docstring); requests still running after the grace period are cancelled.
         stop_now() meanwhile cuts the waits short: every call still running is cancelled at once."""
         await self._health.enter_graceful_shutdown()
         self.service.ready = False
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop_now.wait(), self.config.drain_window_s)
+        if self._served:  # balancers that saw SERVING may still send for a moment
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop_now.wait(), self.config.drain_window_s)
         refusing_since = self.service.refuse_new_requests()
         deadline = refusing_since + self.config.grace_period_s
         while self._interceptor.busy_before(refusing_since) and time.monotonic() < deadline and not self._stop_now.is_set():
             await asyncio.sleep(0.01)
         await asyncio.sleep(SETTLE_S)
-        await self._interceptor.end_watches(STOP_GRACE_S)
+        await self._interceptor.end_open_streams(STOP_GRACE_S)
         grace = None if self._stop_now.is_set() else min(STOP_GRACE_S, max(0.0, deadline - time.monotonic()))
         await self._grpc.stop(grace)
         await self.service.close()
@@ -179,21 +186,26 @@ def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
 
 
 async def serve(config: ServerConfig) -> int:
-    """Run until SIGTERM or SIGINT; 0 after a graceful shutdown."""
-    server = CapsNetServer(config)
-    await server.start()
-    spec = server.service.spec
-    scheme = "grpcs" if config.tls_cert else "grpc"
-    # One line on stdout that scripts (and tests, with port 0) read the bound ports from.
-    print(f"capsnet serve: ready: {spec.name} {spec.version} on {spec.backend} ({spec.precision}); "
-          f"{scheme}://{config.host}:{server.grpc_port} metrics http://{config.host}:{server.metrics_port}/metrics",
-          flush=True)
+    """Run until SIGTERM or SIGINT; 0 after a graceful shutdown. A signal during startup (Kubernetes stops pods
+    that are still warming up) stops the server once the startup step under way ends, without serving."""
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
-    await stopping.wait()
-    log.info("shutting down: new requests refused, in-flight ones get %.1f s", config.grace_period_s)
+    server = CapsNetServer(config)
+    await server.start(stopping)
+    if stopping.is_set():
+        log.info("a signal arrived during startup: stopping without serving")
+    else:
+        spec = server.service.spec
+        scheme = "grpcs" if config.tls_cert else "grpc"
+        # One line on stdout that scripts (and tests, with port 0) read the bound ports from.
+        print(f"capsnet serve: ready: {spec.name} {spec.version} on {spec.backend} ({spec.precision}); "
+              f"{scheme}://{config.host}:{server.grpc_port} metrics http://{config.host}:{server.metrics_port}/metrics",
+              flush=True)
+        await stopping.wait()
+        log.info("shutting down: health NOT_SERVING; requests still served for %.1f s, then refused; those that "
+                 "arrived before get up to %.1f s more", config.drain_window_s, config.grace_period_s)
     for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal: stop at once
         loop.add_signal_handler(signum, server.stop_now)
     await server.stop()

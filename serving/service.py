@@ -51,6 +51,9 @@ class InferenceResult:
     compute_seconds: float  # backend runs that included these images
 
 
+SHUTTING_DOWN = "the server is shutting down; retry on another replica"
+
+
 class InferenceService:
     def __init__(self, spec: ModelSpec, backend: Backend, batcher: Batcher):
         self.spec = spec
@@ -59,6 +62,7 @@ class InferenceService:
         self.ready = False  # what readiness checks report: warmed up and not shutting down
         self._warmed_up = False
         self._refusing_since: float | None = None  # time.monotonic() from which new requests are refused
+        self.refusing = asyncio.Event()  # set with _refusing_since: open streams end once idle
 
     @classmethod
     def load(cls, config: ServerConfig, metrics: Metrics) -> "InferenceService":
@@ -101,6 +105,7 @@ class InferenceService:
         that arrived before are answered."""
         self.ready = False
         self._refusing_since = time.monotonic()
+        self.refusing.set()
         return self._refusing_since
 
     async def close(self) -> None:
@@ -145,7 +150,7 @@ class InferenceService:
     def check_arrival(self, arrival: float) -> None:
         """ServerNotReady for a request that arrived (time.monotonic()) while warming up or shutting down."""
         if self._refusing_since is not None and arrival >= self._refusing_since:
-            raise ServerNotReady("the server is shutting down; retry on another replica")
+            raise ServerNotReady(SHUTTING_DOWN)
         if not self._warmed_up:
             raise ServerNotReady("the model is not ready (warming up); retry shortly")
 

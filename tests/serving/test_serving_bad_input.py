@@ -53,6 +53,11 @@ def png_chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
 
+def text_chunk_first(data: bytes) -> bytes:
+    """The PNG `data` with a tEXt chunk between its signature and its IHDR."""
+    return PNG_SIGNATURE + png_chunk(b"tEXt", b"Comment\0first") + data[len(PNG_SIGNATURE):]
+
+
 def png_header_only(width: int, height: int) -> bytes:
     """A grey PNG declaring width x height, with no pixels: the header is all a size check may read."""
     return PNG_SIGNATURE + png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)) + png_chunk(b"IEND", b"")
@@ -78,6 +83,9 @@ CASES = {
                                  "(8x the model's 28x28, --max-image-scale)"),
     "16-bit grey png": ([pb.Image(encoded=png(28, 28, "I;16"))], "images[0].encoded: a 16-bit PNG; expected an 8-bit PNG"),
     "16-bit rgb png": ([pb.Image(encoded=png_16bit_rgb(28, 28))], "images[0].encoded: a 16-bit PNG; expected an 8-bit PNG"),
+    # Pillow reads a PNG whose IHDR is not its first chunk; the bit depth is then not at a fixed offset
+    "16-bit png, a chunk before ihdr": ([pb.Image(encoded=text_chunk_first(png(28, 28, "I;16")))],
+                                        "images[0].encoded: a 16-bit PNG; expected an 8-bit PNG"),
     "no data": ([pb.Image()], "images[0]: no data; expected encoded (PNG/JPEG bytes) or tensor"),
     "empty batch": ([], "images: empty batch; expected 1 to 8 images"),
     "batch over limit": ([image_message(GOOD)] * 9, "images: 9 images exceed the maximum of 8 per request"),

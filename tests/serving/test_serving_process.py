@@ -3,9 +3,11 @@ client, and a real Prometheus scraping the server."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -20,13 +22,16 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from PIL import Image
 
 from capsnet.cli import main
 from capsnet.serving.client import image_message
+from capsnet.serving.server import CapsNetServer
+from capsnet.serving.service import SHUTTING_DOWN
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
-from serving_helpers import ServeProcess, metric, scrape, wait_until
+from serving_helpers import ServeProcess, metric, scrape, server_config, wait_until
 
 IMAGE = np.random.default_rng(5).random((1, 28, 28), dtype=np.float32)  # (1, 28, 28)
 
@@ -134,6 +139,60 @@ def test_health_watch_open_at_shutdown_ends_unavailable_without_a_traceback(mode
         assert "Traceback" not in stderr and " ERROR " not in stderr, stderr
     finally:
         served.stop()
+
+
+def test_idle_streams_open_at_shutdown_end_unavailable_instead_of_holding_the_grace_period(model_dir):
+    served = ServeProcess("--model", str(model_dir), "--drain-window", "0", "--grace-period", "120")
+    classify_requests, reflection_requests = queue.Queue(), queue.Queue()
+    try:
+        with grpc.insecure_channel(served.target) as channel:
+            classify = capsnet_pb2_grpc.CapsNetServiceStub(channel).ClassifyStream(
+                iter(classify_requests.get, None), timeout=300)
+            classify_requests.put(pb.ClassifyRequest(images=[image_message(IMAGE)], request_id="before"))
+            assert next(classify).request_id == "before"
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter(reflection_requests.get, None), timeout=300)
+            reflection_requests.put(reflection_pb2.ServerReflectionRequest(list_services=""))
+            assert next(reflection).HasField("list_services_response")
+            signalled = time.monotonic()
+            served.process.send_signal(signal.SIGTERM)
+            # Both streams are idle: nothing of theirs is in progress.
+            for stream, details in ((classify, SHUTTING_DOWN), (reflection, "the server is shutting down")):
+                with pytest.raises(grpc.RpcError) as caught:
+                    next(stream)
+                assert (caught.value.code(), caught.value.details()) == (grpc.StatusCode.UNAVAILABLE, details)
+            assert served.process.wait(timeout=150) == 0
+        assert time.monotonic() - signalled < 60, "an idle stream held the shutdown for the grace period"
+        stderr = served.process.stderr.read()
+        assert "Traceback" not in stderr and " ERROR " not in stderr, stderr
+    finally:
+        classify_requests.put(None)
+        reflection_requests.put(None)
+        served.stop()
+
+
+def test_a_signal_during_startup_stops_the_server_without_serving(model_dir):
+    async def start_and_stop() -> tuple[int, bool, float]:
+        server = CapsNetServer(server_config(model_dir, drain_window_s=300.0, grace_period_s=300.0))
+        stopping = asyncio.Event()
+        stopping.set()  # what serve()'s signal handler does when SIGTERM comes while the model loads
+        await server.start(stopping)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            health_stub = health_pb2_grpc.HealthStub(channel)
+            status = (await health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)).status
+            watch = health_stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+            assert (await watch.read()).status == status
+            began = time.monotonic()
+            await asyncio.wait_for(server.stop(), 120)  # a server that had served would wait out the 300 s window
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                while True:  # the watch saw nothing but NOT_SERVING, then ended with the server
+                    assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            return status, ended.value.code(), time.monotonic() - began
+
+    status, watch_end, stop_seconds = asyncio.run(start_and_stop())
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert watch_end == grpc.StatusCode.UNAVAILABLE
+    assert stop_seconds < 60, "stop() waited for the drain window of a server that never served"
 
 
 def test_second_signal_cuts_the_drain_short(model_dir):
