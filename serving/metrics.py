@@ -2,16 +2,18 @@
 
 Request counts and latencies are recorded for every RPC by the gRPC interceptor (`serving/interceptor.py`:
 our API, KServe, health and reflection alike); queue wait, compute time, batch sizes and images inside
-the batcher. /metrics is prometheus-client's WSGI app behind a server with a few threads and socket
-timeouts, so idle or slow connections cannot pile up threads; it is meant for Prometheus on a private
-network, never for the internet.
+the batcher. /metrics is prometheus-client's WSGI app behind a server with a few threads, socket timeouts
+and a deadline per connection, so idle or slow connections can neither pile up threads nor hold them; it is
+meant for Prometheus on a private network, never for the internet.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
+import time
 import wsgiref.simple_server
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,6 +30,8 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 # once), and how long one may stay silent (its request unsent, or its answer unread) before it is closed.
 HTTP_WORKERS = 8
 HTTP_TIMEOUT_S = 3.0
+# How long a connection may last in all, however it trickles bytes (Prometheus' default scrape timeout).
+HTTP_DEADLINE_S = 10.0
 
 
 class Metrics:
@@ -87,8 +91,8 @@ class _QuietHandler(wsgiref.simple_server.WSGIRequestHandler):
 
 
 class MetricsHTTPServer(wsgiref.simple_server.WSGIServer):
-    """At most HTTP_WORKERS connections are served at once, each for at most HTTP_TIMEOUT_S of silence;
-    a connection beyond them is closed at once, so neither threads nor sockets pile up."""
+    """At most HTTP_WORKERS connections are served at once, each for at most HTTP_TIMEOUT_S of silence and
+    HTTP_DEADLINE_S in all; a connection beyond them is closed at once, so neither threads nor sockets pile up."""
 
     request_queue_size = 64  # the listen backlog: connections the kernel completes before they are accepted
 
@@ -97,6 +101,8 @@ class MetricsHTTPServer(wsgiref.simple_server.WSGIServer):
         # before binding: a port in use makes socketserver call server_close(), which shuts the pool down
         self._workers = threading.BoundedSemaphore(HTTP_WORKERS)
         self._pool = ThreadPoolExecutor(HTTP_WORKERS, thread_name_prefix="capsnet-metrics")
+        self._deadlines: dict[socket.socket, float] = {}  # connection -> time.monotonic() it is cut at
+        self._deadlines_lock = threading.Lock()
         super().__init__(address, _QuietHandler)
         self.set_app(app)
 
@@ -104,7 +110,19 @@ class MetricsHTTPServer(wsgiref.simple_server.WSGIServer):
         if not self._workers.acquire(blocking=False):
             self.shutdown_request(request)
             return
+        with self._deadlines_lock:
+            self._deadlines[request] = time.monotonic() + HTTP_DEADLINE_S
         self._pool.submit(self._serve, request, client_address)
+
+    def service_actions(self) -> None:
+        """serve_forever() calls this between polls (every 0.5 s): cut the connections past their deadline, so a
+        client trickling a byte every few seconds cannot hold a worker."""
+        now = time.monotonic()
+        with self._deadlines_lock:
+            late = [request for request, deadline in self._deadlines.items() if deadline < now]
+        for request in late:
+            with contextlib.suppress(OSError):  # already closed by its worker
+                request.shutdown(socket.SHUT_RDWR)
 
     def _serve(self, request, client_address) -> None:
         try:
@@ -114,6 +132,8 @@ class MetricsHTTPServer(wsgiref.simple_server.WSGIServer):
         except Exception:
             log.exception("/metrics failed for %s", client_address[0])
         finally:
+            with self._deadlines_lock:
+                del self._deadlines[request]
             self.shutdown_request(request)
             self._workers.release()
 

@@ -8,6 +8,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import select
 import signal
 import socket
 import threading
@@ -21,7 +22,8 @@ from capsnet.kserve import grpc_service_pb2 as kserve_pb
 from capsnet.kserve import grpc_service_pb2_grpc as kserve_grpc
 from capsnet.serving.client import image_message
 from capsnet.serving.loadgen import burst
-from capsnet.serving.metrics import HTTP_TIMEOUT_S, HTTP_WORKERS
+from capsnet.serving import metrics as metrics_module
+from capsnet.serving.metrics import HTTP_TIMEOUT_S, HTTP_WORKERS, Metrics
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
 from serving_helpers import ServeProcess, ServerThread, metric, scrape, server_config, wait_until
@@ -274,3 +276,34 @@ def test_metrics_endpoint_is_bounded(server):
         for connection in idle:
             connection.close()
     wait_until(lambda: metric(scrape(server.metrics_url), "capsnet_images_total") >= 0, timeout=HTTP_TIMEOUT_S + 5)
+
+
+def test_metrics_connections_trickling_bytes_are_cut_at_their_deadline(monkeypatch):
+    """Connections that send a byte every 0.3 s (never silent for HTTP_TIMEOUT_S) hold every worker, until their
+    deadline; then /metrics answers again."""
+    monkeypatch.setattr(metrics_module, "HTTP_DEADLINE_S", 1.5)
+    httpd = Metrics(max_batch_size=8).serve_http("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{httpd.server_port}/metrics"
+    trickling = [socket.create_connection(("127.0.0.1", httpd.server_port), timeout=5) for _ in range(HTTP_WORKERS)]
+    try:
+        started, cut = time.monotonic(), {}
+        while len(cut) < len(trickling) and time.monotonic() - started < 10:
+            for index, connection in enumerate(trickling):
+                if index in cut:
+                    continue
+                try:
+                    connection.sendall(b"G")
+                    readable, _, _ = select.select([connection], [], [], 0)
+                    if readable and connection.recv(1) == b"":
+                        cut[index] = time.monotonic() - started
+                except OSError:  # reset by the server
+                    cut[index] = time.monotonic() - started
+            time.sleep(0.3)
+        assert len(cut) == HTTP_WORKERS, f"{HTTP_WORKERS - len(cut)} trickling connections still open after 10 s"
+        assert min(cut.values()) >= 1.0, cut  # not cut for silence: they never were silent
+        assert metric(scrape(url), "capsnet_images_total") == 0
+    finally:
+        for connection in trickling:
+            connection.close()
+        httpd.shutdown()
+        httpd.server_close()
