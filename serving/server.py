@@ -51,6 +51,26 @@ SETTLE_S = 0.1
 STOP_GRACE_S = 1.0
 
 
+class _CallEndedFirst(logging.Filter):
+    """gRPC logs an ERROR with a traceback when an answer cannot be sent because the client cancelled (or its
+    deadline passed, or it disconnected) a moment before: a race inside gRPC, which ignores the same failure once it
+    has seen the cancellation. A client giving up is ordinary traffic: one WARNING line instead."""
+
+    PREFIX = "ExecuteBatchError raised in core by servicer method"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if text.startswith(self.PREFIX):
+            record.msg = "could not answer %s: the call had ended first (cancelled, past its deadline or disconnected)"
+            record.args = (text[len(self.PREFIX):].strip(" []"),)
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+GRPC_CORE_LOG = logging.getLogger("grpc._cython.cygrpc")
+
+
 def message_limit(spec: ModelSpec, max_image_scale: int) -> int:
     """The default --max-message-bytes: a full batch of the largest accepted images, as float32 tensors or
     encoded (max_encoded_bytes), or of their float32 outputs, whichever is largest, with framing."""
@@ -100,6 +120,8 @@ class CapsNetServer:
                                f"--max-image-scale {config.max_image_scale} is {self.max_message_bytes} bytes, over "
                                f"gRPC's limit of {GRPC_INT_MAX}: lower them, or set --max-message-bytes")
         self._interceptor = RequestInterceptor(self.metrics, self.max_message_bytes)
+        if not any(isinstance(f, _CallEndedFirst) for f in GRPC_CORE_LOG.filters):
+            GRPC_CORE_LOG.addFilter(_CallEndedFirst())
         self._grpc = grpc.aio.server(
             interceptors=[self._interceptor],
             options=[("grpc.max_receive_message_length", self.max_message_bytes),
