@@ -39,6 +39,10 @@ STATUS_CODES: dict[type[ServingError], grpc.StatusCode] = {
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     InferenceError: grpc.StatusCode.INTERNAL,
 }
+# A status message travels in a header, percent-encoded beyond printable ASCII (up to 3 bytes per UTF-8 byte), and
+# gRPC refuses headers over 8-16 KiB: the client would get RESOURCE_EXHAUSTED instead of our status. Messages that
+# quote a client's values (a name, a shape) are cut to this many UTF-8 bytes.
+MAX_DETAILS_BYTES = 1500
 # short `api` label values of the services the server hosts; anything else is counted as "unknown"
 API_NAMES = {
     "capsnet.v1.CapsNetService": "capsnet",
@@ -85,7 +89,7 @@ class _Call:
         """Answer with `code` (the handler returns right after)."""
         self.code = code
         context.set_code(code)
-        context.set_details(message)
+        context.set_details(_bounded(message))
 
     def gave_up(self, context) -> None:
         """The client cancelled, or its deadline passed (gRPC cancels the handler either way)."""
@@ -199,6 +203,17 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             task.uncancel()
         call.refuse(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         return True
+
+
+def _bounded(message: str) -> str:
+    """`message`, or its start and end around a note of what was cut, within MAX_DETAILS_BYTES."""
+    data = message.encode()
+    if len(data) <= MAX_DETAILS_BYTES:
+        return message
+    keep = MAX_DETAILS_BYTES - 100  # room for the note
+    head = data[:keep * 2 // 3].decode(errors="ignore")  # a character split at a cut is dropped
+    tail = data[-(keep // 3):].decode(errors="ignore")
+    return f"{head} [... {len(data) - len(head.encode()) - len(tail.encode())} bytes cut ...] {tail}"
 
 
 def _guarded(deserializer):

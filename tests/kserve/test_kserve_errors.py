@@ -159,3 +159,13 @@ def test_unknown_model_is_not_found(kserve_stub, rpc, request_type, fields, frag
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     for fragment in fragments:
         assert fragment in caught.value.details()
+
+
+@pytest.mark.parametrize("name", ["m" * 20_000, "é" * 20_000])  # é: 2 UTF-8 bytes, 6 once percent-encoded
+def test_a_huge_quoted_value_is_cut_so_the_status_still_arrives(kserve_stub, name):
+    with pytest.raises(grpc.RpcError) as caught:
+        kserve_stub.ModelReady(pb.ModelReadyRequest(name=name), timeout=10)
+    details = caught.value.details()
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND, details  # not RESOURCE_EXHAUSTED from gRPC
+    assert details.startswith(f"name: unknown model '{name[0]}") and details.endswith("this server serves 'capsnet'")
+    assert "bytes cut ...]" in details and len(details.encode()) <= 1500
