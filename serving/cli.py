@@ -19,10 +19,20 @@ def default_server() -> str:
     return os.environ.get("CAPSNET_SERVER") or DEFAULT_SERVER
 
 
+GRPC_TARGET_SCHEMES = ("unix:", "unix-abstract:", "vsock:", "ipv4:", "ipv6:", "dns:")
+
+
 def server_address(value: str) -> str:
-    """--server: HOST[:PORT]. gRPC dials port 443 for a name without one; a capsnet server listens on 8001."""
-    if "/" not in value and (":" not in value or value.endswith("]")):  # not unix:/path, dns:///name, [::1]:8001
-        return f"{value}:{DEFAULT_SERVER.rpartition(':')[2]}"
+    """--server: HOST[:PORT]. gRPC dials port 443 for a name without one; a capsnet server listens on 8001.
+    gRPC targets with a scheme (unix:/path, dns:///name, ipv4:..., ipv6:...) are passed on as they are."""
+    if "/" in value or value.startswith(GRPC_TARGET_SCHEMES):
+        return value
+    port = DEFAULT_SERVER.rpartition(":")[2]
+    if value.count(":") > 1 and not value.startswith("["):  # a bare IPv6 address: brackets before the port
+        return f"[{value}]:{port}"
+    value = value.removesuffix(":")  # "host:" gives no port either
+    if ":" not in value or value.endswith("]"):
+        return f"{value}:{port}"
     return value
 
 

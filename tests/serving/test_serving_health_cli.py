@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from capsnet.cli import build_parser, main
-from capsnet.serving.cli import DEFAULT_SERVER
+from capsnet.serving.cli import DEFAULT_SERVER, server_address
 from capsnet.serving.client import check_health
 
 
@@ -48,6 +48,16 @@ def test_a_server_without_a_port_is_dialled_on_8001(capsys):
     assert main(["health", "--server", "127.0.0.1", "--timeout", "5"]) == 2
     line = one_error_line(capsys)
     assert line.startswith("capsnet health: error: 127.0.0.1:8001: UNAVAILABLE"), line
+
+
+@pytest.mark.parametrize("given, dialled", [
+    ("localhost", "localhost:8001"), ("localhost:", "localhost:8001"), ("localhost:9000", "localhost:9000"),
+    ("::1", "[::1]:8001"), ("fe80::", "[fe80::]:8001"), ("[::1]", "[::1]:8001"), ("[::1]:", "[::1]:8001"),
+    ("[::1]:9000", "[::1]:9000"), ("unix:/run/capsnet.sock", "unix:/run/capsnet.sock"), ("unix:capsnet.sock", "unix:capsnet.sock"),
+    ("dns:///capsnet.example:9000", "dns:///capsnet.example:9000"), ("ipv6:[::1]:9000", "ipv6:[::1]:9000"),
+])
+def test_server_address_without_a_port_gets_8001(given, dialled):
+    assert server_address(given) == dialled
 
 
 def test_health_of_a_not_serving_server(capsys):
