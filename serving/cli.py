@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import re
 
 from capsnet.errors import CapsNetError
 
@@ -147,8 +148,8 @@ def run_predict(args: argparse.Namespace) -> int:
     try:
         with CapsNetClient(args.server, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                            timeout=args.timeout) as client:
-            predictions = client.classify(args.images, poses=args.poses, top_k=args.top_k,
-                                          reconstruction=args.reconstruction is not None)
+            predictions = classify_files(client, args.images, args.server, poses=args.poses, top_k=args.top_k,
+                                         reconstruction=args.reconstruction is not None)
     except grpc.RpcError as err:
         raise CapsNetError(f"{args.server}: {err.code().name}: {err.details()}") from None
     except OSError as err:
@@ -172,6 +173,25 @@ def run_predict(args: argparse.Namespace) -> int:
             for index, pose in enumerate(prediction.poses):
                 print(f"  pose {index}: " + " ".join(f"{v:+.4f}" for v in pose))
     return 0
+
+
+def classify_files(client, paths: list[str], server: str, **options) -> list:
+    """Every file, in requests of at most the server's max_batch_size (a glob may match more); an image the server
+    refuses is named by its file instead of its index in the request."""
+    import grpc
+
+    per_request = client.model_info().max_batch_size if len(paths) > 1 else 1
+    predictions = []
+    for start in range(0, len(paths), per_request):
+        chunk = paths[start:start + per_request]
+        try:
+            predictions += client.classify(chunk, **options)
+        except grpc.RpcError as err:
+            field = re.match(r"images\[(\d+)\][.\w]*: ", err.details() or "")
+            if err.code() != grpc.StatusCode.INVALID_ARGUMENT or field is None:
+                raise
+            raise CapsNetError(f"{server}: INVALID_ARGUMENT: {chunk[int(field[1])]}: {err.details()[field.end():]}") from None
+    return predictions
 
 
 def run_health(args: argparse.Namespace) -> int:

@@ -243,6 +243,18 @@ def test_predict_prints_classes_without_importing_torch(server, tmp_path):
         assert item["probability"] == pytest.approx(float(expected.max()), abs=1e-6)
 
 
+def test_predict_sends_more_files_than_a_batch_in_several_requests(server, tmp_path, capsys):
+    paths = write_pngs(tmp_path, 11)  # the test server takes 8 images per request
+    assert main(["predict", *paths, "--server", server.target]) == 0
+    assert [line.split(": ")[0] for line in capsys.readouterr().out.splitlines()] == paths
+
+    bad = tmp_path / "not-a-png.png"
+    bad.write_bytes(b"certainly not a PNG")
+    assert main(["predict", *paths[:9], str(bad), "--server", server.target]) == 2  # in the second request
+    assert capsys.readouterr().err.strip() == (f"capsnet predict: error: {server.target}: INVALID_ARGUMENT: {bad}: cannot "
+                                               "decode (19 bytes): expected a PNG or JPEG file")
+
+
 def test_predict_into_a_closed_pipe_stops_quietly(server, tmp_path):
     """`capsnet predict --json | head -c 1`: the reader is gone before the answer is printed."""
     reader, writer = os.pipe()
