@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc as pb_grpc
 
-DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the server's default limit
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # generous: the server derives its own from its model (~1.7 MB for digits)
 
 
 @dataclass
@@ -34,16 +34,20 @@ class Prediction:
     top_classes: list[tuple[int, str, float]]  # (index, name, probability), most probable first
 
 
-def image_message(image: bytes | str | os.PathLike | np.ndarray) -> pb.Image:
-    """PNG/JPEG bytes or a path to such a file -> encoded; a uint8 or float32 (C, H, W) array -> tensor."""
-    if isinstance(image, bytes):
-        return pb.Image(encoded=image)
+def image_message(image: bytes | bytearray | memoryview | str | os.PathLike | np.ndarray) -> pb.Image:
+    """PNG/JPEG bytes or a path to such a file -> encoded; a uint8 (0-255) or float (0-1) (C, H, W) array -> tensor.
+    TypeError for arrays of other types, whose scale cannot be guessed (uint16 pixels? int64 labels?)."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return pb.Image(encoded=bytes(image))
     if isinstance(image, (str, os.PathLike)):
         return pb.Image(encoded=Path(image).read_bytes())
     array = np.asarray(image)
-    dtype = pb.DATA_TYPE_UINT8 if array.dtype == np.uint8 else pb.DATA_TYPE_FLOAT32
-    data = np.ascontiguousarray(array, dtype="u1" if dtype == pb.DATA_TYPE_UINT8 else "<f4").tobytes()
-    return pb.Image(tensor=pb.Tensor(dtype=dtype, shape=array.shape, data=data))
+    if array.dtype == np.uint8:
+        return pb.Image(tensor=pb.Tensor(dtype=pb.DATA_TYPE_UINT8, shape=array.shape, data=array.tobytes()))
+    if array.dtype.kind != "f":
+        raise TypeError(f"an image array must be uint8 (0-255) or floating point (0-1), got {array.dtype}")
+    data = np.ascontiguousarray(array, dtype="<f4").tobytes()
+    return pb.Image(tensor=pb.Tensor(dtype=pb.DATA_TYPE_FLOAT32, shape=array.shape, data=data))
 
 
 def channel(target: str, *, tls_ca: str | os.PathLike | None = None, tls_cert: str | os.PathLike | None = None,

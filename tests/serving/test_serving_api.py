@@ -116,6 +116,17 @@ def test_python_client(server):
     assert from_png.probability == pytest.approx(float(from_png.probabilities.max()))
 
 
+def test_python_client_takes_any_bytes_like_image_and_refuses_arrays_of_unknown_scale(server):
+    pixels = RNG.integers(0, 256, (28, 28), dtype=np.uint8)
+    encoded = png_bytes(pixels)
+    with CapsNetClient(server.target) as client:
+        answers = client.classify([encoded, bytearray(encoded), memoryview(encoded), pixels[None] / 255.0])  # float64
+    assert all(np.allclose(answer.probabilities, answers[0].probabilities, atol=1e-6) for answer in answers)
+    for dtype in ("int64", "uint16", "bool"):
+        with pytest.raises(TypeError, match=f"uint8 .0-255. or floating point .0-1., got {dtype}"):
+            image_message(pixels[None].astype(dtype))
+
+
 def test_torch_reference_backend_serves_the_same_results(server, model_dir):
     images = random_images(4)
     reference = ServerThread(server_config(model_dir, backend="torch"))
