@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import reprlib
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,6 +133,7 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise CapsNetError(
             f"checkpoint {path} has format version {version}; this capsnet-serve reads version {FORMAT_VERSION}"
         )
+    _check_fields(payload, path)
     try:
         config = CapsNetConfig.from_dict(payload["config"])
         checkpoint = Checkpoint(
@@ -138,11 +141,11 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
             state_dict=payload["state_dict"],
             class_names=list(payload["class_names"]),
             metrics=payload.get("metrics") or {},
-            epoch=int(payload.get("epoch", 0)),
+            epoch=payload.get("epoch") or 0,
             optimizer_state=payload.get("optimizer_state"),
             scheduler_state=payload.get("scheduler_state"),
             history=payload.get("history") or [],
-            dataset=payload.get("dataset", ""),
+            dataset=payload.get("dataset") or "",
             scaler_state=payload.get("scaler_state"),
             epoch_progress=payload.get("epoch_progress"),
         )
@@ -153,3 +156,33 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise CapsNetError(f"checkpoint {path} is damaged: {len(checkpoint.class_names)} class names for {config.num_classes} classes")
     return checkpoint
 
+
+def _is_list_of(kind: type) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, list) and all(isinstance(item, kind) for item in value)
+
+
+def _is_dict(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+# What each payload field must hold. Fields other than _REQUIRED_FIELDS may be absent or None (their default).
+_FIELD_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "config": ("a dict", _is_dict),
+    "state_dict": ("a dict", _is_dict),
+    "class_names": ("a list of names", _is_list_of(str)),
+    "epoch": ("a count of epochs", lambda value: type(value) is int and value >= 0),  # not a bool either
+    "history": ("a list of per-epoch records", _is_list_of(dict)),
+    "dataset": ("a name", lambda value: isinstance(value, str)),
+    **dict.fromkeys(("metrics", "optimizer_state", "scheduler_state", "scaler_state", "epoch_progress"),
+                    ("a dict", _is_dict)),
+}
+_REQUIRED_FIELDS = ("config", "state_dict", "class_names")
+
+
+def _check_fields(payload: dict, path: Path) -> None:
+    """A file that loads may still hold a field of the wrong kind (edited by hand, written by other code), which
+    would fail later with a traceback, or not fail at all (a string of class names); name the first one."""
+    for name, (meaning, ok) in _FIELD_CHECKS.items():
+        value = payload.get(name)
+        if (value is not None or name in _REQUIRED_FIELDS) and not ok(value):
+            raise CapsNetError(f"checkpoint {path} is damaged: its {name} is not {meaning}: {reprlib.repr(value)}")

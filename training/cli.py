@@ -37,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="total epochs, counting resumed ones (default 10)")
     train.add_argument("--batch-size", type=int, default=64, metavar="B",
                        help="global batch size, split across torchrun processes (default 64)")
-    train.add_argument("--lr", type=float, help="Adam learning rate (default 0.001; 0.01 for --arch em)")
+    train.add_argument("--lr", type=float,
+                       help="Adam learning rate (default 0.001; 0.01 for --arch em; with --resume the checkpoint's)")
     train.add_argument("--lr-schedule", choices=("exponential", "linear"),
                        help="exponential: the rate times --lr-decay after every epoch; linear: per step, a warmup "
                             "over --warmup of the steps, then down to 0 at the last step of --epochs (default: "
@@ -57,7 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "of each training image, aspect ratio 0.3-3.3, to 0 (default 0: off)")
     train.add_argument("--seed", type=int, default=0, metavar="N",
                        help="seed for weights, shuffling and augmentation (default 0)")
-    train.add_argument("--out", type=Path, default=Path("model.ckpt"), metavar="CKPT",
+    # a string, not a Path, which would drop the trailing / that TrainOptions refuses
+    train.add_argument("--out", default="model.ckpt", metavar="CKPT",
                        help="best checkpoint (default model.ckpt)")
     train.add_argument("--resume", nargs="?", const="", metavar="CKPT",
                        help="continue a run from CKPT (default: <out stem>.last.ckpt) up to --epochs")
@@ -113,7 +115,7 @@ def run_train(args: argparse.Namespace) -> int:
     if args.resume is None:
         resume = None
     else:
-        resume = Path(args.resume) if args.resume else last_checkpoint_path(args.out)
+        resume = Path(args.resume) if args.resume else last_checkpoint_path(Path(args.out))
     train(TrainOptions(
         data=args.data, out=args.out, preset=args.preset, arch=args.arch, routing=args.routing,
         routing_iterations=args.routing_iterations, squash_constant=args.squash_constant,

@@ -12,6 +12,7 @@ import gzip
 import math
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -129,17 +130,40 @@ def load_idx_directory(directory: str | Path) -> Dataset:
             raise CapsNetError(f"{label_stem} in {directory} has {labels.shape} labels for {len(images)} images")
         if not len(images):
             raise CapsNetError(f"{image_stem} in {directory} holds no images")
+        if not all(images.shape[1:]):
+            raise CapsNetError(f"{image_stem} in {directory} declares images of {_shape_text(images)}; an image "
+                               "needs at least one pixel and one channel")
         splits[split] = Split(np.ascontiguousarray(images), labels.astype(np.int64))
-    if splits["train"].images.shape[1:] != splits["test"].images.shape[1:]:
-        raise CapsNetError(f"the training images in {directory} are {_shape_text(splits['train'])} but the test "
-                           f"images {_shape_text(splits['test'])}; both splits need one size")
-    num_classes = int(max(splits["train"].labels.max(), splits["test"].labels.max())) + 1
-    return Dataset(directory.name, splits["train"], splits["test"], guess_class_names(directory, num_classes))
+    train, test = splits["train"], splits["test"]
+    if train.images.shape[1:] != test.images.shape[1:]:
+        raise CapsNetError(f"the training images in {directory} are {_shape_text(train.images)} but the test "
+                           f"images {_shape_text(test.images)}; both splits need one size")
+    # The classes are the training labels 0..highest: a stray label (255 in a corrupt file) would add classes
+    # the model can never learn.
+    highest = int(train.labels.max())
+    empty = np.flatnonzero(np.bincount(train.labels) == 0)
+    if len(empty):
+        raise CapsNetError(f"{IDX_FILES['train'][1]} in {directory}: {_classes(empty)} "
+                           f"{'has' if len(empty) == 1 else 'have'} no training images (labels run 0..{highest})")
+    unknown = np.unique(test.labels[test.labels > highest])
+    if len(unknown):
+        raise CapsNetError(f"{IDX_FILES['test'][1]} in {directory}: {_classes(unknown)} "
+                           f"{'is' if len(unknown) == 1 else 'are'} not among the training classes 0..{highest}")
+    return Dataset(directory.name, train, test, guess_class_names(directory, highest + 1))
 
 
-def _shape_text(split: Split) -> str:
-    channels, height, width = split.images.shape[1:]
+def _shape_text(images: np.ndarray) -> str:
+    channels, height, width = images.shape[1:]  # (N, C, H, W)
     return f"{height}x{width} with {channels} channel{'s' if channels != 1 else ''}"
+
+
+def _classes(labels: np.ndarray) -> str:
+    return f"class {labels[0]}" if len(labels) == 1 else f"classes {brief_list(labels.tolist())}"
+
+
+def brief_list(items: Sequence) -> str:
+    """At most 10 items: Fashion-MNIST's ten names are worth reading in full, a thousand classes are not."""
+    return ", ".join(map(str, items[:10])) + (f", ... ({len(items)} in all)" if len(items) > 10 else "")
 
 
 def load_embedded() -> Dataset:

@@ -17,7 +17,7 @@ import torch
 from capsnet.errors import CapsNetError
 from capsnet.training.checkpoint import Checkpoint
 from capsnet.training.config import CapsNetConfig
-from capsnet.training.data import Dataset, Split, load_dataset, to_float
+from capsnet.training.data import Dataset, Split, brief_list, load_dataset, to_float
 from capsnet.training.distributed import DistributedContext, all_reduce_sum
 from capsnet.training.loss import capsnet_loss
 from capsnet.training.model import CapsNet
@@ -111,13 +111,8 @@ def check_dataset_fits(config: CapsNetConfig, dataset: Dataset, what: str, class
     wanted = tuple(class_names) if every_class else tuple(class_names)[:len(dataset.class_names)]
     if class_names and tuple(dataset.class_names) != wanted:
         need = " and needs data of all of them" if every_class else ""
-        raise CapsNetError(f"{what} was trained on classes {_names(class_names)}{need}; data {dataset.name!r} has "
-                           f"{_names(dataset.class_names)} (a classes.txt in the data folder names its classes)")
-
-
-def _names(names: tuple[str, ...]) -> str:
-    """At most 10 names: Fashion-MNIST's ten are worth reading in full, a thousand classes are not."""
-    return ", ".join(names[:10]) + (f", ... ({len(names)} in all)" if len(names) > 10 else "")
+        raise CapsNetError(f"{what} was trained on classes {brief_list(class_names)}{need}; data {dataset.name!r} has "
+                           f"{brief_list(dataset.class_names)} (a classes.txt in the data folder names its classes)")
 
 
 @torch.no_grad()

@@ -80,7 +80,7 @@ class TrainOptions:
     # optimisation
     epochs: int = 10
     batch_size: int = 64
-    lr: float | None = None  # Adam's learning rate; None: DEFAULT_LR of the architecture
+    lr: float | None = None  # Adam's rate; None: DEFAULT_LR of the architecture (with --resume: the checkpoint's)
     lr_schedule: str | None = None  # None: DEFAULT_LR_SCHEDULE of the architecture (with --resume: the checkpoint's)
     lr_decay: float | None = None  # exponential: multiplies the learning rate after every epoch (DEFAULT_LR_DECAY)
     warmup: float | None = None  # linear: share of the steps the rate rises over (DEFAULT_WARMUP)
@@ -98,9 +98,10 @@ class TrainOptions:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        self.out = Path(self.out)
-        self.resume = None if self.resume is None else Path(self.resume)
         checks = {
+            # Path() would drop the separator, and the checkpoint would become a file named like the folder
+            f"--out {self.out} names a folder; give a file name such as {Path(self.out) / 'model.ckpt'}":
+                not str(self.out).endswith(os.sep),
             "--epochs must be at least 1": self.epochs >= 1,
             "--val-fraction must be at least 0 and below 1": self.val_fraction is None or 0 <= self.val_fraction < 1,
             "--batch-size must be at least 1": self.batch_size >= 1,
@@ -122,6 +123,8 @@ class TrainOptions:
         for message, ok in checks.items():
             if not ok:
                 raise CapsNetError(message)
+        self.out = Path(self.out)
+        self.resume = None if self.resume is None else Path(self.resume)
 
     @property
     def last_path(self) -> Path:
@@ -185,9 +188,15 @@ def epoch_batches(num_images: int, batch_size: int, context: DistributedContext,
 
 
 def learning_rate_options(options: TrainOptions, arch: str, resumed: Checkpoint | None) -> TrainOptions:
-    """`options` with the schedule and its setting filled in: given, the resumed run's, or the architecture's default.
-    A resumed run keeps its schedule; a linear one also its length, since the rate reaches 0 at its last step."""
+    """`options` with the learning rate, the schedule and its setting filled in: given, the resumed run's, or the
+    architecture's default. A resumed run keeps its rate and schedule; a linear one also its length, since the rate
+    reaches 0 at its last step."""
     recorded = resumed.metrics if resumed is not None else {}
+    # the rate travels in the optimizer state, which a resume loads over any other
+    lr = options.lr if options.lr is not None else recorded.get("initial_lr", DEFAULT_LR[arch])
+    if resumed is not None and recorded.get("initial_lr", lr) != lr:
+        raise CapsNetError(f"--resume continues the checkpoint's learning rate: --lr {lr} "
+                           f"(checkpoint: {recorded['initial_lr']})")
     # checkpoints from before --lr-schedule decayed exponentially
     recorded_schedule = recorded.get("lr_schedule", "exponential") if resumed is not None else None
     schedule = options.lr_schedule or recorded_schedule or DEFAULT_LR_SCHEDULE[arch]
@@ -215,7 +224,7 @@ def learning_rate_options(options: TrainOptions, arch: str, resumed: Checkpoint 
     elif resumed is not None and recorded.get(setting, value) != value:
         raise CapsNetError(f"--resume continues the checkpoint's learning-rate schedule: "
                            f"--{setting.replace('_', '-')} {value} (checkpoint: {recorded[setting]})")
-    return replace(options, lr_schedule=schedule, **{setting: value})
+    return replace(options, lr=lr, lr_schedule=schedule, **{setting: value})
 
 
 def learning_rate_scheduler(optimizer: torch.optim.Optimizer, options: TrainOptions,
@@ -369,6 +378,9 @@ def train(options: TrainOptions) -> Checkpoint:
     options = learning_rate_options(options, config.arch, resumed)
     progress = EpochProgress()
     if resumed is not None:
+        # the model keeps its classes, each by its name: not clothes for digits, nor only some digits
+        check_dataset_fits(resumed.config, dataset, f"checkpoint {options.resume}", tuple(resumed.class_names),
+                           every_class=True)
         progress = check_resumable(resumed, config, options, batch_plan(options, context, dataset))
     check_dataset_fits(config, dataset, "the model")
     with distributed.process_group(context, device):
@@ -422,8 +434,7 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
     """Train from the start, or from `resumed` and `progress` into its next epoch, up to `options.epochs`."""
     torch.manual_seed(options.seed)
     model = create_model(config).to(device)
-    initial_lr = options.lr if options.lr is not None else DEFAULT_LR[config.arch]
-    optimizer = torch.optim.Adam(model.parameters(), lr=initial_lr)
+    optimizer = torch.optim.Adam(model.parameters(), lr=options.lr)
     per_rank_batch = options.batch_size // context.world_size
     steps_per_epoch = len(epoch_batches(len(dataset.train), per_rank_batch, context, options.seed, 0))
     scheduler = learning_rate_scheduler(optimizer, options, steps_per_epoch)
@@ -431,10 +442,14 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
     history: list[dict] = []
     if resumed is not None:
         model.load_state_dict(resumed.state_dict)
-        optimizer.load_state_dict(resumed.optimizer_state)
-        scheduler.load_state_dict(resumed.scheduler_state)
-        if resumed.scaler_state:  # empty when the run had no CUDA mixed precision
-            scaler.load_state_dict(resumed.scaler_state)
+        try:  # load_checkpoint checked that these are dicts, not what they hold
+            optimizer.load_state_dict(resumed.optimizer_state)
+            scheduler.load_state_dict(resumed.scheduler_state)
+            if resumed.scaler_state:  # empty when the run had no CUDA mixed precision
+                scaler.load_state_dict(resumed.scaler_state)
+        except (KeyError, TypeError, ValueError) as err:
+            raise CapsNetError(f"checkpoint {options.resume} is damaged: its optimizer state does not load "
+                               f"({type(err).__name__}: {err})") from None
         history = list(resumed.history)
     if context.is_distributed:
         # A 1-channel Conv1 weight (256, 1, 9, 9) gets its gradient with another (equivalent) stride for the
@@ -448,7 +463,7 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
         "dataset": dataset.name, "data": data_location(options.data),
         "train_images": len(dataset.train), "test_images": len(dataset.test),
         "validation_images": len(dataset.validation or ()), "validation_fraction": dataset.validation_fraction,
-        "parameters": count_parameters(model), "batch_size": options.batch_size, "initial_lr": initial_lr,
+        "parameters": count_parameters(model), "batch_size": options.batch_size, "initial_lr": options.lr,
         "lr_schedule": options.lr_schedule, "lr_decay": options.lr_decay, "warmup": options.warmup,
         "epochs": options.epochs, "max_shift": options.max_shift, "hflip": options.hflip, "erase": options.erase,
         "seed": options.seed, "device": device.type, "world_size": context.world_size, "amp": options.amp,

@@ -64,6 +64,16 @@ def rewrite_payload(path, **changes):
     (lambda p: rewrite_payload(p, format_version=FORMAT_VERSION + 1), f"format version {FORMAT_VERSION + 1}"),
     (lambda p: rewrite_payload(p, state_dict={}), "is damaged: Error"),
     (lambda p: rewrite_payload(p, class_names=["a", "b"]), "2 class names for 10 classes"),
+    # fields of the wrong kind: a traceback later, or (a string of ten names) no error at all
+    (lambda p: rewrite_payload(p, class_names="0123456789"), "is damaged: its class_names is not a list of names"),
+    (lambda p: rewrite_payload(p, config=None), "is damaged: its config is not a dict: None"),
+    (lambda p: rewrite_payload(p, metrics=[1, 2]), "is damaged: its metrics is not a dict: \\[1, 2\\]"),
+    (lambda p: rewrite_payload(p, epoch=-3), "is damaged: its epoch is not a count of epochs: -3"),
+    (lambda p: rewrite_payload(p, epoch="2"), "is damaged: its epoch is not a count of epochs: '2'"),
+    (lambda p: rewrite_payload(p, history=5), "is damaged: its history is not a list of per-epoch records: 5"),
+    (lambda p: rewrite_payload(p, history=[1]), "is damaged: its history is not a list of per-epoch records"),
+    (lambda p: rewrite_payload(p, optimizer_state="x"), "is damaged: its optimizer_state is not a dict: 'x'"),
+    (lambda p: rewrite_payload(p, epoch_progress=[1, 2]), "is damaged: its epoch_progress is not a dict"),
 ])
 def test_damaged_checkpoint_is_a_clear_error(random_tiny_checkpoint, copy_of, damage, message):
     path = copy_of(random_tiny_checkpoint)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from capsnet.cli import main
+from capsnet.training.checkpoint import load_checkpoint
 
 # Every run that gets past validation would train tiny for one epoch: the errors below must come first.
 TRAIN = ["train", "--preset", "tiny", "--epochs", "1", "--no-progress"]
@@ -64,6 +65,10 @@ def test_cuda_requested_without_a_gpu(capsys, tmp_path):
 
 
 def test_malformed_data_directories(capsys, tmp_path, idx_dataset):
+    flat = torch.zeros(10, 0, 28, dtype=torch.uint8).numpy()  # images 0 pixels high: once blamed on --max-shift
+    directory = idx_dataset(flat, torch.arange(10).numpy(), flat, torch.arange(10).numpy(), name="flat")
+    assert_one_line_error(capsys, [*TRAIN, "--data", str(directory), "--val-fraction", "0"],
+                          "declares images of 0x28 with 1 channel")
     (tmp_path / "empty").mkdir()
     assert_one_line_error(capsys, [*TRAIN, "--data", str(tmp_path / "empty")], "has no train-images-idx3-ubyte[.gz]")
     images = torch.zeros(10, 28, 28, dtype=torch.uint8).numpy()
@@ -75,6 +80,10 @@ def test_malformed_data_directories(capsys, tmp_path, idx_dataset):
 
 def test_unwritable_out(capsys, tmp_path):
     assert_one_line_error(capsys, [*TRAIN, "--out", str(tmp_path)], "is a directory")
+    # a folder still to be made: without the check, a checkpoint file named `new` appeared
+    assert_one_line_error(capsys, [*TRAIN, "--out", f"{tmp_path}/new/"],
+                          f"--out {tmp_path}/new/ names a folder; give a file name such as {tmp_path}/new/model.ckpt")
+    assert not (tmp_path / "new").exists()
     (tmp_path / "file").write_text("")
     assert_one_line_error(capsys, [*TRAIN, "--out", str(tmp_path / "file" / "m.ckpt")], "cannot create the folder")
     # a folder that exists but takes no files: os.access says yes to root there, a real write says no
@@ -101,6 +110,38 @@ def test_bad_resume(capsys, tmp_path, random_tiny_checkpoint, copy_of):
     damaged = copy_of(random_tiny_checkpoint)
     damaged.write_bytes(damaged.read_bytes()[:1000])
     assert_one_line_error(capsys, [*TRAIN, "--out", str(out), "--resume", str(damaged)], "is damaged")
+
+
+def test_a_checkpoint_with_a_field_of_the_wrong_kind(capsys, tmp_path, trained_tiny_checkpoint):
+    payload = torch.load(trained_tiny_checkpoint.with_name("model.last.ckpt"), weights_only=True)
+    damaged = tmp_path / "damaged.ckpt"
+    torch.save({**payload, "metrics": [1, 2]}, damaged)
+    message = f"checkpoint {damaged} is damaged: its metrics is not a dict: [1, 2]"
+    assert_one_line_error(capsys, ["eval", str(damaged)], message)
+    resume = [*TRAIN, "--epochs", "3", "--out", str(tmp_path / "m.ckpt"), "--resume", str(damaged)]
+    assert_one_line_error(capsys, resume, message)
+    torch.save({**payload, "optimizer_state": {}}, damaged)  # a dict, but not an optimizer's
+    assert_one_line_error(capsys, resume, f"checkpoint {damaged} is damaged: its optimizer state does not load "
+                                          "(KeyError: 'param_groups')")
+
+
+def test_resume_refuses_data_of_other_classes(capsys, trained_tiny_checkpoint, copy_of, idx_dataset):
+    last = copy_of(trained_tiny_checkpoint.with_name("model.last.ckpt"))  # 10 digits, 2 epochs
+    # no --preset: the model is the checkpoint's whatever the data
+    resume = ["train", "--epochs", "3", "--no-progress", "--out", str(last.with_name("m.ckpt")), "--resume", str(last)]
+    images, labels = torch.zeros(20, 28, 28, dtype=torch.uint8).numpy(), (torch.arange(20) % 10).numpy()
+    clothes = idx_dataset(images, labels, images, labels, name="fashion-mnist")  # the folder name names the classes
+    assert_one_line_error(capsys, [*resume, "--data", str(clothes)],
+                          f"checkpoint {last} was trained on classes 0, 1, 2, 3, 4, 5, 6, 7, 8, 9 and needs data of "
+                          "all of them; data 'fashion-mnist' has T-shirt/top, Trouser, Pullover")
+    # fewer classes than the model's would write a checkpoint whose class names do not match its outputs
+    some_digits = idx_dataset(images, labels % 5, images, labels % 5, name="digits-0-4")
+    assert_one_line_error(capsys, [*resume, "--data", str(some_digits)], "data 'digits-0-4' has 0, 1, 2, 3, 4 (a")
+    # the same classes in a folder of another name (moved, copied) continue, and the checkpoint says where
+    digits = idx_dataset(images, labels, images, labels, name="digits-elsewhere")
+    assert main([*resume, "--data", str(digits)]) == 0
+    resumed = load_checkpoint(last.with_name("m.last.ckpt"))
+    assert (resumed.epoch, resumed.dataset, resumed.metrics["data"]) == (3, "digits-elsewhere", str(digits))
 
 
 def test_resume_of_a_finished_run(capsys, trained_tiny_checkpoint, tmp_path):
@@ -140,7 +181,7 @@ def test_eval_refuses_data_of_other_classes(capsys, random_tiny_checkpoint, idx_
 
 
 def test_commands_that_read_a_checkpoint_default_to_its_training_data(capsys, random_tiny_checkpoint, idx_dataset):
-    from capsnet.training.checkpoint import load_checkpoint, save_checkpoint
+    from capsnet.training.checkpoint import save_checkpoint
     from capsnet.training.data import FASHION_MNIST_NAMES
 
     images, labels = torch.zeros(20, 28, 28, dtype=torch.uint8).numpy(), (torch.arange(20) % 10).numpy()

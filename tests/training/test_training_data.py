@@ -95,6 +95,34 @@ def test_a_test_split_that_cannot_be_scored_is_a_clear_error(idx_dataset, test_i
         load_dataset(str(directory))
 
 
+@pytest.mark.parametrize("shape", [(0, 28), (28, 0), (28, 28, 0)])
+def test_images_without_pixels_are_a_clear_error(idx_dataset, shape):
+    images = np.zeros((12, *shape), np.uint8)  # the header declares 12 images of no pixels (or channels) each
+    directory = idx_dataset(images, np.arange(12) % 10, images, np.arange(12) % 10)
+    height, width = shape[:2]
+    with pytest.raises(CapsNetError, match=f"train-images-idx3-ubyte in .* declares images of {height}x{width} with "
+                                           f"{1 if len(shape) == 2 else 0} channels?; an image needs at least one"):
+        load_dataset(str(directory))
+
+
+@pytest.mark.parametrize("train_label, test_label, message", [
+    (12, 0, "train-labels-idx1-ubyte in .*: classes 10, 11 have no training images \\(labels run 0..12\\)"),
+    (255, 0, "classes 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, ... \\(245 in all\\) have no training images"),
+    (9, 10, "t10k-labels-idx1-ubyte in .*: class 10 is not among the training classes 0..9"),
+])
+def test_labels_are_the_training_classes(idx_dataset, train_label, test_label, message):
+    """A corrupt label (255) must not make a 256-class model: every class up to the highest label needs training
+    images, and the test split has no classes of its own."""
+    train_images, train_labels = small_digits(30, 0)
+    train_labels[:10] = np.arange(10)
+    train_labels[10] = train_label
+    test_images, test_labels = small_digits(12, 1)
+    test_labels[0] = test_label
+    directory = idx_dataset(train_images, train_labels, test_images, test_labels)
+    with pytest.raises(CapsNetError, match=message):
+        load_dataset(str(directory))
+
+
 def test_missing_data_directory_is_a_clear_error(tmp_path):
     with pytest.raises(CapsNetError, match="does not exist"):
         load_dataset(str(tmp_path / "nowhere"))

@@ -150,6 +150,22 @@ def test_resume_continues_the_same_run(trained_tiny_checkpoint, tmp_path, capsys
     assert resumed.metrics["test_accuracy"] == straight.metrics["test_accuracy"]
 
 
+def test_resume_keeps_the_learning_rate_and_records_it(tmp_path, capsys):
+    """The rate travels in the optimizer state, which a resume loads: another --lr would be ignored."""
+    out = tmp_path / "model.ckpt"
+    assert main([*FIXTURE_ARGS, "--epochs", "1", "--lr", "0.002", "--out", str(out)]) == 0
+    assert main([*FIXTURE_ARGS, "--epochs", "2", "--lr", "0.05", "--out", str(out), "--resume"]) == 2
+    assert "--resume continues the checkpoint's learning rate: --lr 0.05 (checkpoint: 0.002)" in capsys.readouterr().err
+    # left out, it is the checkpoint's, and the metrics say so (not the default 0.001)
+    assert main([*FIXTURE_ARGS, "--epochs", "2", "--out", str(out), "--resume"]) == 0
+    resumed = load_checkpoint(out.with_name("model.last.ckpt"))
+    assert resumed.metrics["initial_lr"] == 0.002
+    assert [record["lr"] for record in resumed.history] == pytest.approx([0.002, 0.002 * 0.9])
+    # given again, the same rate is accepted
+    assert main([*FIXTURE_ARGS, "--epochs", "3", "--lr", "0.002", "--out", str(out), "--resume"]) == 0
+    assert load_checkpoint(out.with_name("model.last.ckpt")).metrics["initial_lr"] == 0.002
+
+
 def test_resume_mid_epoch_continues_the_same_run(trained_tiny_checkpoint, tmp_path, monkeypatch, capsys):
     out = tmp_path / "model.ckpt"
     last = out.with_name("model.last.ckpt")
