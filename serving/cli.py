@@ -134,7 +134,14 @@ def run_serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve(config))
 
 
+def quiet_grpc_log() -> None:
+    """Client commands answer in one line: gRPC's C core would log its own lines around it (a failed TLS handshake, a
+    refused certificate). Before grpc is imported; GRPC_VERBOSITY set by the user wins."""
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
+
 def run_predict(args: argparse.Namespace) -> int:
+    quiet_grpc_log()
     import grpc
 
     from capsnet.serving.client import CapsNetClient
@@ -195,6 +202,7 @@ def classify_files(client, paths: list[str], server: str, **options) -> list:
 
 
 def run_health(args: argparse.Namespace) -> int:
+    quiet_grpc_log()
     import grpc
 
     from capsnet.serving.client import check_health
@@ -228,6 +236,29 @@ def check_client_args(args: argparse.Namespace) -> None:
     # grpc core aborts the whole process on a certificate without its key; a key alone would be silently ignored.
     if (args.tls_cert is None) != (args.tls_key is None):
         raise CapsNetError("--tls-cert and --tls-key go together")
+    check_tls_files(args.tls_ca, args.tls_cert, args.tls_key)
+
+
+def check_tls_files(ca: str | None, cert: str | None, key: str | None) -> None:
+    """Parse the PEM files with Python's OpenSSL first: for a file with no certificate in it, or a key that does not
+    match, gRPC says only "Failed to create security handshaker" (and the client commands quiet gRPC's own log)."""
+    import ssl
+
+    def load(what: str, paths: tuple[str, ...], into) -> None:
+        try:
+            into(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
+        except ssl.SSLError as err:  # its reason names a mismatch; otherwise it is only "PEM lib"
+            raise CapsNetError(what + (f" ({err.reason})" if err.reason else "")) from None
+        except OSError as err:  # OpenSSL does not say which file
+            unreadable = next((path for path in paths if not os.access(path, os.R_OK) or os.path.isdir(path)), paths[0])
+            raise CapsNetError(f"cannot read {unreadable}: {err.strerror}") from None
+
+    if ca:
+        load(f"--tls-ca {ca}: no PEM certificate in it", (ca,), lambda context: context.load_verify_locations(cafile=ca))
+    if cert:
+        # password b"": an encrypted key fails here instead of OpenSSL asking for its password on the terminal
+        load(f"--tls-cert {cert}, --tls-key {key}: not a PEM certificate and its unencrypted private key", (cert, key),
+             lambda context: context.load_cert_chain(cert, key, password=b""))
 
 
 def reconstruction_paths(target: str, count: int) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -93,3 +94,36 @@ def test_mutual_tls(model_dir, pki, capsys, tmp_path):
         assert "UNAVAILABLE" in capsys.readouterr().err
     finally:
         running.stop()
+
+
+def test_unusable_tls_files_are_one_line_errors_before_any_connection(pki, tmp_path):
+    """gRPC would say only "Failed to create security handshaker", after lines of its own core log."""
+    client_key, client_cert = pki["client"]
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+    encrypted = tmp_path / "encrypted.key"
+    openssl("pkey", "-in", str(client_key), "-aes256", "-passout", "pass:secret", "-out", str(encrypted))
+    cases = {
+        ("--tls-ca", str(not_pem)): f"--tls-ca {not_pem}: no PEM certificate in it",
+        ("--tls-ca", str(tmp_path)): f"cannot read {tmp_path}: Is a directory",
+        ("--tls-cert", str(client_cert), "--tls-key", str(pki["server"][0])):
+            f"--tls-cert {client_cert}, --tls-key {pki['server'][0]}: not a PEM certificate and its unencrypted private "
+            "key (KEY_VALUES_MISMATCH)",
+        ("--tls-cert", str(client_cert), "--tls-key", str(encrypted)):
+            f"--tls-cert {client_cert}, --tls-key {encrypted}: not a PEM certificate and its unencrypted private key",
+    }
+    for flags, message in cases.items():
+        # a subprocess: gRPC reads GRPC_VERBOSITY once, when it is first imported; stdin closed, as OpenSSL would
+        # prompt on it for the password of an encrypted key
+        run = subprocess.run([sys.executable, "-m", "capsnet", "health", "--server", "127.0.0.1:9", *flags],
+                             capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert (run.returncode, run.stderr) == (2, f"capsnet health: error: {message}\n")
+
+
+def test_client_commands_print_one_line_for_a_failed_handshake(server, pki):
+    # a TLS client against the plaintext test server: gRPC's core would log the failed handshake on a line of its own
+    run = subprocess.run([sys.executable, "-m", "capsnet", "health", "--server", server.target, "--tls-ca",
+                          str(pki["ca"][1])], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    [line] = run.stderr.splitlines()
+    assert line.startswith(f"capsnet health: error: {server.target}: UNAVAILABLE: ") and "handshake" in line.lower(), line
