@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from capsnet.export.config import DEFAULT_OPSET, PRECISIONS, ExportConfig
+from capsnet.export.config import DEFAULT_OPSET, MAX_INT8_OPSET, MAX_OPSET, MIN_OPSET, PRECISIONS, ExportConfig
 
 DEFAULTS = ExportConfig()
 
@@ -24,7 +24,9 @@ def register(subparsers) -> None:
                         help="real images for parity and the self-check set (test split), INT8 calibration (train) "
                         "and accuracy (test); its classes must be the checkpoint's (default: the data the checkpoint "
                         "was trained on)")
-    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset, 18-24 (default: %(default)s)")
+    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET,
+                        help=f"ONNX opset, {MIN_OPSET}-{MAX_OPSET}; with INT8 at most {MAX_INT8_OPSET} "
+                        "(default: %(default)s)")
 
     int8 = parser.add_argument_group("INT8 / FP16 (ONNX Runtime)")
     int8.add_argument("--int8", action="store_true", help="also write model.int8.onnx (static QDQ, for CPUs)")

@@ -14,7 +14,11 @@ from capsnet.errors import CapsNetError
 # ONNX Runtime and TensorRT's ONNX parser (10.15: opsets 9-24) read.
 MIN_OPSET, MAX_OPSET = 18, 24
 DEFAULT_OPSET = 18
+# ONNX Runtime (1.32) cannot load our QDQ graph at opset 21+: its optimiser's QDQ propagation inserts a
+# QuantizeLinear whose output_dtype contradicts its zero point (microsoft/onnxruntime#25526's error).
+MAX_INT8_OPSET = 20
 PRECISIONS = ("fp32", "fp16", "int8")
+TRITON_MAX_BATCH_SIZE = 2**31 - 1  # model_config.proto's max_batch_size is an int32
 
 
 def check_opset(opset: int) -> None:
@@ -65,6 +69,13 @@ class TritonConfig:
     preferred_batch_sizes: tuple[int, ...] = (32, 256)
     max_queue_delay_us: int = 100
 
+    def __post_init__(self) -> None:
+        if self.max_batch_size > TRITON_MAX_BATCH_SIZE:  # Triton would refuse the config.pbtxt
+            raise CapsNetError(f"--max-batch must be at most {TRITON_MAX_BATCH_SIZE} (Triton's max_batch_size is a "
+                               f"32-bit integer), got {self.max_batch_size}")
+        if self.max_queue_delay_us < 0:
+            raise CapsNetError(f"--max-queue-delay-us must be >= 0, got {self.max_queue_delay_us}")
+
 
 @dataclass(frozen=True)
 class ExportConfig:
@@ -91,14 +102,18 @@ class ExportConfig:
     max_queue_delay_us: int = 100
 
     def __post_init__(self) -> None:
+        if self.triton_repo is not None and not str(self.triton_repo):  # `--triton "$UNSET"` wrote no repository
+            raise CapsNetError("--triton needs a directory, got an empty path")
         check_opset(self.opset)
         if not (math.isfinite(self.int8_max_drop) and self.int8_max_drop >= 0):  # nan turned the gate off
             raise CapsNetError(f"--int8-max-drop must be finite and >= 0 accuracy points, got {self.int8_max_drop}")
         if self.calibration_images < 1:
             raise CapsNetError(f"--calibration-images must be at least 1, got {self.calibration_images}")
-        if self.max_queue_delay_us < 0:
-            raise CapsNetError(f"--max-queue-delay-us must be >= 0, got {self.max_queue_delay_us}")
-        self.engine()  # checks the TensorRT options even when no engine is built
+        if self.wants_int8 and self.opset > MAX_INT8_OPSET:
+            raise CapsNetError(f"INT8 needs --opset {MAX_INT8_OPSET} or lower: ONNX Runtime cannot load the quantised "
+                               f"graph at opset {self.opset}")
+        self.engine()  # checks the TensorRT and Triton options even when neither is written
+        self.triton()
 
     def engine(self) -> EngineConfig:
         return EngineConfig(

@@ -39,7 +39,7 @@ from capsnet.export.parity import (
     spread,
     torch_outputs,
 )
-from capsnet.export.quantize import SCHEME, accuracy, quantize_int8
+from capsnet.export.quantize import SCHEME, accuracy, accuracy_change_points, quantize_int8
 from capsnet.export.tensorrt_build import (
     MIN_ARGMAX_AGREEMENT,
     PARITY_TOLERANCE,
@@ -75,9 +75,11 @@ log = logging.getLogger(__name__)
 REFERENCE_IMAGES = 128  # the self-check needs 99% agreement: one image of 128 may differ
 
 
-def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike, **options: Any) -> dict[str, Any]:
+def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike, **options: Any) -> ModelDescription:
     """Export `checkpoint_path` into `out_dir`; `options` are ExportConfig fields. Returns its description."""
     config = ExportConfig(**options)
+    if not str(out_dir):  # Path("") is the working directory
+        raise CapsNetError("--out needs a directory, got an empty path")
     checkpoint_path, out_dir = Path(checkpoint_path), Path(out_dir)
     checkpoint = load_checkpoint(checkpoint_path)
     if checkpoint.config.arch not in CAPSULE_ARCHITECTURES:
@@ -110,10 +112,13 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
         _publish(staging, out_dir)
         if triton_staging is not None:
             _publish(triton_staging, triton_model_dir)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
         if triton_staging is not None:
             shutil.rmtree(triton_staging, ignore_errors=True)
+        if isinstance(err, OSError):  # a full disk, a file size limit: the user's to fix, in one line
+            target = out_dir if triton_staging is None else triton_model_dir  # the Triton copy comes last
+            raise CapsNetError(f"cannot write the export to {target}: {err.strerror or err}") from None
         raise
     log.info("wrote %s", out_dir)
     if tensorrt_error:
@@ -124,6 +129,7 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
 def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoint, dataset: Dataset,
                      config: ExportConfig, tensorrt_error: str | None) -> tuple[ModelDescription, str | None]:
     """Write every artifact into `staging`; returns the description and why no engine was built, if so."""
+    checkpoint = _staged_checkpoint(checkpoint_path, checkpoint, staging)
     model = checkpoint.build_model()
     names = output_names(config.reconstruction)
     variants = {"fp32": staging / ONNX_NAME}
@@ -183,7 +189,6 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
             (staging / PLAN_NAME).unlink(missing_ok=True)
             (staging / PLAN_INFO_NAME).unlink(missing_ok=True)
 
-    shutil.copyfile(checkpoint_path, staging / CHECKPOINT_NAME)
     artifacts = {
         "onnx": ONNX_NAME,
         "onnx_int8": ONNX_INT8_NAME if "int8" in variants else None,
@@ -204,6 +209,22 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
     return description, tensorrt_error
 
 
+def _staged_checkpoint(checkpoint_path: Path, checkpoint: Checkpoint, staging: Path) -> Checkpoint:
+    """Copy the checkpoint into `staging` and export the copy: training may replace `checkpoint_path` meanwhile,
+    and model.ckpt then held another model than model.onnx. A copy of another configuration is refused, as the
+    data was chosen and checked for the checkpoint loaded first."""
+    copy = staging / CHECKPOINT_NAME
+    shutil.copyfile(checkpoint_path, copy)
+    try:
+        staged = load_checkpoint(copy)
+    except CapsNetError:  # replaced by something that is no checkpoint
+        staged = None
+    if staged is None or (staged.config, staged.class_names, staged.dataset) != (
+            checkpoint.config, checkpoint.class_names, checkpoint.dataset):
+        raise CapsNetError(f"{checkpoint_path} changed while it was being exported; export it again")
+    return staged
+
+
 def _write_reference(path: Path, fp32_session, dataset: Dataset, names: tuple[str, ...]) -> dict[str, Any]:
     """The images `capsnet serve` checks its backend with before it reports SERVING, and their FP32 outputs."""
     images = spread(dataset.test.images, REFERENCE_IMAGES)  # (128, C, H, W)
@@ -219,7 +240,7 @@ def _quantize(fp32_path: Path, int8_path: Path, fp32_session, dataset: Dataset, 
     test = dataset.test
     accuracy_fp32 = accuracy(fp32_session, test.images, test.labels)
     accuracy_int8 = accuracy(onnxruntime_session(str(int8_path)), test.images, test.labels)
-    change = 100 * (accuracy_int8 - accuracy_fp32)
+    change = accuracy_change_points(accuracy_fp32, accuracy_int8)
     summary = (f"accuracy on {len(test)} {dataset.name} test images: fp32 {accuracy_fp32:.2%}, "
                f"int8 {accuracy_int8:.2%} ({change:+.2f} points)")
     cpu = CpuKind.this_host()
@@ -229,7 +250,7 @@ def _quantize(fp32_path: Path, int8_path: Path, fp32_session, dataset: Dataset, 
     return {
         "accuracy_fp32": accuracy_fp32,
         "accuracy_int8": accuracy_int8,
-        "accuracy_change_points": round(change, 4),
+        "accuracy_change_points": change,
         "max_drop_points": config.int8_max_drop,
         "dataset": dataset.name,
         "calibration_images": len(calibration),
@@ -303,4 +324,7 @@ def _publish(staging: Path, target: Path) -> None:
         if previous.exists() and not target.exists():
             os.rename(previous, target)  # put the previous export back
         raise CapsNetError(f"cannot move the export into {target}: {err.strerror or err}") from None
-    shutil.rmtree(previous, ignore_errors=True)
+    if previous.is_symlink():  # `target` was a link to an export: the link is replaced, what it points to kept
+        previous.unlink()
+    else:
+        shutil.rmtree(previous, ignore_errors=True)

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from capsnet.cli import main
+from capsnet.export import exporter
+from capsnet.export.parity import onnxruntime_session
+from capsnet.model_description import file_sha256
+from capsnet.training.checkpoint import load_checkpoint, save_checkpoint
 
 
 def _export_error(argv, capsys) -> str:
@@ -111,3 +118,100 @@ def test_export_needs_data_of_every_class_the_model_has(random_tiny_checkpoint, 
     assert line.endswith("was trained on classes 0, 1, 2, 3, 4, 5, 6, 7, 8, 9 and needs data of all of them; data "
                          "'digits-0-4' has 0, 1, 2, 3, 4 (a classes.txt in the data folder names its classes)")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("int8_flags", [["--int8"], ["--tensorrt", "--tensorrt-precision", "int8"]])
+def test_export_int8_needs_an_opset_onnxruntime_can_load_quantised(tmp_path, capsys, int8_flags):
+    # at opset 21 the INT8 model was written, then ONNX Runtime's optimiser failed to load it: a traceback
+    line = _export_error([str(tmp_path / "any.ckpt"), "--out", str(tmp_path / "out"), "--opset", "21", *int8_flags],
+                         capsys)
+    assert line.endswith("INT8 needs --opset 20 or lower: ONNX Runtime cannot load the quantised graph at opset 21")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_max_batch_must_fit_tritons_int32(tmp_path, capsys):
+    # config.pbtxt said max_batch_size: 3000000000, which Triton's parser refuses as out of range
+    line = _export_error([str(tmp_path / "any.ckpt"), "--out", str(tmp_path / "out"), "--max-batch", "3000000000"],
+                         capsys)
+    assert line.endswith("--max-batch must be at most 2147483647 (Triton's max_batch_size is a 32-bit integer), "
+                         "got 3000000000")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_out_of_space_is_one_line(random_tiny_checkpoint, tmp_path):
+    # A file size limit stands in for a full disk (writes fail with EFBIG once SIGXFSZ is ignored); was a traceback.
+    script = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY)); "
+              "from capsnet.cli import main; sys.exit(main(sys.argv[1:]))")
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-c", script, "--log-level", "ERROR", "export", str(random_tiny_checkpoint),
+                             "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"capsnet export: error: cannot write the export to {out}: File too large"]
+    assert list(tmp_path.iterdir()) == []  # the staging directory is gone too
+
+
+def test_export_replaces_a_symlinked_out_without_leftovers(random_tiny_checkpoint, tmp_path):
+    previous = tmp_path / "v1"
+    previous.mkdir()
+    (previous / "model.json").write_text("{}")
+    link = tmp_path / "current"
+    link.symlink_to(previous)
+    assert main(["export", str(random_tiny_checkpoint), "--out", str(link)]) == 0
+    # the link's stand-in (.current.<random>.previous) was left beside it: rmtree does not remove a symlink
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["current", "v1"]
+    assert not link.is_symlink() and (link / "model.onnx").is_file()
+    assert [path.name for path in previous.iterdir()] == ["model.json"]  # what the link pointed to is kept
+
+
+def _replace_checkpoint_while_exporting(monkeypatch, live, replacement):
+    """Training writes `replacement` over `live` (atomically, as `capsnet train` saves) once export has loaded it."""
+    load_data = exporter.load_checkpoint_data
+
+    def load_data_then_replace(*args, **kwargs):
+        dataset = load_data(*args, **kwargs)
+        os.replace(replacement, live)
+        return dataset
+
+    monkeypatch.setattr(exporter, "load_checkpoint_data", load_data_then_replace)
+
+
+def test_export_holds_one_model_when_training_replaces_the_checkpoint(random_tiny_checkpoint, copy_of, tmp_path,
+                                                                     monkeypatch):
+    # model.ckpt was copied at the end, so it held the new epoch while model.onnx held the old one
+    live = copy_of(random_tiny_checkpoint)
+    checkpoint = load_checkpoint(live)
+    next_epoch = replace(checkpoint, state_dict={name: value * 1.5 for name, value in checkpoint.state_dict.items()})
+    save_checkpoint(next_epoch, tmp_path / "next.ckpt")
+    _replace_checkpoint_while_exporting(monkeypatch, live, tmp_path / "next.ckpt")
+    out = tmp_path / "out"
+    assert main(["export", str(live), "--out", str(out)]) == 0
+    assert file_sha256(out / "model.ckpt") == file_sha256(live)
+    with np.load(out / "reference.npz") as reference:
+        images = reference["images"][:8]  # (8, 1, 28, 28)
+    (onnx_probabilities,) = onnxruntime_session(str(out / "model.onnx")).run(["probabilities"], {"images": images})
+    with torch.inference_mode():
+        torch_probabilities = load_checkpoint(out / "model.ckpt").build_model()(torch.from_numpy(images)).probabilities
+    np.testing.assert_allclose(onnx_probabilities, torch_probabilities.numpy(), rtol=0, atol=1e-4)
+
+
+def test_export_refuses_a_checkpoint_replaced_by_another_configuration(random_tiny_checkpoint, random_checkpoint,
+                                                                      copy_of, tmp_path, monkeypatch, capsys):
+    from capsnet.training.config import preset
+
+    live = copy_of(random_tiny_checkpoint)
+    other = random_checkpoint(preset("tiny", routing_iterations=2), "other.ckpt")
+    _replace_checkpoint_while_exporting(monkeypatch, live, other)
+    line = _export_error([str(live), "--out", str(tmp_path / "out")], capsys)
+    assert line.endswith(f"{live} changed while it was being exported; export it again")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["model.ckpt"]
+
+
+@pytest.mark.parametrize("flag", ["--out", "--triton"])
+def test_export_refuses_an_empty_path(random_tiny_checkpoint, tmp_path, capsys, monkeypatch, flag):
+    # `--triton "$UNSET"` exported without a repository and exited 0; `--out ""` meant the working directory
+    monkeypatch.chdir(tmp_path)
+    paths = {"--out": str(tmp_path / "out"), "--triton": str(tmp_path / "triton"), flag: ""}
+    line = _export_error([str(random_tiny_checkpoint), *(item for pair in paths.items() for item in pair)], capsys)
+    assert line.endswith(f"{flag} needs a directory, got an empty path")
+    assert list(tmp_path.iterdir()) == []

@@ -8,7 +8,7 @@ from onnx import numpy_helper
 
 from capsnet.cli import main
 from capsnet.export.parity import onnxruntime_session
-from capsnet.export.quantize import accuracy
+from capsnet.export.quantize import accuracy, accuracy_change_points
 
 
 def test_export_int8_quantises_only_the_convolutions_symmetrically(tiny_export):
@@ -59,3 +59,10 @@ def test_export_int8_is_refused_when_accuracy_drops_too_far(trained_tiny_checkpo
     assert code == 2 and "Traceback" not in stderr
     assert len(errors) == 1 and "INT8 model refused" in errors[0] and "--int8-max-drop 1" in errors[0]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["black-calibration"]  # nothing half-written
+
+
+def test_export_int8_gate_takes_a_drop_of_exactly_the_limit():
+    # 100 * (0.823 - 0.833) is -1.0000000000000009: --int8-max-drop 1 refused a drop of exactly 1 point
+    for correct_fp32 in range(0, 1001, 7):  # accuracies over 1,000 test images, as export measures them
+        for lost in range(min(correct_fp32, 50) + 1):
+            assert accuracy_change_points(correct_fp32 / 1000, (correct_fp32 - lost) / 1000) == -lost / 10

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import onnx
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
@@ -37,3 +38,18 @@ def test_export_triton_config_for_a_tensorrt_plan(tiny_export):
     assert config["platform"] == "tensorrt_plan" and config["max_batch_size"] == 64
     assert config["dynamic_batching"] == {"preferred_batch_size": [8, 64], "max_queue_delay_microseconds": "250"}
     assert config["instance_group"] == [{"kind": "KIND_GPU", "count": 1}]
+
+
+def test_export_triton_config_declares_the_onnx_graphs_interface(tiny_export):
+    """Names, element types and dims (the batch axis left out) as the model file Triton loads declares them."""
+    model_dir = tiny_export.repo / "capsnet"
+    config = _parse_model_config((model_dir / "config.pbtxt").read_text())
+    graph = onnx.load(str(model_dir / "1" / "model.onnx")).graph
+    triton_types = {onnx.TensorProto.FLOAT: "TYPE_FP32"}
+
+    def declared(values):
+        return [{"name": value.name, "data_type": triton_types[value.type.tensor_type.elem_type],
+                 "dims": [str(dim.dim_value) for dim in value.type.tensor_type.shape.dim[1:]]} for value in values]
+
+    assert config["input"] == declared(graph.input)
+    assert config["output"] == declared(graph.output)
