@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import time
 from collections import Counter
@@ -77,9 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first (default 2)")
     parser.add_argument("--batch", type=int, default=1, help="images per request (default 1)")
     args = parser.parse_args(argv)
-    if args.concurrency < 1 or args.batch < 1 or args.duration <= 0 or args.warmup < 0:
-        parser.error("--concurrency and --batch must be >= 1, --duration > 0, --warmup >= 0")
-    result = asyncio.run(run(args.server, args.concurrency, args.duration, args.warmup, args.batch))
+    # NaN passed `x <= 0` and sent nothing; infinity ran for ever
+    if (args.concurrency < 1 or args.batch < 1 or not (0 < args.duration < math.inf)
+            or not (0 <= args.warmup < math.inf)):
+        parser.error("--concurrency and --batch must be >= 1, --duration a finite number > 0, --warmup finite and >= 0")
+    try:
+        result = asyncio.run(run(args.server, args.concurrency, args.duration, args.warmup, args.batch))
+    except grpc.RpcError as err:  # the first call (GetModelInfo) failed: nothing to measure
+        print(f"loadtest: {args.server}: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 2
     print(json.dumps(result))
     return 0 if result["requests"] and not result["errors"] else 1
 

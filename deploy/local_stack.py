@@ -196,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"not installed: {', '.join(missing)} (Debian: apt-get install nginx-light prometheus)")
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="capsnet-stack-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        parser.error(f"--workdir {workdir}: {err.strerror or err}")
     stack = Stack(workdir)
 
     def request_stop(signum, frame) -> None:

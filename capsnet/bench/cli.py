@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -24,6 +25,8 @@ DEFAULTS = {
 # Largest batch size and concurrency: the export and the timing buffers scale with them, and a CapsNet batch of
 # 1024 already needs about 1 GB for its routing; far larger values ended in a NumPy out-of-memory traceback.
 MAX_BATCH = 1024
+# Most compute threads per backend: far more than any CPU has cores; 100,000 hung ONNX Runtime's session start.
+MAX_THREADS = 1024
 
 
 def register(subparsers) -> None:
@@ -75,6 +78,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
             raise CapsNetError(f"--{name.replace('_', '-')} must be finite and > 0, got {settings[name]}")
     if settings["accuracy_images"] < 0 or args.threads < 0:
         raise CapsNetError("--accuracy-images and --threads must be >= 0")
+    if args.threads > MAX_THREADS:
+        raise CapsNetError(f"--threads must be at most {MAX_THREADS}, got {args.threads}")
     check_out_dir(args.out)
     options = BenchOptions(
         model=args.model,
@@ -87,11 +92,37 @@ def run_bench_command(args: argparse.Namespace) -> int:
         command=shlex.join(["capsnet", *sys.argv[1:]]),
         **settings,
     )
-    results = run_bench(options)
+    # SIGTERM (`timeout`, a job scheduler, `kill`) unwinds like Ctrl-C: the server and the workers are stopped and
+    # the temporary export removed; the default action would end this process alone and leave them running.
+    # Ctrl-C raises KeyboardInterrupt wherever it lands: Python's own handler would let asyncio.run() turn it into
+    # a cancellation that the gRPC load generator's calls absorb, and the benchmark went on as if not interrupted.
+    previous = {signum: signal.signal(signum, handler)
+                for signum, handler in ((signal.SIGTERM, _terminate), (signal.SIGINT, _interrupt))}
+    try:
+        results = run_bench(options)
+    except Terminated:
+        print(f"capsnet bench: terminated by SIGTERM; {options.out} was left as it was", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     print(f"capsnet bench: wrote {options.out}/README.md and results.json")
     for target in results["targets"]:
         print(f"  [{verdict(target, results['quick'])}] {target['target']}: {target['measured']}")
     return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: raised where the program is, so every `finally` and `with` on the way out runs."""
+
+
+def _terminate(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+    raise Terminated
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _show(name: str) -> str:

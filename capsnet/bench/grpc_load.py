@@ -80,6 +80,7 @@ def _run_servers(artifacts, model_dir: str, images: np.ndarray, concurrency: tup
                         warmup_requests=WARMUP_REQUESTS, api=api, model_name=artifacts.name,
                         input_name=artifacts.input_name))
                     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+                    server.check_alive()  # a server that died mid-row: its exit, not the failed requests
                     if not result.latencies_s:
                         raise CapsNetError(f"gRPC {api} at concurrency {clients}: every request failed ({result.errors})")
                     row = {**_row(result), **_server_view(before, server.scrape(), cpu, wall)}

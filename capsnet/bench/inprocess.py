@@ -105,10 +105,13 @@ class BackendWorker:
                 [sys.executable, "-m", "capsnet.bench.worker", str(child_sock.fileno()), name, model_dir,
                  str(threads), str(max_batch)],
                 pass_fds=[child_sock.fileno()],
+                # Its own session: a Ctrl-C in the terminal reaches only the parent, which kills the workers; a
+                # parent that dies closes the socket, and the worker exits (worker.py).
+                start_new_session=True,
             )
         try:
             status, payload = self._receive()
-        except CapsNetError:
+        except BaseException:  # its own error, or Ctrl-C while it loads
             self.kill()
             raise
         if status == "unavailable":

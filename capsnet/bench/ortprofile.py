@@ -100,10 +100,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
+    # --batch 0 profiled empty runs and --runs 0 the warm-up alone, each printed as a profile
+    if not (1 <= args.batch <= 1024 and args.runs >= 1 and 1 <= args.threads <= 1024):
+        parser.error("--batch and --threads must be from 1 to 1024, --runs at least 1")
+    sessions = []
     for path in args.onnx:
         if not path.is_file():
             parser.error(f"{path} does not exist")
-    graph_input = ort.InferenceSession(str(args.onnx[0]), providers=["CPUExecutionProvider"]).get_inputs()[0]
+        try:
+            sessions.append(ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]))
+        except Exception as err:  # onnxruntime's own error types: not an ONNX file, or one it cannot run
+            parser.error(f"{path} is not an ONNX model ONNX Runtime can load: {str(err).splitlines()[0]}")
+    graph_input = sessions[0].get_inputs()[0]
     shape = [args.batch, *graph_input.shape[1:]]  # the batch axis is symbolic
     images = np.random.default_rng(0).random(shape, dtype=np.float32)  # (batch, C, H, W)
     for profile in profile_interleaved(args.onnx, images, args.threads, args.runs):

@@ -30,15 +30,22 @@ class ServerProcess:
         self._output: list[str] = []
 
     def __enter__(self) -> "ServerProcess":
-        self._process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # Its own session: a Ctrl-C in the terminal reaches only `capsnet bench`, which then stops the server in
+        # order (SIGTERM, wait) instead of the server draining on its own while the bench still sends to it.
+        self._process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         start_new_session=True)
         ready = threading.Event()
         threading.Thread(target=self._read_output, args=(ready,), daemon=True).start()
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready.wait(0.1):
-            if self._process.poll() is not None or time.monotonic() > deadline:
-                self._stop()
-                tail = " | ".join(self._output[-3:]) or "no output"
-                raise CapsNetError(f"capsnet serve did not become ready (exit code {self._process.returncode}): {tail}")
+        try:
+            while not ready.wait(0.1):
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    self._stop()
+                    tail = " | ".join(self._output[-3:]) or "no output"
+                    raise CapsNetError(f"capsnet serve did not become ready (exit code {self._process.returncode}): {tail}")
+        except BaseException:  # Ctrl-C meanwhile too: `with` calls no __exit__ when __enter__ raises
+            self._stop()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -52,12 +59,25 @@ class ServerProcess:
         """The server's RSS now and its peak since it started, in MiB."""
         return memory_mib(self._process.pid)
 
+    def check_alive(self) -> None:
+        """A one-line error (CapsNetError) when the server has exited, with the end of its output."""
+        code = self._process.poll()
+        if code is not None:
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            tail = " | ".join(self._output[-3:]) or "no output"
+            raise CapsNetError(f"capsnet serve exited during the benchmark ({how}): {tail}")
+
     def scrape(self) -> dict[str, float]:
         """The server's Prometheus samples, summed over their labels: name -> value."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
-            text = response.read().decode()
+        self.check_alive()
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+                text = response.read().decode()
+        except OSError as err:  # URLError, a reset or a timeout: the server died or hangs
+            self.check_alive()
+            raise CapsNetError(f"cannot read the server's metrics at {self.metrics_url}: {getattr(err, 'reason', err)}") from None
         totals: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -82,3 +102,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait()
+            except BaseException:  # a second Ctrl-C while it drains: it is in its own session, so kill it here
+                self._process.kill()
+                self._process.wait()
+                raise

@@ -8,6 +8,7 @@ Commands: ("time", images, seconds) -> per-call seconds; ("predict", images) -> 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -32,7 +33,10 @@ def serve(conn: Connection, name: str, model_dir: str, threads: int, max_batch: 
         conn.send(("ok", {"description": description, "start": start, "loaded": memory_mib()}))
         warm = set()
         while True:
-            command, *args = conn.recv()
+            try:
+                command, *args = conn.recv()
+            except EOFError:  # the parent is gone (killed, or stopped without a "stop"): nothing to answer
+                return
             if command == "time":
                 images, seconds = args
                 if len(images) not in warm:
@@ -45,9 +49,12 @@ def serve(conn: Connection, name: str, model_dir: str, threads: int, max_batch: 
             else:  # stop
                 conn.send(("ok", memory_mib()))
                 return
+    except (BrokenPipeError, ConnectionResetError):  # the parent is gone while this answered: nobody to tell
+        return
     except Exception as err:  # the parent turns this into a one-line error; the traceback goes to stderr
         traceback.print_exc()
-        conn.send(("error", f"{type(err).__name__}: {err}"))
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"{type(err).__name__}: {err}"))
 
 
 if __name__ == "__main__":

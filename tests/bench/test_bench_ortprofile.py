@@ -30,3 +30,23 @@ def test_bench_profile_command_line(tiny_export, capsys, tmp_path):
         main([str(tmp_path / "missing.onnx")])
     assert exit_info.value.code == 2
     assert "missing.onnx does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batch", "0"], "--batch and --threads must be from 1 to 1024, --runs at least 1"),  # profiled empty runs
+    (["--runs", "0"], "--batch and --threads must be from 1 to 1024, --runs at least 1"),  # printed the warm-up
+    (["--threads", "0"], "--batch and --threads must be from 1 to 1024, --runs at least 1"),
+])
+def test_bench_profile_command_line_refuses_empty_settings(tiny_export, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tiny_export / "model.onnx"), *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_profile_command_line_refuses_a_file_that_is_not_onnx(tmp_path, capsys):
+    (tmp_path / "model.ckpt").write_bytes(b"not a model")
+    with pytest.raises(SystemExit) as exit_info:  # was an onnxruntime InvalidProtobuf traceback
+        main([str(tmp_path / "model.ckpt")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert "model.ckpt is not an ONNX model ONNX Runtime can load: " in err.strip().splitlines()[-1]  # after the usage

@@ -196,3 +196,58 @@ def test_deploy_container_commands_parse_with_the_real_cli():
             raise AssertionError(f"{where}: capsnet rejects {argv}") from None
         assert parsed.command in ("serve", "export"), where
     assert len(commands) == 8, sorted(commands)
+
+
+def test_deploy_dashboard_latency_is_over_unary_inference_calls_only():
+    """The server times a stream over its whole life: a 12 s ClassifyStream among 60 Classify calls of 2 ms made the
+    panel's p99 read 10 s (its top bucket). The latency quantiles must take the unary calls, and every stream out."""
+    from capsnet.kserve import grpc_service_pb2
+    from capsnet.v1 import capsnet_pb2
+
+    methods = [method for module in (capsnet_pb2, grpc_service_pb2)
+               for service in module.DESCRIPTOR.services_by_name.values() for method in service.methods]
+    streams = {m.name for m in methods if m.client_streaming or m.server_streaming}
+    assert "ClassifyStream" in streams
+    queries = [expr for title, expr in dashboard_queries() if "capsnet_request_duration_seconds_bucket" in expr]
+    assert queries
+    for expr in queries:
+        matcher = re.search(r'method=~"([^"]*)"', expr)
+        assert matcher, f"no method matcher: {expr}"
+        chosen = {m.name for m in methods if re.fullmatch(matcher.group(1), m.name)}  # PromQL anchors =~
+        assert {"Classify", "ModelInfer"} <= chosen and not chosen & streams, (expr, chosen)
+
+
+def longest_orderly_stop_s(argv: list[str]) -> float:
+    """How long `capsnet serve` with these flags may take from SIGTERM to exit when it stops in order: its drain
+    window, its grace period for the requests already in, then the settle pause and up to two STOP_GRACE_S closing
+    gRPC (serving/server.py's stop())."""
+    from capsnet.serving import server
+    from capsnet.serving.config import ServerConfig
+
+    def flag(name: str, default: float) -> float:
+        return float(argv[argv.index(name) + 1]) if name in argv else default
+
+    return (flag("--drain-window", ServerConfig.drain_window_s) + flag("--grace-period", ServerConfig.grace_period_s)
+            + server.SETTLE_S + 2 * server.STOP_GRACE_S)
+
+
+def test_deploy_stop_timeouts_outlast_the_servers_drain_and_grace():
+    """Docker and Kubernetes SIGKILL a container that has not exited within its stop timeout (Docker's default 10 s):
+    every one that runs `capsnet serve` must give the server its whole orderly stop."""
+    seconds = {"s": 1, "m": 60}
+    checked = {}
+    for name, service in compose()["services"].items():
+        argv = compose_defaults([word for part in service.get("command", []) for word in part.split()])
+        if "serve" not in argv:
+            continue
+        grace = service.get("stop_grace_period", "10s")  # Docker's default
+        checked[name] = (float(grace[:-1]) * seconds[grace[-1]], longest_orderly_stop_s(argv))
+    for manifest in (DEPLOY / "k8s").glob("*.yaml"):
+        for doc in yaml.safe_load_all(manifest.read_text()):
+            if doc["kind"] == "Deployment":
+                pod = doc["spec"]["template"]["spec"]
+                checked[f"{manifest.name} {doc['metadata']['name']}"] = (
+                    pod.get("terminationGracePeriodSeconds", 30), longest_orderly_stop_s(pod["containers"][0]["args"]))
+    assert {"capsnet", "capsnet-gpu", "capsnet-serve.yaml capsnet-serve"} <= set(checked), sorted(checked)
+    short = {name: times for name, times in checked.items() if times[0] <= times[1]}
+    assert not short, f"stop timeout (s) <= the server's longest orderly stop (s): {short}"
