@@ -110,13 +110,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from capsnet.training.distributed import ReportedError
     from capsnet.training.train import TrainOptions, last_checkpoint_path, train
 
     if args.resume is None:
         resume = None
     else:
         resume = Path(args.resume) if args.resume else last_checkpoint_path(Path(args.out))
-    train(TrainOptions(
+    options = TrainOptions(
         data=args.data, out=args.out, preset=args.preset, arch=args.arch, routing=args.routing,
         routing_iterations=args.routing_iterations, squash_constant=args.squash_constant,
         reconstruction_weight=args.reconstruction_weight, detach_agreement=args.detach_agreement,
@@ -125,7 +126,11 @@ def run_train(args: argparse.Namespace) -> int:
         lr_decay=args.lr_decay, warmup=args.warmup, max_shift=args.max_shift, hflip=args.hflip, erase=args.erase,
         seed=args.seed, device=args.device, amp=args.amp, compile=args.compile, threads=args.threads,
         resume=resume, checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
-    ))
+    )
+    try:
+        train(options)
+    except ReportedError:  # under torchrun: rank 0 printed it for every process
+        return 2
     return 0
 
 

@@ -2,12 +2,14 @@
 
 Under `torchrun --nproc_per_node=N`, every process runs the same `capsnet train`; this module reads
 its rank, picks its device, joins the process group (NCCL on CUDA, gloo on CPU) and sums statistics
-across ranks. Alone, the context is rank 0 of 1 and every collective is a no-op.
+across ranks; a user mistake, or a peer that dies, ends every rank with one line instead of N or a traceback.
+Alone, the context is rank 0 of 1 and every collective is a no-op.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +20,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from capsnet.errors import CapsNetError
+
+
+class ReportedError(CapsNetError):
+    """A user error that rank 0 has already printed for the whole run; `capsnet train` exits 2 without a word."""
 
 
 @dataclass(frozen=True)
@@ -104,8 +110,76 @@ def process_group(context: DistributedContext, device: torch.device) -> Iterator
         raise CapsNetError(f"cannot join the process group of {context.world_size}: {str(err).splitlines()[0]}") from None
     try:
         yield
+    except RuntimeError as err:
+        # A peer that exits (its own error, a kill) breaks the next collective here: say so in one line, not a traceback
+        if not _peer_lost(err):
+            raise
+        raise CapsNetError(f"process {context.rank} of {context.world_size} stopped: another process of the run "
+                           f"ended (its error, if it had one, is above): {_first_sentence(err)}") from None
     finally:
         dist.destroy_process_group()
+
+
+def _peer_lost(err: RuntimeError) -> bool:
+    """gloo raises a plain RuntimeError when a peer's connection drops; the store, a DistNetworkError."""
+    message = str(err)
+    return isinstance(err, dist.DistNetworkError) or any(
+        words in message for words in ("closed by peer", "reset by peer", "remote worker"))
+
+
+def _first_sentence(err: Exception) -> str:
+    """'[.../pair.cc:553] Connection closed by peer [127.0.0.1]:2475. This is ...' -> 'Connection closed by peer ...'"""
+    text = str(err).strip() or type(err).__name__
+    return re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]).split(". ")[0]
+
+
+@contextmanager
+def errors_reported_once(context: DistributedContext, command: str = "capsnet train") -> Iterator[None]:
+    """Run a user-error check on every rank; if any rank's fails, all fail together with one line from rank 0.
+
+    Every rank of torchrun runs the same checks, so a mistake would print N identical lines; a mistake on one rank
+    only (a data folder missing on one node) would stop that rank and leave the others waiting in the next collective
+    for up to the group's 30-minute timeout. So the ranks exchange their outcome: rank 0 prints the first failing
+    rank's error (naming the rank unless every rank failed alike) before a barrier, since torchrun stops the others as
+    soon as one exits, and then every rank raises ReportedError.
+    """
+    if not context.is_distributed:
+        yield
+        return
+    error = None
+    try:
+        yield
+    except CapsNetError as err:
+        error = str(err)
+    errors: list[str | None] = [None] * context.world_size
+    dist.all_gather_object(errors, error)
+    failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
+    if not failed:
+        return
+    rank, message = failed[0]
+    if len(failed) < context.world_size or any(other != message for _, other in failed):
+        message = f"process {rank} of {context.world_size}: {message}"
+    if context.is_main:
+        print(f"{command}: error: {message}", file=sys.stderr, flush=True)
+    dist.barrier()
+    raise ReportedError(message)
+
+
+def check_same_on_every_rank(context: DistributedContext, what: str, value: dict[str, object]) -> None:
+    """Raise the same CapsNetError on every rank if `value` differs between ranks (name its first differing entry).
+
+    Each rank reads its own copy of the data; copies that differ (another version on one node) would give the ranks
+    other splits and other numbers of steps, and a rank that finishes its epoch first waits for the others forever.
+    """
+    if not context.is_distributed:
+        return
+    values: list[dict[str, object] | None] = [None] * context.world_size
+    dist.all_gather_object(values, value)
+    for rank, other in enumerate(values):
+        for key, mine in values[0].items():
+            if other[key] != mine:
+                raise CapsNetError(f"the processes' {what} differ: {key} {mine} in process 0 but {other[key]} in "
+                                   f"process {rank} of {context.world_size}; give every process the same")
 
 
 def all_reduce_sum(values: Tensor, context: DistributedContext) -> Tensor:

@@ -15,6 +15,7 @@ the last epoch's end, or with `--checkpoint-every N` from the last N-step mark i
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 import time
@@ -355,11 +356,26 @@ def train(options: TrainOptions) -> Checkpoint:
     use_transparent_huge_pages()
     context = distributed.context_from_environment()
     device = distributed.resolve_device(options.device, context)
-    if options.batch_size % context.world_size:
-        raise CapsNetError(f"--batch-size {options.batch_size} is not divisible by the {context.world_size} processes")
     if device.type == "cpu" and (options.threads or context.local_world_size > 1):
         # The processes on one machine share its cores.
         torch.set_num_threads(options.threads or max(1, (os.cpu_count() or 1) // context.local_world_size))
+    with distributed.process_group(context, device):
+        # the ranks check together: a mistake on any of them stops every one, with one line from rank 0
+        with distributed.errors_reported_once(context):
+            options, config, dataset, resumed, progress = prepare_run(options, context, device)
+        if context.is_distributed:  # each rank read its own copy of the data and checkpoint
+            with distributed.errors_reported_once(context):
+                distributed.check_same_on_every_rank(context, "data or checkpoints",
+                                                     run_fingerprint(dataset, resumed, progress))
+        return run_epochs(options, config, dataset, resumed, progress, context, device)
+
+
+def prepare_run(options: TrainOptions, context: DistributedContext, device: torch.device,
+                ) -> tuple[TrainOptions, CapsNetConfig, Dataset, Checkpoint | None, EpochProgress]:
+    """Check the user's input against the data and the resumed checkpoint; return the options completed from them,
+    the model config, the data, the resumed checkpoint and how far into its next epoch it got."""
+    if options.batch_size % context.world_size:
+        raise CapsNetError(f"--batch-size {options.batch_size} is not divisible by the {context.world_size} processes")
     if options.amp and device.type == "cpu":
         native, why = bf16_autocast_pays(CpuKind.this_host(), torch.backends.cpu.get_cpu_capability())
         if not native:
@@ -383,8 +399,26 @@ def train(options: TrainOptions) -> Checkpoint:
                            every_class=True)
         progress = check_resumable(resumed, config, options, batch_plan(options, context, dataset))
     check_dataset_fits(config, dataset, "the model")
-    with distributed.process_group(context, device):
-        return run_epochs(options, config, dataset, resumed, progress, context, device)
+    return options, config, dataset, resumed, progress
+
+
+def run_fingerprint(dataset: Dataset, resumed: Checkpoint | None, progress: EpochProgress) -> dict[str, object]:
+    """What every rank must have alike: the splits (sizes, classes, pixels) and the resumed run (where it stopped, its
+    weights: DDP makes the ranks' weights equal once, and ranks with other optimizer states would drift apart)."""
+    splits = (dataset.train, dataset.validation, dataset.test)
+    pixels, weights = hashlib.blake2b(digest_size=16), hashlib.blake2b(digest_size=16)
+    for split in splits:
+        if split is not None:
+            pixels.update(np.ascontiguousarray(split.images))
+            pixels.update(np.ascontiguousarray(split.labels))
+    for name, tensor in sorted(resumed.state_dict.items() if resumed else ()):
+        weights.update(name.encode())
+        weights.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return {"training/validation/test images": "/".join(str(len(split or ())) for split in splits),
+            "classes": ", ".join(dataset.class_names), "image shape": "x".join(map(str, dataset.image_shape)),
+            "images' content hash": pixels.hexdigest(),
+            "resumed epoch and step": f"{resumed.epoch if resumed else 0}, {progress.step}",
+            "resumed weights' hash": weights.hexdigest()}
 
 
 def batch_plan(options: TrainOptions, context: DistributedContext, dataset: Dataset) -> dict[str, int]:
@@ -441,15 +475,16 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
     scaler = torch.amp.GradScaler(device.type, enabled=options.amp and device.type == "cuda")
     history: list[dict] = []
     if resumed is not None:
-        model.load_state_dict(resumed.state_dict)
-        try:  # load_checkpoint checked that these are dicts, not what they hold
-            optimizer.load_state_dict(resumed.optimizer_state)
-            scheduler.load_state_dict(resumed.scheduler_state)
-            if resumed.scaler_state:  # empty when the run had no CUDA mixed precision
-                scaler.load_state_dict(resumed.scaler_state)
-        except (KeyError, TypeError, ValueError) as err:
-            raise CapsNetError(f"checkpoint {options.resume} is damaged: its optimizer state does not load "
-                               f"({type(err).__name__}: {err})") from None
+        with distributed.errors_reported_once(context):  # every rank loads the same file: one line, not N
+            model.load_state_dict(resumed.state_dict)
+            try:  # load_checkpoint checked that these are dicts, not what they hold
+                optimizer.load_state_dict(resumed.optimizer_state)
+                scheduler.load_state_dict(resumed.scheduler_state)
+                if resumed.scaler_state:  # empty when the run had no CUDA mixed precision
+                    scaler.load_state_dict(resumed.scaler_state)
+            except (KeyError, TypeError, ValueError) as err:
+                raise CapsNetError(f"checkpoint {options.resume} is damaged: its optimizer state does not load "
+                                   f"({type(err).__name__}: {err})") from None
         history = list(resumed.history)
     if context.is_distributed:
         # A 1-channel Conv1 weight (256, 1, 9, 9) gets its gradient with another (equivalent) stride for the

@@ -45,3 +45,27 @@ def test_two_gloo_processes_train_and_agree_on_the_weights(tmp_path):
     # the validation split too: its per-class counts, summed over the ranks' shards, are all 40 digits of each class
     per_class = metrics["validation_per_class_accuracy"]
     assert all(round(accuracy * 40, 6).is_integer() for accuracy in per_class.values())
+
+
+def run_rank_without_shifts(rank: int, world_size: int, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    train(TrainOptions(data="embedded", preset="tiny", epochs=1, batch_size=64, max_shift=0, out=out, device="cpu",
+                       threads=1, progress=False))
+
+
+def test_two_processes_follow_one_process_with_the_same_global_batch_and_learning_rate(tmp_path):
+    """--batch-size is the global batch and --lr is not scaled: without shifts (each rank draws its own), 2 processes
+    take the 1-process run's steps, and the loss and accuracy summed over the ranks are that run's."""
+    two = tmp_path / "two" / "model.ckpt"
+    mp.spawn(run_rank_without_shifts, args=(2, free_port(), str(two)), nprocs=2, join=True)
+    one = train(TrainOptions(data="embedded", preset="tiny", epochs=1, batch_size=64, max_shift=0,
+                             out=tmp_path / "one" / "model.ckpt", device="cpu", threads=1, progress=False))
+    distributed = load_checkpoint(two)
+    for name, value in one.state_dict.items():  # float rounding apart (measured: 6e-8)
+        torch.testing.assert_close(distributed.state_dict[name], value, rtol=0, atol=1e-5, msg=name)
+    for split in ("train", "validation", "test"):  # one rank's shard alone: 4e-4 off (train)
+        assert abs(distributed.metrics[f"{split}_loss"] / one.metrics[f"{split}_loss"] - 1) < 1e-5, split
+        # an image on the edge may tip either way
+        images = one.metrics["train_images" if split == "train" else f"{split}_images"]
+        assert abs(distributed.metrics[f"{split}_accuracy"] - one.metrics[f"{split}_accuracy"]) <= 1 / images + 1e-9
