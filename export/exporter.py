@@ -105,7 +105,7 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
     try:
         description, tensorrt_error = _write_artifacts(staging, checkpoint_path, checkpoint, dataset, config, tensorrt_error)
         if triton_model_dir is not None:
-            triton_staging = _staging_dir(triton_model_dir)
+            triton_staging = _staging_dir(triton_model_dir, beside=_outside_repository(triton_model_dir.parent))
             model_format = "plan" if description.artifacts["tensorrt"] else "onnx"
             model_file = staging / (PLAN_NAME if model_format == "plan" else ONNX_NAME)
             write_model_directory(triton_staging, description.to_json(), model_file, model_format, config.triton())
@@ -302,15 +302,33 @@ def _check_apart(out_dir: Path, triton_repo: Path) -> None:
         raise CapsNetError(f"--out {out_dir} and --triton {triton_repo} overlap; give them separate directories")
 
 
-def _staging_dir(target: Path) -> Path:
-    """An empty directory beside `target` (same filesystem, so the final rename is atomic)."""
+def _staging_dir(target: Path, beside: Path | None = None) -> Path:
+    """An empty directory in `beside` (default: `target`'s folder), on `target`'s filesystem so that the final
+    rename is atomic."""
+    folder = beside or target.parent
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=folder))
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the export from a server running as another user
     except OSError as err:
-        raise CapsNetError(f"cannot write to {target.parent}: {err.strerror or err}") from None
+        raise CapsNetError(f"cannot write to {folder}: {err.strerror or err}") from None
     return staging
+
+
+def _outside_repository(repo: Path) -> Path | None:
+    """The folder holding the Triton repository `repo`, if the model can be staged there: Triton takes every directory
+    in its repository for a model, a staging one too (an export killed midway left one, which Triton cannot load:
+    its config.pbtxt names another model). None when `repo` is a mount point or its folder takes no files: the
+    staging goes into `repo` then."""
+    try:
+        repo.mkdir(parents=True, exist_ok=True)
+        repo = repo.resolve()
+        outside = repo.parent
+        if outside != repo and os.access(outside, os.W_OK | os.X_OK) and outside.stat().st_dev == repo.stat().st_dev:
+            return outside
+    except OSError as err:
+        raise CapsNetError(f"cannot write to {repo}: {err.strerror or err}") from None
+    return None
 
 
 def _publish(staging: Path, target: Path) -> None:

@@ -215,3 +215,23 @@ def test_export_refuses_an_empty_path(random_tiny_checkpoint, tmp_path, capsys, 
     line = _export_error([str(random_tiny_checkpoint), *(item for pair in paths.items() for item in pair)], capsys)
     assert line.endswith(f"{flag} needs a directory, got an empty path")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_export_stages_the_triton_model_outside_its_repository(random_tiny_checkpoint, tmp_path, monkeypatch):
+    # Triton loads every directory of its repository as a model: the staging directory sat in it while the export
+    # ran, and stayed there after a kill (a model Triton cannot load: its config names another model)
+    repo = tmp_path / "models" / "triton"
+    seen = []
+    write_model_directory = exporter.write_model_directory
+
+    def write_and_look(model_dir, *args, **kwargs):
+        write_model_directory(model_dir, *args, **kwargs)
+        seen.append(sorted(path.name for path in repo.iterdir()))
+
+    monkeypatch.setattr(exporter, "write_model_directory", write_and_look)
+    for _ in range(2):  # a new repository, then replacing the previous export in it
+        assert main(["export", str(random_tiny_checkpoint), "--out", str(tmp_path / "models" / "capsnet"),
+                     "--triton", str(repo)]) == 0
+    assert seen == [[], ["capsnet"]]
+    assert sorted(path.name for path in repo.iterdir()) == ["capsnet"]
+    assert sorted(path.name for path in (tmp_path / "models").iterdir()) == ["capsnet", "triton"]
