@@ -5,9 +5,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from capsnet.errors import CapsNetError
 from capsnet.export.config import DEFAULT_OPSET, MAX_INT8_OPSET, MAX_OPSET, MIN_OPSET, PRECISIONS, ExportConfig
 
 DEFAULTS = ExportConfig()
+# The artifacts each option shapes: set for none that is written, it would do nothing.
+APPLIES_TO = {
+    "int8_max_drop": ("--int8",), "calibration_images": ("--int8",),
+    "tensorrt_precision": ("--tensorrt",), "min_batch": ("--tensorrt",), "workspace_mib": ("--tensorrt",),
+    "timing_cache": ("--tensorrt",), "gpu": ("--tensorrt",),
+    "opt_batch": ("--tensorrt", "--triton"), "max_batch": ("--tensorrt", "--triton"),
+    "max_queue_delay_us": ("--triton",),
+}
 
 
 def register(subparsers) -> None:
@@ -71,6 +80,7 @@ def run_export(args: argparse.Namespace) -> int:
     from capsnet.export.onnx_export import op_counts
 
     options = {field.name: getattr(args, field.name) for field in dataclasses.fields(ExportConfig)}
+    check_options_apply(ExportConfig(**options))
     description = export_model(args.checkpoint, args.out, **options)
 
     out = Path(args.out)
@@ -99,3 +109,12 @@ def run_export(args: argparse.Namespace) -> int:
     if args.triton_repo:
         print(f"  Triton model repository: {Path(args.triton_repo) / description.name}")
     return 0
+
+
+def check_options_apply(config: ExportConfig) -> None:
+    """Refuse an option changed for an artifact this export does not write: ignored, `--tensorrt-precision int8`
+    without --tensorrt looked as if something had been quantised."""
+    writes = {"--int8": config.wants_int8, "--tensorrt": config.tensorrt, "--triton": config.triton_repo is not None}
+    for name, artifacts in APPLIES_TO.items():
+        if getattr(config, name) != getattr(DEFAULTS, name) and not any(writes[flag] for flag in artifacts):
+            raise CapsNetError(f"--{name.replace('_', '-')} does nothing without {' or '.join(artifacts)}")

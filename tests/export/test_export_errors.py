@@ -235,3 +235,19 @@ def test_export_stages_the_triton_model_outside_its_repository(random_tiny_check
     assert seen == [[], ["capsnet"]]
     assert sorted(path.name for path in repo.iterdir()) == ["capsnet"]
     assert sorted(path.name for path in (tmp_path / "models").iterdir()) == ["capsnet", "triton"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--calibration-images", "50"], "--calibration-images does nothing without --int8"),
+    (["--int8-max-drop", "2", "--fp16"], "--int8-max-drop does nothing without --int8"),
+    (["--tensorrt-precision", "int8", "--int8"], "--tensorrt-precision does nothing without --tensorrt"),
+    (["--timing-cache", "cache", "--triton", "repo"], "--timing-cache does nothing without --tensorrt"),
+    (["--max-batch", "64"], "--max-batch does nothing without --tensorrt or --triton"),
+    (["--max-queue-delay-us", "500", "--int8"], "--max-queue-delay-us does nothing without --triton"),
+])
+def test_export_refuses_an_option_for_an_artifact_it_does_not_write(tmp_path, capsys, monkeypatch, flags, message):
+    # they were ignored: `--tensorrt-precision int8` without --tensorrt exported FP32 alone and exited 0
+    monkeypatch.chdir(tmp_path)
+    line = _export_error([str(tmp_path / "any.ckpt"), "--out", "out", *flags], capsys)
+    assert line.endswith(message)
+    assert list(tmp_path.iterdir()) == []
