@@ -114,6 +114,10 @@ class ExportConfig:
                                f"graph at opset {self.opset}")
         self.engine()  # checks the TensorRT and Triton options even when neither is written
         self.triton()
+        if self.tensorrt and self.triton_repo is not None and self.min_batch != 1:
+            # Triton's dynamic batcher sends batches from 1 image, which an engine's profile refuses below its minimum
+            raise CapsNetError(f"--triton serves the engine batches from 1 image: --min-batch must be 1, got "
+                               f"{self.min_batch}")
 
     def engine(self) -> EngineConfig:
         return EngineConfig(

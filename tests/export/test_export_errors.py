@@ -251,3 +251,11 @@ def test_export_refuses_an_option_for_an_artifact_it_does_not_write(tmp_path, ca
     line = _export_error([str(tmp_path / "any.ckpt"), "--out", "out", *flags], capsys)
     assert line.endswith(message)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_export_refuses_an_engine_triton_could_not_send_one_image(tmp_path, capsys):
+    # the plan's profile started at 4 images, and Triton's dynamic batcher sends a lone request as a batch of 1
+    line = _export_error([str(tmp_path / "any.ckpt"), "--out", str(tmp_path / "out"), "--tensorrt", "--min-batch", "4",
+                          "--triton", str(tmp_path / "repo")], capsys)
+    assert line.endswith("--triton serves the engine batches from 1 image: --min-batch must be 1, got 4")
+    assert list(tmp_path.iterdir()) == []
