@@ -190,6 +190,8 @@ def load_embedded() -> Dataset:
 def load_dataset(spec: str, validation_fraction: float = 0.0) -> Dataset:
     """`embedded` or a directory of MNIST-format IDX files, with `validation_fraction` of the training
     images held out for validation."""
+    if not spec:  # `--data "$UNSET"`: Path("") is the working directory, which the error would name as "."
+        raise CapsNetError("--data needs 'embedded' or a directory of IDX files, got an empty path")
     dataset = load_embedded() if spec == "embedded" else load_idx_directory(spec)
     return with_validation(dataset, validation_fraction)
 

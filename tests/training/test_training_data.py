@@ -131,6 +131,13 @@ def test_missing_data_directory_is_a_clear_error(tmp_path):
         load_dataset(str(tmp_path / "file"))
 
 
+def test_an_empty_data_path_is_named_as_such(tmp_path, monkeypatch):
+    # `--data "$UNSET"` read the working directory and said "data directory . has no train-images..."
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CapsNetError, match="^--data needs 'embedded' or a directory of IDX files, got an empty path$"):
+        load_dataset("")
+
+
 @pytest.mark.skipif(not FASHION_MNIST.is_dir(), reason="Debian package dataset-fashion-mnist is not installed")
 def test_real_fashion_mnist():
     dataset = load_dataset(str(FASHION_MNIST))
