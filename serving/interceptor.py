@@ -71,6 +71,8 @@ class _Call:
         self.started: float | None = None
         self.task: asyncio.Task | None = None  # the task running the handler, once it runs
         self.code: grpc.StatusCode | None = None  # set by our handling; None: read it from the context
+        self.streaming: bool = False  # requests arrive on a stream, each answered in turn (ClassifyStream)
+        self.received = self.answered = 0  # a stream's requests so far, and its answers
 
     def begin(self) -> None:
         self.started = time.monotonic()
@@ -91,6 +93,11 @@ class _Call:
         context.set_code(code)
         context.set_details(_bounded(message))
 
+    def requests_in_flight(self) -> int:
+        """A unary call is one request; a stream counts its requests from arrival to answer, so that an idle stream
+        is no load."""
+        return max(0, self.received - self.answered) if self.streaming else 1
+
     def gave_up(self, context) -> None:
         """The client cancelled, or its deadline passed (gRPC cancels the handler either way)."""
         self.code = grpc.StatusCode.DEADLINE_EXCEEDED if context.time_remaining() == 0 else grpc.StatusCode.CANCELLED
@@ -103,7 +110,8 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         self.active: set[_Call] = set()  # RPCs (but health checks) whose handler is running
         self.open_streams: set[_Call] = set()  # health checks and reflection streams whose handler is running
         self.ending_open_streams = False
-        metrics.inflight.set_function(lambda: len(self.active))  # read at each scrape, never out of step
+        # read at each scrape, never out of step; scrapes run on other threads, so they read a copy of the set
+        metrics.inflight.set_function(lambda: sum(call.requests_in_flight() for call in self.active.copy()))
 
     def busy_before(self, moment: float) -> bool:
         """Whether an RPC that started before `moment` (time.monotonic()) is still running."""
@@ -125,6 +133,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             self.metrics.requests.labels("unknown", "unknown", grpc.StatusCode.UNIMPLEMENTED.name).inc()
             return None
         call = _Call(self, API_NAMES.get(service, "unknown"), method)
+        call.streaming = handler.request_streaming and handler.response_streaming
         kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
         wrapped = self._wrap(getattr(handler, kind), call, handler.request_streaming)
         return handler._replace(request_deserializer=_guarded(handler.request_deserializer), **{kind: wrapped})
@@ -136,7 +145,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         def prepare(request, context):
             """The request as the handler takes it; None (and the status set) when it did not parse."""
             if request_streaming:
-                return _parsed_stream(request)
+                return _parsed_stream(request, call)
             if isinstance(request, _Unparseable):
                 log.warning("unparseable %s request (%d bytes) from %s: answered INVALID_ARGUMENT",
                             call.method, request.size, context.peer())
@@ -162,6 +171,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                         async for response in behavior(request, context):
                             if too_large(response, context):
                                 return
+                            call.answered += 1
                             yield response
                 except ServingError as err:
                     call.refuse(context, STATUS_CODES[type(err)], err.message)
@@ -230,12 +240,12 @@ def _guarded(deserializer):
     return parse
 
 
-async def _parsed_stream(requests):
-    """A stream's requests; an unparseable one ends the stream with INVALID_ARGUMENT."""
-    index = 0
+async def _parsed_stream(requests, call: _Call):
+    """A stream's requests, counted on `call`; an unparseable one ends the stream with INVALID_ARGUMENT."""
     async for request in requests:
         if isinstance(request, _Unparseable):
-            log.warning("unparseable stream request #%d (%d bytes): answered INVALID_ARGUMENT", index, request.size)
-            raise InvalidInput(f"stream request #{index} ({request.size} bytes) is not a valid message")
-        index += 1
+            log.warning("unparseable stream request #%d (%d bytes): answered INVALID_ARGUMENT", call.received,
+                        request.size)
+            raise InvalidInput(f"stream request #{call.received} ({request.size} bytes) is not a valid message")
+        call.received += 1
         yield request

@@ -46,8 +46,9 @@ class Metrics:
         self.request_duration = Histogram("capsnet_request_duration_seconds",
                                           "Time from receiving an RPC to its end (a stream: its whole life)",
                                           ["api", "method"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.inflight = Gauge("capsnet_inflight_requests", "RPCs being handled, health checks and reflection aside",
-                              registry=registry)
+        self.inflight = Gauge("capsnet_inflight_requests",
+                              "Requests being handled: unary RPCs, and a stream's requests from arrival to answer "
+                              "(health checks and reflection aside)", registry=registry)
         self.queue_wait = Histogram("capsnet_queue_wait_seconds",
                                     "Time a request waited in the batch queue before its first backend run",
                                     buckets=LATENCY_BUCKETS, registry=registry)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import shutil
 import subprocess
 import urllib.request
@@ -16,7 +17,8 @@ from capsnet.kserve import grpc_service_pb2 as kserve_pb
 from capsnet.kserve import grpc_service_pb2_grpc as kserve_grpc
 from capsnet.serving.client import image_message
 from capsnet.v1 import capsnet_pb2 as pb
-from serving_helpers import metric, scrape, wait_until
+from capsnet.v1 import capsnet_pb2_grpc
+from serving_helpers import ServerThread, metric, scrape, server_config, wait_until
 
 IMAGES = np.random.default_rng(3).random((3, 1, 28, 28), dtype=np.float32)  # (3, 1, 28, 28)
 
@@ -59,6 +61,30 @@ def test_open_health_watches_are_not_requests_in_flight(server, channel):
         assert metric(samples, "capsnet_inflight_requests") == 0
     finally:
         watch.cancel()
+
+
+def test_a_stream_counts_its_requests_in_flight_not_itself(model_dir):
+    """The HPA scales on the in-flight gauge: an idle ClassifyStream is no load (it counted 1 for its whole life),
+    while each request it sent counts until it is answered. The batcher holds them up to its 3 s queue delay."""
+    running = ServerThread(server_config(model_dir, max_queue_delay_us=3_000_000))
+    requests: queue.Queue = queue.Queue()
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            responses = capsnet_pb2_grpc.CapsNetServiceStub(channel).ClassifyStream(iter(requests.get, None), timeout=60)
+            requests.put(pb.ClassifyRequest(images=[image_message(IMAGES[i % 3]) for i in range(8)]))  # a full batch
+            assert len(next(responses).results) == 8  # answered at once: the stream is open, and idle now
+            wait_until(lambda: metric(scrape(running.metrics_url), "capsnet_inflight_requests") == 0, timeout=2)
+            for image in IMAGES:  # 3 requests of 1 image wait for a batch of 8
+                requests.put(pb.ClassifyRequest(images=[image_message(image)]))
+            wait_until(lambda: metric(scrape(running.metrics_url), "capsnet_queue_depth") == 3)
+            assert metric(scrape(running.metrics_url), "capsnet_inflight_requests") == 3
+            assert len([next(responses) for _ in IMAGES]) == 3
+            wait_until(lambda: metric(scrape(running.metrics_url), "capsnet_inflight_requests") == 0)
+            requests.put(None)
+            assert list(responses) == []
+    finally:
+        requests.put(None)
+        running.stop()
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) is not installed")
