@@ -28,6 +28,8 @@ import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
+from capsnet.children import terminate_with_parent
+
 DEPLOY = Path(__file__).resolve().parent
 NGINX_LB_CONF = DEPLOY / "nginx" / "grpc-lb.conf"
 PROMETHEUS_CONF = DEPLOY / "prometheus" / "prometheus.yml"
@@ -131,9 +133,10 @@ class Stack:
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
         with open(self.workdir / f"{name}.log", "wb") as log:
-            # Its own session: Ctrl-C reaches only this script, which stops the children in order.
+            # Its own session: Ctrl-C reaches only this script, which stops the children in order; if this
+            # script is killed outright, the kernel sends them SIGTERM.
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=terminate_with_parent())
         self.children.append((name, proc))
         return proc
 

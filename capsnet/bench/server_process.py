@@ -11,6 +11,7 @@ import time
 import urllib.request
 
 from capsnet.bench.memory import memory_mib
+from capsnet.children import terminate_with_parent
 from capsnet.errors import CapsNetError
 
 START_TIMEOUT_S = 180.0
@@ -31,9 +32,10 @@ class ServerProcess:
 
     def __enter__(self) -> "ServerProcess":
         # Its own session: a Ctrl-C in the terminal reaches only `capsnet bench`, which then stops the server in
-        # order (SIGTERM, wait) instead of the server draining on its own while the bench still sends to it.
+        # order (SIGTERM, wait) instead of the server draining on its own while the bench still sends to it. A
+        # bench that is killed outright cannot stop it: the kernel sends it SIGTERM then.
         self._process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=terminate_with_parent())
         ready = threading.Event()
         threading.Thread(target=self._read_output, args=(ready,), daemon=True).start()
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -106,3 +106,28 @@ def test_bench_server_dying_mid_run_is_a_one_line_error(tiny_export, tmp_path):
     assert "Traceback" not in output, output[-3000:]
     assert [pid for pid in helpers if alive(pid)] == []
     assert list(tmpdir.glob("capsnet-bench-*")) == [] and not out.exists()  # the temporary export
+
+
+def test_bench_killed_outright_leaves_no_server_running(tiny_export, tmp_path):
+    """SIGKILL (the OOM killer, a CI job's hard timeout) runs no handler in the bench; the server it started in
+    its own session gets SIGTERM from the kernel instead of serving on with nobody to stop it."""
+    script = ("import sys, time\n"
+              "from capsnet.bench.server_process import ServerProcess\n"
+              f"with ServerProcess(['--model', {str(tiny_export)!r}]) as server:\n"
+              "    print(server.pid, flush=True)\n"
+              "    time.sleep(120)\n")
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    server = None
+    try:
+        server = int(bench.stdout.readline())  # once it is ready
+        assert alive(server)
+        bench.kill()
+        bench.wait()
+        deadline = time.monotonic() + 20  # the server drains for up to 10 s
+        while alive(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(server), "capsnet serve outlived the process that started it"
+    finally:
+        bench.kill()
+        if server is not None and alive(server):  # never leave it to the next test
+            os.kill(server, signal.SIGKILL)
