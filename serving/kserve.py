@@ -7,7 +7,9 @@ into an image batch, lets the service validate and infer it, and turns the resul
 Inputs: one tensor named like the model input (`images`), shape [N, C, H, W], datatype FP32
 (values in [0, 1]) or UINT8 (scaled by 1/255), given either typed (`contents`) or raw
 (`raw_input_contents`, little-endian). Outputs are answered in the same form as the input.
-Request-level parameters are ignored; tensor parameters (shared memory, classification) are refused.
+Request-level parameters are ignored. Of the tensor parameters, those Triton acts on and this server cannot
+(shared memory, classification) are refused; any other is ignored, as Triton does (the KServe Python SDK sends
+`binary_data_size` with every input).
 The batch size is checked from the declared shape before any contents are read, and large contents are
 converted off the event loop. Errors are `serving/errors.py` kinds; the interceptor makes them statuses.
 """
@@ -36,6 +38,10 @@ _INPUT_DATATYPES = {
     "FP32": (np.dtype("<f4"), "fp32_contents"),
     "UINT8": (np.dtype("u1"), "uint_contents"),
 }
+# Tensor parameters that Triton's gRPC endpoint acts on, which this server cannot: refused, so that no client is
+# answered as if they had been honoured. Triton ignores any other tensor parameter, and so does this server.
+SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+CLASSIFICATION_PARAMETER = "classification"  # on a requested output: the top-k classes instead of the tensor
 # Typed contents with more values than this are converted in a worker thread: a Python list of them
 # costs about 30 ns a value, which would stall every other call on the event loop.
 INLINE_TYPED_VALUES = 4096
@@ -104,10 +110,15 @@ def _check_model(spec: ModelSpec, name: str, version: str, name_field: str, vers
                             f"expected '' or {spec.version!r}")
 
 
-def _refuse_parameters(parameters, field: str) -> None:
-    if parameters:
-        raise InvalidInput(f"{field}.parameters: expected none (no shared memory or classification here), "
-                           f"got {', '.join(sorted(parameters))}")
+def _refuse_parameters(parameters, field: str, *, output: bool) -> None:
+    """Refuse the tensor parameters this server cannot honour; ignore the others (binary_data_size, ...) as Triton does."""
+    if shared := [key for key in SHARED_MEMORY_PARAMETERS if key in parameters]:
+        where = "the response carries the outputs" if output else "send the data in raw_input_contents or contents"
+        raise InvalidInput(f"{field}.parameters: shared memory is not supported by this server, got "
+                           f"{', '.join(shared)}; {where}")
+    if output and CLASSIFICATION_PARAMETER in parameters:
+        raise InvalidInput(f"{field}.parameters: the classification extension is not supported by this server, got "
+                           f"{CLASSIFICATION_PARAMETER!r}; ask for 'probabilities' and take the top classes from them")
 
 
 @dataclass(frozen=True)
@@ -128,7 +139,7 @@ def _input_tensor(request: pb.ModelInferRequest, spec: ModelSpec) -> _InputTenso
         raise InvalidInput(f"inputs[0].name: expected {spec.input_name!r}, got {tensor.name!r}")
     if tensor.datatype not in _INPUT_DATATYPES:
         raise InvalidInput(f"inputs[0].datatype: expected one of {', '.join(_INPUT_DATATYPES)}, got {tensor.datatype!r}")
-    _refuse_parameters(tensor.parameters, "inputs[0]")
+    _refuse_parameters(tensor.parameters, "inputs[0]", output=False)
     shape = list(tensor.shape)
     if min(shape, default=0) < 0:
         raise InvalidInput(f"inputs[0].shape: dimensions must be >= 0, got {shape}")
@@ -196,7 +207,7 @@ def _requested_outputs(request: pb.ModelInferRequest, spec: ModelSpec) -> list[s
                                f"{', '.join(spec.output_names)}")
         if output.name in names:
             raise InvalidInput(f"{field}.name: output {output.name!r} is requested more than once")
-        _refuse_parameters(output.parameters, field)
+        _refuse_parameters(output.parameters, field, output=True)
         names.append(output.name)
     return names
 
