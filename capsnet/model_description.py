@@ -9,8 +9,10 @@ inside the model directory (`resolve`), so a model.json cannot point at other fi
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,12 +119,15 @@ class ModelDescription:
     def read(cls, directory: str | os.PathLike) -> "ModelDescription":
         """DIR/model.json, checked; CapsNetError naming the file and the key otherwise."""
         directory = Path(directory)
-        if not directory.is_dir():
-            raise CapsNetError(f"model directory {directory} does not exist" if not directory.exists()
-                               else f"model directory {directory} is not a directory")
         path = directory / SIDECAR_NAME
-        if not path.is_file():
-            raise CapsNetError(f"{directory} is not a capsnet model directory (no {SIDECAR_NAME}); make one with `capsnet export`")
+        try:
+            if not directory.is_dir():
+                raise CapsNetError(f"model directory {directory} does not exist" if not directory.exists()
+                                   else f"model directory {directory} is not a directory")
+            if not path.is_file():
+                raise CapsNetError(f"{directory} is not a capsnet model directory (no {SIDECAR_NAME}); make one with `capsnet export`")
+        except OSError as err:  # a directory this user may not search (is_file raises EACCES, not False)
+            raise CapsNetError(f"cannot read {err.filename or path}: {err.strerror or err}") from None
         return cls.from_json(read_json(path), str(path))
 
     @classmethod
@@ -155,11 +160,14 @@ class ModelDescription:
         if unhashed:
             raise reader.fail(f"sha256 has no digest for {', '.join(unhashed)}")
         optional = {key: reader.get(values, key, (dict, type(None))) for key in ("reference_set", "int8", "fp16")}
+        # informational, and absent from older exports, but served in GetModelInfo: objects or nothing
+        extra = {key: dict(reader.get(values, key, (dict, type(None))) or {}) if key in values else {}
+                 for key in ("training_metrics", "parity")}
         return cls(
             input_shape=input_shape,
             class_names=class_names,
             output_shapes=output_shapes,
-            routing=dict(reader.get(values, "routing", dict)),
+            routing=reader.routing(values),
             artifacts={key: artifacts.get(key) for key in ARTIFACT_KEYS},
             opset=reader.get(values, "opset", int),
             name=reader.get(values, "name", str),
@@ -168,8 +176,7 @@ class ModelDescription:
             exporter_version=str(values.get("exporter_version", "")),
             created=str(values.get("created", "")),
             sha256=dict(sha256),
-            training_metrics=dict(values.get("training_metrics") or {}),
-            parity=dict(values.get("parity") or {}),
+            **extra,
             **optional,
         )
 
@@ -180,13 +187,22 @@ class ModelDescription:
     def resolve(self, directory: Path, name: str, what: str) -> Path:
         """`name` inside `directory`, existing, and with the digest model.json records; CapsNetError otherwise."""
         source = directory / SIDECAR_NAME
-        root = directory.resolve()
-        path = (root / name).resolve()
-        if Path(name).is_absolute() or root not in path.parents:
+        try:
+            root = directory.resolve()
+            path = (root / name).resolve()
+            inside = not Path(name).is_absolute() and root in path.parents
+            exists = inside and path.is_file()
+            digest = file_sha256(path) if exists else ""
+        except (OSError, ValueError, RuntimeError) as err:
+            # OSError: unreadable, name too long; ValueError: a NUL in the name; RuntimeError: a symlink loop
+            if isinstance(err, OSError) and err.errno in (errno.EACCES, errno.EPERM, errno.EIO):
+                raise CapsNetError(f"cannot read {err.filename or directory / name}: {err.strerror}") from None
+            raise CapsNetError(f"{source} is damaged: {what} {name[:100]!r} cannot be opened inside {directory} "
+                               f"({(err.strerror if isinstance(err, OSError) else None) or str(err)[:200]})") from None
+        if not inside:
             raise CapsNetError(f"{source} is damaged: {what} {name!r} is not a file inside {directory}")
-        if not path.is_file():
+        if not exists:
             raise CapsNetError(f"{source} is damaged: it lists {what} {name!r}, which is missing from {directory}")
-        digest = file_sha256(path)
         if digest != self.sha256.get(name):
             raise CapsNetError(f"{path} does not match {source} (sha256 {digest[:12]}…, recorded "
                                f"{str(self.sha256.get(name))[:12]}…): the file was changed after export; re-export it")
@@ -210,6 +226,21 @@ class _Reader:
             raise self.fail(f"{where}{key!r} has the wrong type ({type(value).__name__})")
         return value
 
+    def routing(self, values: dict) -> dict:
+        """The routing facts GetModelInfo sends as a proto (string variant, int32 iterations, float constants):
+        a wrong type there would pass startup and fail every GetModelInfo call."""
+        routing = dict(self.get(values, "routing", dict))
+        self.get(routing, "variant", str, "routing.")
+        iterations = self.get(routing, "iterations", int, "routing.")
+        if not 0 < iterations < 2**31:
+            raise self.fail(f"routing.iterations must be a positive 32-bit integer, got {iterations}")
+        for key in ("squash_constant", "inverse_temperature"):
+            if key in routing:
+                value = self.get(routing, key, (int, float), "routing.")
+                if isinstance(value, bool) or not math.isfinite(value):
+                    raise self.fail(f"routing.{key} must be a finite number, got {value!r}")
+        return routing
+
     def output_shapes(self, values: dict, classes: int, input_shape: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
         shapes = {}
         for index, output in enumerate(self.get(values, "outputs", list)):
@@ -218,7 +249,10 @@ class _Reader:
             shape = self.get(output, "shape", list, f"outputs[{index}].")
             if not all(isinstance(d, int) and d > 0 for d in shape):
                 raise self.fail(f"outputs[{index}].shape must be positive integers, got {shape}")
-            shapes[self.get(output, "name", str, f"outputs[{index}].")] = tuple(shape)
+            name = self.get(output, "name", str, f"outputs[{index}].")
+            if name not in output_names(reconstruction=True):  # every backend returns only these
+                raise self.fail(f"outputs[{index}].name {name!r} is not one of {', '.join(output_names(reconstruction=True))}")
+            shapes[name] = tuple(shape)
         poses = shapes.get("poses", ())
         if shapes.get("probabilities") != (classes,) or len(poses) != 2 or poses[0] != classes:
             raise self.fail(f"outputs must include probabilities [{classes}] and poses [{classes}, D]")
@@ -231,8 +265,11 @@ class _Reader:
 def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CapsNetError(f"{path} is damaged: not valid JSON ({err})") from None
+    except OSError as err:  # unreadable (permissions), a directory, an I/O error
+        raise CapsNetError(f"cannot read {path}: {err.strerror or err}") from None
+    except (ValueError, RecursionError) as err:
+        # ValueError: bad UTF-8, bad JSON, an integer of over 4,300 digits; RecursionError: nesting too deep
+        raise CapsNetError(f"{path} is damaged: not valid JSON ({str(err)[:200]})") from None
 
 
 def read_plan_info(path: Path) -> dict:
@@ -241,5 +278,13 @@ def read_plan_info(path: Path) -> dict:
     missing = [key for key in PLAN_INFO_KEYS if not isinstance(info, dict) or key not in info]
     if missing:
         raise CapsNetError(f"{path} is damaged: missing {', '.join(missing)}")
+    # the server compares and counts with these before TensorRT sees the plan
+    batches = [info[key] for key in ("min_batch", "opt_batch", "max_batch")]
+    if (not all(isinstance(info[key], str) for key in ("tensorrt_version", "gpu_name"))
+            or not isinstance(info["compute_capability"], (str, int, float))
+            or info["precision"] not in ("fp32", "fp16", "int8")
+            or not all(type(batch) is int for batch in batches) or not 1 <= batches[0] <= batches[1] <= batches[2]):
+        raise CapsNetError(f"{path} is damaged: expected tensorrt_version and gpu_name strings, compute_capability "
+                           "like \"9.0\", precision fp32|fp16|int8 and integers 1 <= min_batch <= opt_batch <= max_batch")
     return info
 

@@ -68,7 +68,7 @@ def create_backend(name: str, precision: str, artifacts: ModelArtifacts, config:
 
 
 def checked(backend: Backend, artifacts: ModelArtifacts, config: ServerConfig) -> SelfCheck:
-    check = self_check(backend, artifacts.reference, config.max_batch_size)
+    check = self_check(backend, artifacts.reference, config.max_batch_size, artifacts)
     log.info("self-check %s: %s", "passed" if check.passed else "FAILED", check.describe())
     return check
 

@@ -41,10 +41,11 @@ class OnnxRuntimeBackend(Backend):
             self.session = ort.InferenceSession(str(path), options, providers=self._providers(artifacts, precision, max_batch_size, gpu))
         except Exception as err:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail, ...)
             raise CapsNetError(f"{path} is damaged or cannot be loaded: {str(err).splitlines()[0]}") from None
-        graph_outputs = {output.name for output in self.session.get_outputs()}
+        graph_outputs = {output.name: output for output in self.session.get_outputs()}
         missing = [name for name in artifacts.output_names if name not in graph_outputs]
         if missing:
             raise CapsNetError(f"{path} is damaged: outputs {', '.join(missing)} listed in model.json are not in the graph")
+        check_graph_matches(path, artifacts, self.session.get_inputs(), graph_outputs)
         self.input_name = artifacts.input_name
         self.output_names = artifacts.output_names
         self.precision = precision
@@ -74,3 +75,26 @@ class OnnxRuntimeBackend(Backend):
     def run(self, images: np.ndarray) -> dict[str, np.ndarray]:
         outputs = self.session.run(list(self.output_names), {self.input_name: images})
         return dict(zip(self.output_names, outputs))
+
+
+def check_graph_matches(path, artifacts: ModelArtifacts, graph_inputs: list, graph_outputs: dict) -> None:
+    """The graph's input and output shapes are model.json's: another model's ONNX file (its hash rewritten to match)
+    would otherwise fail on every request, or answer with shapes the server describes differently to clients."""
+    def static(node) -> list:  # without the batch axis; a symbolic dimension (a name, or None) matches anything
+        return [d if isinstance(d, int) else None for d in node.shape[1:]]
+
+    def differs(dims: list, shape: tuple[int, ...]) -> bool:
+        return len(dims) != len(shape) or any(d is not None and d != s for d, s in zip(dims, shape))
+
+    names = [node.name for node in graph_inputs]
+    if names != [artifacts.input_name]:
+        raise CapsNetError(f"{path} takes inputs {names}, model.json says {[artifacts.input_name]}; re-export it")
+    (graph_input,) = graph_inputs
+    if graph_input.type != "tensor(float)" or differs(static(graph_input), artifacts.input_shape):
+        raise CapsNetError(f"{path} takes {graph_input.type} {graph_input.shape}, model.json says float32 "
+                           f"[N, {', '.join(map(str, artifacts.input_shape))}]; re-export it")
+    for name, shape in artifacts.output_shapes.items():
+        output = graph_outputs[name]
+        if differs(static(output), shape):
+            raise CapsNetError(f"{path} gives {name} of shape {output.shape}, model.json says "
+                               f"[N, {', '.join(map(str, shape))}]; re-export it")

@@ -143,3 +143,30 @@ def test_model_json_cannot_point_outside_the_model_directory(int8_model_dir, tmp
     (copy / "model.json").write_text(json.dumps(sidecar))
     code, errors = _serve_errors(copy, capsys)
     assert code == 2 and len(errors) == 1 and f"artifacts.onnx {name!r} is not a file inside" in errors[0], errors
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_a_nan_in_any_output_fails_the_self_check(int8_model_dir, precision):
+    """A NaN in the poses of the last reference batch: not the first value max() sees for FP32, and an output
+    INT8 is not compared on, so both passed before."""
+    import numpy as np
+
+    from capsnet.serving.artifacts import load_artifacts
+    from capsnet.serving.backends import create_backend
+    from capsnet.serving.self_check import self_check
+
+    artifacts = load_artifacts(int8_model_dir)
+    config = server_config(int8_model_dir)
+    backend = create_backend("onnxruntime", precision, artifacts, config)
+    run = backend.run
+
+    def run_with_a_nan(images):
+        outputs = run(images)
+        outputs["poses"][-1, 0, 0] = np.nan  # (N, 10, 16)
+        return outputs
+
+    assert self_check(backend, artifacts.reference, config.max_batch_size, artifacts).passed
+    backend.run = run_with_a_nan
+    check = self_check(backend, artifacts.reference, config.max_batch_size, artifacts)
+    assert not check.passed and check.non_finite == ("poses",)
+    assert check.describe().startswith("NaN or infinity in poses; ")
