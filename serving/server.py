@@ -158,7 +158,12 @@ class CapsNetServer:
             raise CapsNetError(f"cannot listen on {_address(config.host, config.metrics_port)}: {err.strerror or err}") from None
         self.metrics_port = self._metrics_http.server_port
 
-        await self.service.warmup()
+        try:
+            await self.service.warmup()
+        except BaseException:  # the one-line error, not gRPC's traceback about a server left running at exit
+            await self._grpc.stop(None)
+            self._metrics_http.shutdown()
+            raise
         if stopping is not None and stopping.is_set():
             return
         for name in HEALTH_SERVICES:

@@ -8,12 +8,14 @@ the gRPC layer maps them to status codes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from capsnet.errors import CapsNetError
 from capsnet.model_description import ModelDescription
 from capsnet.serving.artifacts import load_artifacts
 from capsnet.serving.backends import load_backend
@@ -51,6 +53,21 @@ class InferenceResult:
     compute_seconds: float  # backend runs that included these images
 
 
+@contextlib.contextmanager
+def _startup_step(what: str, max_batch_size: int):
+    """A backend failing before SERVING is one line (capsnet serve exits 2), not a traceback: most often a batch of
+    --max-batch-size images that does not fit in memory, which the backends report each in their own way."""
+    try:
+        yield
+    except CapsNetError:
+        raise
+    except Exception as err:  # numpy's MemoryError, onnxruntime's RuntimeException, torch's OutOfMemoryError, ...
+        log.debug("%s failed", what, exc_info=True)  # the traceback, for --log-level DEBUG
+        detail = (str(err).strip().splitlines() or [""])[0][:300]
+        raise CapsNetError(f"{what} failed: {type(err).__name__}: {detail} (--max-batch-size {max_batch_size}: "
+                           "a smaller one needs less memory)") from None
+
+
 SHUTTING_DOWN = "the server is shutting down; retry on another replica"
 
 
@@ -71,7 +88,8 @@ class InferenceService:
         Called inside the server's event loop (the batcher's scheduler is a task of it).
         """
         artifacts = load_artifacts(config.model_dir)
-        loaded = load_backend(artifacts, config)
+        with _startup_step("loading the backend", config.max_batch_size):
+            loaded = load_backend(artifacts, config)
         backend = loaded.backend
         log.info("loaded %s %s with %s (%s): %s", artifacts.name, artifacts.version, backend.name, backend.precision,
                  backend.description)
@@ -96,7 +114,8 @@ class InferenceService:
         started = time.monotonic()
         limit = self.spec.max_batch_size
         sizes = sorted({2 ** i for i in range(limit.bit_length())} | {limit})
-        await asyncio.to_thread(self.backend.warmup, sizes, self.spec.input_shape)
+        with _startup_step(f"warming up batch sizes {sizes}", limit):
+            await asyncio.to_thread(self.backend.warmup, sizes, self.spec.input_shape)
         log.info("warmed up batch sizes %s in %.2f s", sizes, time.monotonic() - started)
         self._warmed_up = self.ready = True
 

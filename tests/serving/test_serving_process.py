@@ -60,6 +60,23 @@ def test_metrics_port_in_use_is_a_one_line_error(model_dir, holder):
     assert result.stderr.strip().splitlines()[-1] == f"capsnet serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
 
 
+def test_a_batch_size_that_does_not_fit_in_memory_is_a_one_line_error(model_dir):
+    """Warm-up runs a batch of --max-batch-size images, after gRPC and /metrics are listening: the backend's own
+    failure becomes one line, and both listeners are stopped first (gRPC printed a traceback at exit otherwise)."""
+    import resource
+
+    def five_gib_of_address_space():
+        resource.setrlimit(resource.RLIMIT_AS, (5 << 30, 5 << 30))
+
+    result = subprocess.run([sys.executable, "-m", "capsnet", "serve", "--model", str(model_dir), "--precision", "fp32",
+                             "--grpc-port", "0", "--metrics-port", "0", "--max-batch-size", "30000"],
+                            capture_output=True, text=True, timeout=120, preexec_fn=five_gib_of_address_space)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert last.startswith("capsnet serve: error: warming up batch sizes [1, 2, 4, ") and "30000] failed: " in last
+    assert last.endswith("(--max-batch-size 30000: a smaller one needs less memory)"), last
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda d: (d / "model.json").write_text("{not json"), "model.json is damaged: not valid JSON"),
     (lambda d: (d / "model.json").unlink(), "is not a capsnet model directory (no model.json)"),
