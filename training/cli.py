@@ -144,15 +144,17 @@ def run_eval(args: argparse.Namespace) -> int:
         raise CapsNetError("--batch-size must be at least 1")
     device = resolve_device(args.device, DistributedContext())
     checkpoint = load_checkpoint(args.checkpoint)
-    dataset = load_checkpoint_data(checkpoint, args.checkpoint, args.data)
+    dataset = load_checkpoint_data(checkpoint, args.checkpoint, args.data, hold_out=args.split != "test")
     if args.split == "validation" and dataset.validation is None:
         raise CapsNetError(f"checkpoint {args.checkpoint} was trained without a validation split")
     split = {"train": dataset.train, "validation": dataset.validation, "test": dataset.test}[args.split]
     model = checkpoint.build_model().to(device)
     result = evaluate(model, split, tuple(checkpoint.class_names), args.batch_size, device)
     if args.json:
+        # the checkpoint's share, also where the test split alone needed nothing held out
         print(json.dumps({"checkpoint": str(args.checkpoint), "data": dataset.name, "split": args.split,
-                          "validation_fraction": dataset.validation_fraction, **result.to_dict()}))
+                          "validation_fraction": checkpoint.metrics.get("validation_fraction", 0.0),
+                          **result.to_dict()}))
     else:
         print(f"checkpoint {args.checkpoint} (epoch {checkpoint.epoch}) on {dataset.name}, {args.split} split")
         print(result.format_report())

@@ -78,9 +78,11 @@ class Evaluation:
 
 
 def load_checkpoint_data(checkpoint: Checkpoint, checkpoint_path: Path, data: str | None,
-                         every_class: bool = False) -> Dataset:
+                         every_class: bool = False, hold_out: bool = True) -> Dataset:
     """`data` (`--data`), or else the data the checkpoint was trained on, with the validation share its training
-    run held out (so `validation` is the run's own split), checked to fit the model (`check_dataset_fits`)."""
+    run held out (so `validation` is the run's own split), checked to fit the model (`check_dataset_fits`).
+    A caller that reads only the test split passes `hold_out=False`: a small data set whose classes are too
+    few to hold anything out would otherwise be refused over a split it never uses."""
     if data is None:
         # checkpoints from before `data` was recorded name only the dataset; the embedded one is always here
         data = checkpoint.metrics.get("data") or ("embedded" if checkpoint.dataset == "embedded-mnist-5k" else None)
@@ -89,7 +91,7 @@ def load_checkpoint_data(checkpoint: Checkpoint, checkpoint_path: Path, data: st
             raise CapsNetError(f"{checkpoint_path} was trained on {checkpoint.dataset or 'unrecorded data'}{where}; "
                                "pass --data with that dataset's IDX folder")
         log.info("--data: %s, the checkpoint's training data", data)
-    dataset = load_dataset(data, checkpoint.metrics.get("validation_fraction", 0.0))
+    dataset = load_dataset(data, checkpoint.metrics.get("validation_fraction", 0.0) if hold_out else 0.0)
     check_dataset_fits(checkpoint.config, dataset, f"checkpoint {checkpoint_path}", tuple(checkpoint.class_names),
                        every_class)
     return dataset

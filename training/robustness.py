@@ -18,6 +18,9 @@ from pathlib import Path
 from capsnet.training.cli import CHECKPOINT_DATA_HELP, DEVICE_HELP
 
 PRESENT_THRESHOLD = 0.5
+# The pairs are built in memory at once, about 6 kB each for 28x28 images (200,000: 1.2 GB, 20 s): this many
+# is 6 GB; 10**12 asked numpy for terabytes and ended in a traceback.
+MAX_PAIRS = 1_000_000
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,7 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("checkpoint", type=Path, help="a checkpoint written by capsnet train")
     parser.add_argument("--data", metavar="embedded|DIR", help=CHECKPOINT_DATA_HELP)
-    parser.add_argument("--pairs", type=int, metavar="N", help="overlaid pairs (default: one per test image)")
+    parser.add_argument("--pairs", type=int, metavar="N",
+                        help=f"overlaid pairs, at most {MAX_PAIRS:,} (default: one per test image)")
     parser.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the distortions and pairs (default 0)")
     parser.add_argument("--batch-size", type=int, default=256, metavar="B", help="images per forward pass (default 256)")
     parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
@@ -75,16 +79,24 @@ def run_robustness(args: argparse.Namespace) -> int:
         raise CapsNetError("--batch-size must be at least 1")
     if args.pairs is not None and args.pairs < 1:
         raise CapsNetError("--pairs must be at least 1")
+    if args.pairs is not None and args.pairs > MAX_PAIRS:
+        raise CapsNetError(f"--pairs must be at most {MAX_PAIRS:,}, got {args.pairs:,}")
     if not 0 <= args.seed < SEED_LIMIT:
         raise CapsNetError(f"--seed must be in [0, {SEED_LIMIT})")
     device = resolve_device(args.device, DistributedContext())
     checkpoint = load_checkpoint(args.checkpoint)
-    dataset = load_checkpoint_data(checkpoint, args.checkpoint, args.data)
+    dataset = load_checkpoint_data(checkpoint, args.checkpoint, args.data, hold_out=False)  # the test split only
     model = checkpoint.build_model().to(device)
     names = tuple(checkpoint.class_names)
     clean = evaluate(model, dataset.test, names, args.batch_size, device)
     affine = evaluate(model, affine_split(dataset.test, args.seed)[0], names, args.batch_size, device)
-    overlay = overlay_pairs(dataset.test, args.pairs or len(dataset.test), args.seed)
+    pairs = args.pairs or len(dataset.test)
+    try:
+        overlay = overlay_pairs(dataset.test, pairs, args.seed)
+    except MemoryError:  # images larger than digits, or a machine with little memory
+        shape = "x".join(map(str, dataset.image_shape))
+        raise CapsNetError(f"not enough memory for {pairs:,} overlaid pairs of {shape} images; ask for fewer with "
+                           "--pairs") from None
     overlap = overlap_scores(class_probabilities(model, overlay.images, args.batch_size, device), overlay.labels)
     report = {
         "checkpoint": str(args.checkpoint), "arch": checkpoint.config.arch, "data": dataset.name, "seed": args.seed,

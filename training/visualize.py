@@ -19,6 +19,7 @@ torch and matplotlib are imported inside the functions, so `capsnet --help` stay
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 from capsnet.training.cli import CHECKPOINT_DATA_HELP, DEVICE_HELP
@@ -28,6 +29,9 @@ PERTURBATION_STEPS = 11  # -0.25 ... +0.25
 PERTURBED_DIGITS = 3
 ROUTED_CORRECT, ROUTED_WRONG = 3, 1  # digits in the routing picture
 DPI = 100
+# Columns of reconstructions.png: its layout time grows faster than the column count (64: half a minute,
+# 200 ran past 5 minutes without finishing, 600 exceeds matplotlib's 2**16-pixel image limit).
+MAX_EXAMPLES = 32
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -40,26 +44,51 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("checkpoint", type=Path, help="a checkpoint written by capsnet train")
     parser.add_argument("--data", metavar="embedded|DIR", help=CHECKPOINT_DATA_HELP)
-    parser.add_argument("--out", type=Path, default=Path("pictures"), metavar="DIR",
-                        help="folder for the PNG files (default pictures)")
+    # a string, not a Path: Path("") would be the working directory, so an empty --out could not be told apart
+    parser.add_argument("--out", default="pictures", metavar="DIR", help="folder for the PNG files (default pictures)")
     parser.add_argument("--images", type=int, default=1000, metavar="N",
-                        help="score the first N test images for the confusion matrix and examples (default 1000)")
+                        help="score N test images, a fixed random choice of them, for the confusion matrix and "
+                             "examples (default 1000)")
     parser.add_argument("--examples", type=int, default=8, metavar="K",
-                        help="correct and wrong predictions shown in reconstructions.png (default 8 each)")
+                        help=f"correct and wrong predictions shown in reconstructions.png, at most {MAX_EXAMPLES} "
+                             "(default 8 each)")
     parser.add_argument("--batch-size", type=int, default=256, metavar="B", help="images per forward pass (default 256)")
     parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
     parser.set_defaults(handler=run_visualize)
 
 
 def run_visualize(args: argparse.Namespace) -> int:
-    for path in visualize(args.checkpoint, args.data, args.out, args.images, args.examples, args.batch_size,
-                          args.device):
+    from capsnet.errors import CapsNetError
+
+    if not args.out:  # `--out "$UNSET"`: the pictures would land in the working directory unasked
+        raise CapsNetError("--out needs a folder for the pictures, got an empty path")
+    out = Path(args.out)
+    written = visualize(args.checkpoint, args.data, out, args.images, args.examples, args.batch_size, args.device)
+    for path in written:
         print(f"wrote {path}")
+    # A picture of an earlier run into this folder that this checkpoint did not get (a cnn-baseline has no
+    # capsules; fewer correct digits, fewer perturbations) would pass for this checkpoint's.
+    for stale in (out / name for name in picture_names()):
+        if stale not in written and stale.is_file():
+            try:
+                stale.unlink()
+            except OSError as err:
+                raise CapsNetError(f"cannot remove {stale}, an earlier run's picture this checkpoint does not get: "
+                                   f"{err.strerror or err}") from None
+            print(f"removed {stale}, an earlier run's picture this checkpoint does not get")
     return 0
+
+
+def picture_names() -> list[str]:
+    """Every file name visualize can write."""
+    return ["confusion.png", "training-curves.png", "reconstructions.png", "routing.png",
+            *(f"pose-perturbation-{k}.png" for k in range(PERTURBED_DIGITS))]
 
 
 def visualize(checkpoint_path: Path, data: str | None, out: Path, images: int, examples: int, batch_size: int,
               device_name: str) -> list[Path]:
+    import tempfile
+
     import numpy as np
     import torch
 
@@ -74,14 +103,24 @@ def visualize(checkpoint_path: Path, data: str | None, out: Path, images: int, e
     for flag, value in (("--images", images), ("--examples", examples), ("--batch-size", batch_size)):
         if value < 1:
             raise CapsNetError(f"{flag} must be at least 1")
+    if examples > MAX_EXAMPLES:
+        raise CapsNetError(f"--examples must be at most {MAX_EXAMPLES}, got {examples}")
     device = resolve_device(device_name, DistributedContext())
     checkpoint = load_checkpoint(checkpoint_path)
-    dataset = load_checkpoint_data(checkpoint, checkpoint_path, data)
+    dataset = load_checkpoint_data(checkpoint, checkpoint_path, data, hold_out=False)  # the test split only
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise CapsNetError(f"cannot create --out {out}: {err.strerror or err}") from None
-    split = Split(dataset.test.images[:images], dataset.test.labels[:images])
+    try:  # a real write, before the scoring: os.access says yes to root even where nothing can be created (/sys)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as err:
+        raise CapsNetError(f"cannot write to --out {out}: {err.strerror or err}") from None
+    # A fixed random choice, not the first N: test splits are often sorted by class (the embedded digits are, so
+    # their first 300 were 0s, 1s and 2s only); all of them, in their order, when N covers the split.
+    chosen = np.sort(np.random.default_rng(0).permutation(len(dataset.test))[:images])
+    split = Split(dataset.test.images[chosen], dataset.test.labels[chosen])
     names = tuple(checkpoint.class_names)
     model = checkpoint.build_model().to(device)
 
@@ -89,6 +128,9 @@ def visualize(checkpoint_path: Path, data: str | None, out: Path, images: int, e
     if checkpoint.history:
         written.append(draw_training_curves(checkpoint.history, out / "training-curves.png"))
     if checkpoint.config.arch not in CAPSULE_ARCHITECTURES:
+        # said, not only left out: the help promises reconstructions, perturbations and routing
+        logging.getLogger(__name__).info("%s is a %s: it has no capsules, so no reconstructions, pose perturbations "
+                                         "or routing", checkpoint_path, checkpoint.config.arch)
         return written
 
     predicted = class_probabilities(model, split.images, batch_size, device).argmax(axis=1)  # (N,)
@@ -159,6 +201,17 @@ def _figure(width: float, height: float):
     return Figure(figsize=(width, height), dpi=DPI, layout="constrained")
 
 
+def _save(figure, path: Path) -> Path:
+    """Write the PNG; a failure (a folder of that name, a full disk) is the user's to fix, not a traceback."""
+    from capsnet.errors import CapsNetError
+
+    try:
+        figure.savefig(path)
+    except OSError as err:
+        raise CapsNetError(f"cannot write {path}: {err.strerror or err}") from None
+    return path
+
+
 def _show(axes, image, title: str = "") -> None:
     """One (C, H, W) [0, 1] image, grey for one channel."""
     pixels = image[0] if image.shape[0] == 1 else image.transpose(1, 2, 0)  # (H, W) or (H, W, C)
@@ -186,8 +239,7 @@ def draw_reconstructions(images, reconstructions, labels, predicted, num_correct
             _show(axes[1, column], reconstructions[k])
         if not indices:
             subfigure.text(0.5, 0.5, "none among the scored digits", ha="center", va="center")
-    figure.savefig(path)
-    return path
+    return _save(figure, path)
 
 
 def draw_perturbations(grid, name: str, path: Path) -> Path:
@@ -204,8 +256,7 @@ def draw_perturbations(grid, name: str, path: Path) -> Path:
     axes.set_xlabel("offset added to the dimension")
     axes.set_ylabel("pose dimension")
     axes.set_title(f"pose perturbation of a '{name}' capsule", fontsize=9)
-    figure.savefig(path)
-    return path
+    return _save(figure, path)
 
 
 def draw_routing(images, maps, labels, predicted, names, path: Path) -> Path:
@@ -224,8 +275,7 @@ def draw_routing(images, maps, labels, predicted, names, path: Path) -> Path:
     figure.colorbar(heat, ax=axes[:, 1:], shrink=0.8, label="mean coupling c_ij (EM: assignment R_ij)")
     figure.suptitle("routing: last iteration's coupling of the capsules below the classes (grid positions) to each "
                     "class", fontsize=9)
-    figure.savefig(path)
-    return path
+    return _save(figure, path)
 
 
 def draw_confusion(evaluation, path: Path) -> Path:
@@ -244,8 +294,7 @@ def draw_confusion(evaluation, path: Path) -> Path:
     axes.set_ylabel("true class")
     axes.set_title(f"confusion matrix: {100 * evaluation.accuracy:.2f}% of {evaluation.count} test images", fontsize=9)
     figure.colorbar(image, ax=axes, shrink=0.8)
-    figure.savefig(path)
-    return path
+    return _save(figure, path)
 
 
 def training_curves(history: list[dict]):
@@ -277,5 +326,4 @@ def training_curves(history: list[dict]):
 
 def draw_training_curves(history: list[dict], path: Path) -> Path:
     figure = training_curves(history)
-    figure.savefig(path)
-    return path
+    return _save(figure, path)
