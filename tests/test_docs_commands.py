@@ -4,6 +4,9 @@ Commands are taken from fenced code blocks and inline code spans of the Markdown
 scripts, split with shlex (never run) and checked against capsnet.cli.build_parser(): the subcommand
 exists, every --long-flag is one that subcommand accepts, and a flag with a fixed set of values is given
 one of them. Positional arguments and file paths are not checked.
+
+The flag tables of `capsnet serve` (docs/serving.md) and `capsnet train` (docs/training.md) are checked too: each
+flag exists, the serve table lists every flag, and a stated default is the code's.
 """
 
 from __future__ import annotations
@@ -232,3 +235,101 @@ def test_the_check_catches_drift(parsers, tmp_path):
         "no such subcommand (have: " + ", ".join(parsers) + ")",
     ]
 
+
+# The flag tables: every flag a table names is one its command takes, a complete table names every flag, and a
+# stated default is the code's. (doc, heading the table follows): (subcommand, whether it lists every flag).
+FLAG_TABLES = {
+    ("docs/serving.md", "## Settings"): ("serve", True),
+    ("docs/training.md", "## Optimisation and execution flags"): ("train", False),
+}
+DEFAULT_WORD = re.compile(r"^[`(]*([^\s`(),;]*)")  # a default cell's first word: `127.0.0.1`, 0.001 (EM: ...), off
+
+
+def flag_table(path: Path, heading: str) -> list[tuple[int, list[str], str]]:
+    """(line, flags of the row's first cell, its default cell) for each row of the first table after `heading`."""
+    lines = path.read_text().splitlines()
+    start = lines.index(heading)
+    rows, header = [], None
+    for number, text in enumerate(lines[start + 1:], start=start + 2):
+        if not text.startswith("|"):
+            if header is not None:
+                break
+            continue
+        cells = [cell.strip() for cell in text.strip().strip("|").split("|")]
+        if header is None:
+            header = [cell.lower() for cell in cells]
+        elif not set(text) <= set("|-: "):  # the separator row
+            flags = [word for span in INLINE_CODE.findall(cells[0]) for word in span.split() if word.startswith("--")]
+            rows.append((number, flags, cells[header.index("default")]))
+    return rows
+
+
+def code_defaults(subcommand: str, parser: argparse.ArgumentParser) -> dict[str, object]:
+    """Each flag's effective default, by dest: where argparse has None, the value the code then applies."""
+    if subcommand == "serve":
+        from capsnet.serving.config import ServerConfig
+        return ServerConfig.defaults()
+    from capsnet.training import train
+    applied = {"lr": train.DEFAULT_LR["capsnet"], "lr_decay": train.DEFAULT_LR_DECAY, "warmup": train.DEFAULT_WARMUP,
+               "val_fraction": train.DEFAULT_VAL_FRACTION}
+    return {a.dest: a.default if a.default is not None else applied.get(a.dest) for a in parser._actions}
+
+
+def default_problem(flag: str, stated: str, default: object) -> str | None:
+    """Whether a table's default cell contradicts the code's default; prose ("from the model") for None is fine."""
+    word = DEFAULT_WORD.match(stated).group(1)
+    if default is None:
+        return None
+    if isinstance(default, bool):
+        ok = not default and word in ("", "off")
+    elif isinstance(default, (int, float)):
+        try:
+            ok = float(word) == float(default)
+        except ValueError:
+            ok = False
+    else:
+        ok = word == str(default)
+    return None if ok else f"{flag}: the table says {stated!r}, the code's default is {default!r}"
+
+
+def flag_table_problems(path: Path, heading: str, subcommand: str, complete: bool,
+                        parsers: dict[str, argparse.ArgumentParser]) -> list[str]:
+    parser = parsers[subcommand]
+    options = {flag: action for flag, action in parser._option_string_actions.items() if flag not in ("-h", "--help")}
+    defaults = code_defaults(subcommand, parser)
+    found, listed = [], set()
+    for line, flags, stated in flag_table(path, heading):
+        for flag in flags:
+            listed.add(flag)
+            if flag not in options:
+                found.append(f"{path.name}:{line}: {flag} is not a flag of capsnet {subcommand}")
+            elif len(flags) == 1:
+                problem = default_problem(flag, stated, defaults.get(options[flag].dest))
+                found += [f"{path.name}:{line}: {problem}"] if problem else []
+    if complete:
+        missing = sorted(set(options) - listed)
+        found += [f"{path.name} {heading!r}: capsnet {subcommand} {flag} is missing" for flag in missing]
+    return found
+
+
+@pytest.mark.parametrize("where", sorted(FLAG_TABLES), ids=lambda where: f"{where[0]} {where[1]}")
+def test_flag_table_matches_the_parser(parsers, where):
+    subcommand, complete = FLAG_TABLES[where]
+    found = flag_table_problems(REPO / where[0], where[1], subcommand, complete, parsers)
+    assert not found, "\n".join(found)
+
+
+def test_the_flag_table_check_catches_drift(parsers, tmp_path):
+    doc = tmp_path / "doc.md"
+    rows = [f"| `{flag}` | | {value} | |" for flag, value in (
+        ("--model DIR", "(required)"), ("--host", "`0.0.0.0`"), ("--grpc-port", "8001"), ("--threads", "2"),
+        ("--max-message-bytes", "from the model"), ("--no-such-flag", "1"))]
+    doc.write_text("## Settings\n\n| flag | env | default | meaning |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    found = flag_table_problems(doc, "## Settings", "serve", True, parsers)
+    assert found[:3] == [
+        "doc.md:6: --host: the table says '`0.0.0.0`', the code's default is '127.0.0.1'",
+        "doc.md:8: --threads: the table says '2', the code's default is 0",
+        "doc.md:10: --no-such-flag is not a flag of capsnet serve",
+    ]
+    assert "doc.md '## Settings': capsnet serve --gpu is missing" in found[3:]
+    assert not any("--grpc-port" in p or "--model " in p or "--max-message-bytes:" in p for p in found)
