@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         from capsnet.serving.config import ServerConfig
 
         config = ServerConfig(model_dir=Path(args.model), backend=args.backend, threads=args.threads)
-        backend = load_backend(load_artifacts(args.model), config)
+        backend = load_backend(load_artifacts(args.model), config).backend  # self-checked, as the server's
         # The in-process batch sizes a server can reach: the request's, and what c clients can fill.
         for size in sorted({args.batch_size * c for c in args.concurrency}):
             results.append(run_inprocess(backend, images, batch_size=size, max_runs=args.requests,

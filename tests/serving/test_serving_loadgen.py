@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
-from capsnet.serving.loadgen import random_images, run_inprocess, run_load
+from capsnet.serving.loadgen import main, random_images, run_inprocess, run_load
 
 
 def test_closed_loop_load_is_bounded_by_count_and_answered(server):
@@ -30,3 +31,13 @@ def test_closed_loop_load_through_kserve(server):
     result = asyncio.run(run_load(server.target, random_images(4, (1, 28, 28)), concurrency=2, max_requests=10,
                                   warmup_requests=1, api="kserve", model_name=spec.name, input_name=spec.input_name))
     assert result.name == "grpc-kserve" and len(result.latencies_s) == 10 and result.errors == {}
+
+
+def test_the_documented_command_times_the_server_and_the_backend_in_process(server, model_dir, capsys):
+    """docs/serving.md's command, with --model: the gRPC rows, then the same model's backend in-process."""
+    assert main(["--server", server.target, "--model", str(model_dir), "--concurrency", "1", "2", "--requests", "6",
+                 "--seconds", "5", "--threads", "1", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(row["name"], row["batch_size"]) for row in rows] == [
+        ("grpc", 1), ("grpc", 1), ("in-process onnxruntime", 1), ("in-process onnxruntime", 2)]
+    assert all(row["requests"] == 6 and not row["errors"] for row in rows), rows
