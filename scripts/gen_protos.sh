@@ -15,6 +15,8 @@ mapfile -t protos < <(find protos -name '*.proto' | LC_ALL=C sort)
 # Package `inference` is tritonclient's too: register ours in capsnet.kserve.POOL, not protobuf's default
 # pool, so both load in one process (protoc has no option for this).
 kserve=("$out"/capsnet/kserve/*_pb2.py)
-grep -q '^DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(' "${kserve[@]}"
+for file in "${kserve[@]}"; do  # each of them: the sed below must find its line in every file
+    grep -q '^DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(' "$file"
+done
 sed -i -e 's/^from google.protobuf import descriptor_pool as _descriptor_pool$/from capsnet.kserve import POOL as _POOL/' \
        -e 's/^DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(/DESCRIPTOR = _POOL.AddSerializedFile(/' "${kserve[@]}"

@@ -10,6 +10,8 @@ Inputs: one tensor named like the model input (`images`), shape [N, C, H, W], da
 Request-level parameters are ignored. Of the tensor parameters, those Triton acts on and this server cannot
 (shared memory, classification) are refused; any other is ignored, as Triton does (the KServe Python SDK sends
 `binary_data_size` with every input).
+Triton's ModelConfig extension is answered too (the model's config as Triton's model_config.proto has it), which
+perf_analyzer and model_analyzer ask first.
 The batch size is checked from the declared shape before any contents are read, and large contents are
 converted off the event loop. Errors are `serving/errors.py` kinds; the interceptor makes them statuses.
 """
@@ -27,6 +29,7 @@ import numpy as np
 from capsnet import __version__
 from capsnet.kserve import grpc_service_pb2 as pb
 from capsnet.kserve import grpc_service_pb2_grpc as pb_grpc
+from capsnet.kserve import model_config_pb2 as config_pb
 from capsnet.serving.errors import InvalidInput, ModelNotFound
 from capsnet.serving.service import InferenceService, ModelSpec
 
@@ -80,6 +83,23 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             outputs=[tensor(name=name, datatype="FP32", shape=[-1, *shape])
                      for name, shape in spec.output_shapes.items()],
         )
+
+    async def ModelConfig(self, request, context):
+        """Triton's extension: what Triton answers for this model served with dynamic batching (tensors without the
+        batch axis, which max_batch_size implies). perf_analyzer and model_analyzer ask it before anything else."""
+        spec = self._service.spec
+        _check_model(spec, request.name, request.version, "name", "version")
+        fp32 = config_pb.DataType.TYPE_FP32
+        delay_us = round(self._service.batcher.config.max_queue_delay_s * 1_000_000)
+        return pb.ModelConfigResponse(config=config_pb.ModelConfig(
+            name=spec.name,
+            platform=spec.platform,
+            max_batch_size=spec.max_batch_size,
+            input=[config_pb.ModelInput(name=spec.input_name, data_type=fp32, dims=spec.input_shape)],
+            output=[config_pb.ModelOutput(name=name, data_type=fp32, dims=shape)
+                    for name, shape in spec.output_shapes.items()],
+            dynamic_batching=config_pb.ModelDynamicBatching(max_queue_delay_microseconds=delay_us),
+        ))
 
     async def ModelInfer(self, request, context):
         arrival = time.monotonic()

@@ -1,6 +1,7 @@
-"""KServe v2 gRPC code generated from protos/capsnet/kserve/grpc_service.proto, in a descriptor pool of its own.
+"""KServe v2 gRPC code generated from protos/capsnet/kserve/*.proto (grpc_service, and model_config for Triton's
+ModelConfig extension), in a descriptor pool of its own.
 
-The proto's package is `inference`, as in every KServe v2 / Triton client, tritonclient among them. In
+Their package is `inference`, as in every KServe v2 / Triton client, tritonclient among them. In
 protobuf's default pool both would collide ("duplicate symbol 'inference.ServerLiveRequest'") in any
 process that imports tritonclient.grpc beside the server, so scripts/gen_protos.sh registers ours in POOL.
 The wire names (`inference.GRPCInferenceService/ModelInfer`, message layouts) stay those of KServe v2.

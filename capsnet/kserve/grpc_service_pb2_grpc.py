@@ -64,6 +64,11 @@ class GRPCInferenceServiceStub(object):
                 request_serializer=capsnet_dot_kserve_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
                 response_deserializer=capsnet_dot_kserve_dot_grpc__service__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
+        self.ModelConfig = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelConfig',
+                request_serializer=capsnet_dot_kserve_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
+                response_deserializer=capsnet_dot_kserve_dot_grpc__service__pb2.ModelConfigResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer(object):
@@ -111,6 +116,13 @@ class GRPCInferenceServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelConfig(self, request, context):
+        """Triton's extension: the model's configuration, as Triton's config.pbtxt schema (model_config.proto).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +155,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelInfer,
                     request_deserializer=capsnet_dot_kserve_dot_grpc__service__pb2.ModelInferRequest.FromString,
                     response_serializer=capsnet_dot_kserve_dot_grpc__service__pb2.ModelInferResponse.SerializeToString,
+            ),
+            'ModelConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelConfig,
+                    request_deserializer=capsnet_dot_kserve_dot_grpc__service__pb2.ModelConfigRequest.FromString,
+                    response_serializer=capsnet_dot_kserve_dot_grpc__service__pb2.ModelConfigResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +324,33 @@ class GRPCInferenceService(object):
             '/inference.GRPCInferenceService/ModelInfer',
             capsnet_dot_kserve_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
             capsnet_dot_kserve_dot_grpc__service__pb2.ModelInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelConfig',
+            capsnet_dot_kserve_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
+            capsnet_dot_kserve_dot_grpc__service__pb2.ModelConfigResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,8 @@
-"""One in-process capsnet server for the kserve tests, on an ephemeral loopback port, with a tiny exported model."""
+"""In-process capsnet servers for the kserve tests, on ephemeral loopback ports, with a tiny exported model: one
+shared by all (kserve_target), and more with other settings on request (start_kserve)."""
 
 import asyncio
+import contextlib
 import threading
 
 import grpc
@@ -12,8 +14,7 @@ from capsnet.export.exporter import export_model
 from capsnet.kserve import grpc_service_pb2_grpc as pb_grpc
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.server import CapsNetServer
-
-MAX_BATCH_SIZE = 8  # test_kserve_errors sends 9 images to cross it
+from kserve_messages import MAX_BATCH_SIZE
 
 
 @pytest.fixture(scope="session")
@@ -24,11 +25,13 @@ def kserve_model_dir(random_tiny_checkpoint, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="session")
-def kserve_target(kserve_model_dir):
-    """host:port of a started CapsNetServer, its event loop on a background thread."""
-    config = ServerConfig(model_dir=kserve_model_dir, grpc_port=0, metrics_port=0, backend="onnxruntime",
-                          max_batch_size=MAX_BATCH_SIZE, threads=1, drain_window_s=0.0, grace_period_s=1.0)
+@contextlib.contextmanager
+def running_server(model_dir, **settings):
+    """host:port of a started CapsNetServer (onnxruntime, 1 thread, `settings` over ours), its event loop on a
+    background thread; stopped on exit."""
+    config = ServerConfig(**{**dict(model_dir=model_dir, grpc_port=0, metrics_port=0, backend="onnxruntime",
+                                    max_batch_size=MAX_BATCH_SIZE, threads=1, drain_window_s=0.0, grace_period_s=1.0),
+                             **settings})
     server = CapsNetServer(config)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="kserve-test-server", daemon=True)
@@ -41,6 +44,13 @@ def kserve_target(kserve_model_dir):
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
+
+
+@pytest.fixture(scope="session")
+def kserve_target(kserve_model_dir):
+    """host:port of a started CapsNetServer, its event loop on a background thread."""
+    with running_server(kserve_model_dir) as target:
+        yield target
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +69,11 @@ def run_onnx(kserve_model_dir):
         return dict(zip(names, session.run(None, {"images": images})))
 
     return run
+
+
+@pytest.fixture(scope="module")
+def start_kserve(kserve_model_dir):
+    """start_kserve(**settings) -> host:port of one more server of the same model with other ServerConfig settings,
+    stopped at the end of the module."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **settings: stack.enter_context(running_server(kserve_model_dir, **settings))

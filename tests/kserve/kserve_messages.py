@@ -4,6 +4,8 @@ import numpy as np
 
 from capsnet.kserve import grpc_service_pb2 as pb
 
+MAX_BATCH_SIZE = 8  # of the kserve test servers; test_kserve_errors sends 9 images to cross it
+
 
 def images(count: int, seed: int) -> np.ndarray:
     """`count` random 1x28x28 float32 images in [0, 1) (the tiny preset's input)."""

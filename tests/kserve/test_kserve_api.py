@@ -28,7 +28,7 @@ def test_reflection_describes_the_service_as_grpcurl_sees_it(kserve_target):
         service = descriptor_pool.DescriptorPool(database).FindServiceByName("inference.GRPCInferenceService")
         infer = service.methods_by_name["ModelInfer"]
         assert [method.name for method in service.methods] == [
-            "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"]
+            "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "ModelConfig"]
         assert infer.input_type.fields_by_name["raw_input_contents"].number == 7
 
 
