@@ -100,7 +100,7 @@ def run_robustness(args: argparse.Namespace) -> int:
     overlap = overlap_scores(class_probabilities(model, overlay.images, args.batch_size, device), overlay.labels)
     report = {
         "checkpoint": str(args.checkpoint), "arch": checkpoint.config.arch, "data": dataset.name, "seed": args.seed,
-        "test_images": len(dataset.test), "pairs": len(overlay.labels),
+        "split": "test", "test_images": len(dataset.test), "pairs": len(overlay.labels),  # as eval --json names it
         "clean_accuracy": clean.accuracy, "affine_accuracy": affine.accuracy,
         "overlap_top2_accuracy": overlap["top2_accuracy"],
         "overlap_top2_both_present_accuracy": overlap["top2_both_present_accuracy"],

@@ -39,7 +39,7 @@ def test_report_matches_eval_and_a_direct_computation(trained_tiny_checkpoint, r
     overlay = overlay_pairs(test, 200, 7)
     with torch.no_grad():
         probabilities = model(to_float(overlay.images)).probabilities.numpy()  # (200, J)
-    assert report["pairs"] == 200
+    assert report["pairs"] == 200 and report["split"] == "test" and report["test_images"] == len(test)
     assert report["overlap_top2_accuracy"] == pytest.approx(
         robustness.overlap_scores(probabilities, overlay.labels)["top2_accuracy"])
     assert 0 <= report["overlap_top2_both_present_accuracy"] <= report["overlap_top2_accuracy"] <= 1
