@@ -129,11 +129,13 @@ def refusal(check: SelfCheck) -> CapsNetError:
     return CapsNetError(f"self-check failed: {check.describe()}; this CPU: {check.cpu}")
 
 
-def best_time(backend: Backend, images: np.ndarray, rounds: int) -> float:
-    """The fastest of `rounds` runs of `images`, in seconds (the least disturbed by other work)."""
-    times = []
+def best_times(backends: list[Backend], images: np.ndarray, rounds: int) -> list[float]:
+    """The fastest of `rounds` runs of `images` by each backend, in seconds (the least disturbed by other work);
+    the backends take turns, so a burst of other work on the machine slows them alike instead of one of them."""
+    times = [[] for _ in backends]
     for _ in range(rounds):
-        started = time.perf_counter()
-        backend.run(images)
-        times.append(time.perf_counter() - started)
-    return min(times)
+        for backend, taken in zip(backends, times):
+            started = time.perf_counter()
+            backend.run(images)
+            taken.append(time.perf_counter() - started)
+    return [min(taken) for taken in times]

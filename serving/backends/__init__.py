@@ -15,7 +15,7 @@ import numpy as np
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import Backend
 from capsnet.serving.config import ServerConfig
-from capsnet.serving.self_check import SelfCheck, best_time, refusal, self_check
+from capsnet.serving.self_check import SelfCheck, best_times, refusal, self_check
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +103,7 @@ def _choose_onnxruntime_precision(artifacts: ModelArtifacts, config: ServerConfi
     images = np.zeros((config.max_batch_size, *artifacts.input_shape), dtype=np.float32)  # (B, C, H, W)
     for backend in (fp32, int8):
         backend.run(images)  # first runs allocate and pick kernels
-    fp32_time = best_time(fp32, images, AUTO_TIMING_ROUNDS)
-    int8_time = best_time(int8, images, AUTO_TIMING_ROUNDS)
+    fp32_time, int8_time = best_times([fp32, int8], images, AUTO_TIMING_ROUNDS)
     timing = (f"batch {config.max_batch_size}: INT8 {1e3 * int8_time:.1f} ms, FP32 {1e3 * fp32_time:.1f} ms "
               f"({fp32_time / int8_time:.2f}x)")
     if fp32_time < AUTO_MIN_SPEEDUP * int8_time:
