@@ -271,7 +271,7 @@ def code_defaults(subcommand: str, parser: argparse.ArgumentParser) -> dict[str,
         return ServerConfig.defaults()
     from capsnet.training import train
     applied = {"lr": train.DEFAULT_LR["capsnet"], "lr_decay": train.DEFAULT_LR_DECAY, "warmup": train.DEFAULT_WARMUP,
-               "val_fraction": train.DEFAULT_VAL_FRACTION}
+               "val_fraction": train.DEFAULT_VAL_FRACTION, **train.RUN_DEFAULTS}
     return {a.dest: a.default if a.default is not None else applied.get(a.dest) for a in parser._actions}
 
 

@@ -47,17 +47,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="exponential schedule: learning-rate factor per epoch (default 0.9)")
     train.add_argument("--warmup", type=float, metavar="SHARE",
                        help="linear schedule: share of all steps over which the rate rises to --lr (default 0.1)")
-    train.add_argument("--max-shift", type=int, default=2, metavar="PIXELS",
+    # --max-shift, --hflip, --erase, --seed left out: with --resume the checkpoint's, else the defaults below
+    train.add_argument("--max-shift", type=int, metavar="PIXELS",
                        help="random shift augmentation in pixels: a random crop of the image zero-padded by PIXELS "
-                            "(default 2)")
-    train.add_argument("--hflip", action="store_true",
+                            "(default 2; with --resume, the checkpoint's)")
+    train.add_argument("--hflip", action="store_true", default=None,
                        help="also mirror each training image left-right with probability 1/2 (for clothes such as "
                             "Fashion-MNIST; not for digits)")
-    train.add_argument("--erase", type=float, default=0.0, metavar="P",
+    train.add_argument("--erase", type=float, metavar="P",
                        help="random erasing (Zhong et al. 2020): with probability P set a random rectangle of 2-40%% "
-                            "of each training image, aspect ratio 0.3-3.3, to 0 (default 0: off)")
-    train.add_argument("--seed", type=int, default=0, metavar="N",
-                       help="seed for weights, shuffling and augmentation (default 0)")
+                            "of each training image, aspect ratio 0.3-3.3, to 0 (default 0: off; with --resume, the "
+                            "checkpoint's)")
+    train.add_argument("--seed", type=int, metavar="N",
+                       help="seed for weights, shuffling and augmentation (default 0; with --resume, the checkpoint's)")
     # a string, not a Path, which would drop the trailing / that TrainOptions refuses
     train.add_argument("--out", default="model.ckpt", metavar="CKPT",
                        help="best checkpoint (default model.ckpt)")

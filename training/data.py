@@ -214,6 +214,13 @@ def with_validation(dataset: Dataset, fraction: float) -> Dataset:
     if not len(held) or not len(kept):
         raise CapsNetError(f"a validation fraction of {fraction} leaves {len(kept)} training and {len(held)} "
                            f"validation images of the {len(labels)} in {dataset.name!r}")
+    # round(fraction · n_k) is all of a class of 1 image above 0.5: the model would train without ever seeing
+    # it, as with a stray label, which the loader refuses
+    emptied = np.setdiff1d(np.unique(labels), labels[kept])
+    if len(emptied):
+        names = brief_list([dataset.class_names[k] for k in emptied])
+        raise CapsNetError(f"a validation fraction of {fraction} holds out every training image of "
+                           f"{'class' if len(emptied) == 1 else 'classes'} {names} in {dataset.name!r}")
     train, validation = (Split(dataset.train.images[i], labels[i]) for i in (kept, held))
     return dataclasses.replace(dataset, train=train, validation=validation, validation_fraction=fraction)
 

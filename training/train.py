@@ -60,6 +60,9 @@ DEFAULT_LR_DECAY = 0.9
 DEFAULT_WARMUP = 0.1
 SEED_LIMIT = 2**63  # torch.manual_seed and numpy's SeedSequence both take 0 .. 2**63 - 1
 DEFAULT_VAL_FRACTION = 0.1
+# far more than any CPU has cores (as `capsnet bench --threads`); --threads 100000 crashed torch's thread pool
+# (a segmentation fault, after libgomp's "Thread creation failed")
+MAX_THREADS = 1024
 
 
 @dataclass
@@ -85,10 +88,11 @@ class TrainOptions:
     lr_schedule: str | None = None  # None: DEFAULT_LR_SCHEDULE of the architecture (with --resume: the checkpoint's)
     lr_decay: float | None = None  # exponential: multiplies the learning rate after every epoch (DEFAULT_LR_DECAY)
     warmup: float | None = None  # linear: share of the steps the rate rises over (DEFAULT_WARMUP)
-    max_shift: int = 2
-    hflip: bool = False  # random left-right mirror (clothes, not digits)
-    erase: float = 0.0  # probability of random erasing per image
-    seed: int = 0
+    # the batches and their draws; None: with --resume the checkpoint's, else RUN_DEFAULTS
+    max_shift: int | None = None
+    hflip: bool | None = None  # random left-right mirror (clothes, not digits)
+    erase: float | None = None  # probability of random erasing per image
+    seed: int | None = None
     # execution
     device: str = "auto"
     amp: bool = False  # fp16 autocast + gradient scaling on CUDA, bf16 autocast on a CPU with native bf16
@@ -110,14 +114,15 @@ class TrainOptions:
             "--lr-schedule must be exponential or linear": self.lr_schedule in (None, *LR_SCHEDULES),
             "--lr-decay must be in (0, 1]": self.lr_decay is None or 0 < self.lr_decay <= 1,
             "--warmup must be at least 0 and below 1": self.warmup is None or 0 <= self.warmup < 1,
-            "--max-shift must be 0 or more": self.max_shift >= 0,
-            "--erase must be in [0, 1]": 0 <= self.erase <= 1,
+            "--max-shift must be 0 or more": self.max_shift is None or self.max_shift >= 0,
+            "--erase must be in [0, 1]": self.erase is None or 0 <= self.erase <= 1,
             "--threads must be at least 1": self.threads is None or self.threads >= 1,
+            f"--threads must be at most {MAX_THREADS}": self.threads is None or self.threads <= MAX_THREADS,
             "--checkpoint-every must be at least 1": self.checkpoint_every is None or self.checkpoint_every >= 1,
             "--routing-iterations must be at least 1": self.routing_iterations is None or self.routing_iterations >= 1,
             "--squash-constant must be a positive number": self.squash_constant is None or (
                 self.squash_constant > 0 and np.isfinite(self.squash_constant)),
-            f"--seed must be in [0, {SEED_LIMIT})": 0 <= self.seed < SEED_LIMIT,
+            f"--seed must be in [0, {SEED_LIMIT})": self.seed is None or 0 <= self.seed < SEED_LIMIT,
             "--reconstruction-weight must be 0 or more": self.reconstruction_weight is None or (
                 self.reconstruction_weight >= 0 and np.isfinite(self.reconstruction_weight)),
         }
@@ -140,6 +145,9 @@ def last_checkpoint_path(out: Path) -> Path:
 # The settings that fix an epoch's batches and shifts; a run resumed mid-epoch must keep them.
 BATCH_PLAN_FLAGS = {"batch_size": "--batch-size", "seed": "--seed", "max_shift": "--max-shift", "hflip": "--hflip",
                     "erase": "--erase", "world_size": "processes", "train_images": "training images"}
+# Of those, the ones a run keeps from start to end (a resume at an epoch's end may change the batch size, the
+# processes or the folder), with their defaults for a new run.
+RUN_DEFAULTS = {"seed": 0, "max_shift": 2, "hflip": False, "erase": 0.0}
 # what checkpoints from before a flag existed trained with
 BATCH_PLAN_BEFORE_FLAG = {"hflip": False, "erase": 0.0}
 
@@ -186,6 +194,20 @@ def epoch_batches(num_images: int, batch_size: int, context: DistributedContext,
     sampler.set_epoch(epoch)
     indices = np.fromiter(sampler, dtype=np.int64)
     return np.array_split(indices, range(batch_size, len(indices), batch_size))
+
+
+def run_options(options: TrainOptions, resumed: Checkpoint | None) -> TrainOptions:
+    """`options` with --seed, --max-shift, --hflip and --erase filled in: given, the resumed run's, or RUN_DEFAULTS.
+    A resumed run keeps them: its batches and draws derive from them and the epoch, and its checkpoints say that
+    the whole run used them."""
+    recorded = {**BATCH_PLAN_BEFORE_FLAG, **resumed.metrics} if resumed is not None else {}
+    values = {name: recorded.get(name, default) if getattr(options, name) is None else getattr(options, name)
+              for name, default in RUN_DEFAULTS.items()}
+    changes = [f"{BATCH_PLAN_FLAGS[name]} {value} (checkpoint: {recorded[name]})"
+               for name, value in values.items() if name in recorded and recorded[name] != value]
+    if changes and resumed.epoch_progress is None:  # mid-epoch, check_resumable names every batch setting changed
+        raise CapsNetError(f"--resume continues the checkpoint's shuffling and augmentation: {', '.join(changes)}")
+    return replace(options, **values)
 
 
 def learning_rate_options(options: TrainOptions, arch: str, resumed: Checkpoint | None) -> TrainOptions:
@@ -383,6 +405,7 @@ def prepare_run(options: TrainOptions, context: DistributedContext, device: torc
             options = replace(options, amp=False)
     prepare_output(options.out, context)
     resumed = load_checkpoint(options.resume) if options.resume is not None else None
+    options = run_options(options, resumed)
     if options.val_fraction is None:
         # checkpoints from before the validation split trained on every training image
         options.val_fraction = resumed.metrics.get("validation_fraction", 0.0) if resumed else DEFAULT_VAL_FRACTION
@@ -398,6 +421,7 @@ def prepare_run(options: TrainOptions, context: DistributedContext, device: torc
         check_dataset_fits(resumed.config, dataset, f"checkpoint {options.resume}", tuple(resumed.class_names),
                            every_class=True)
         progress = check_resumable(resumed, config, options, batch_plan(options, context, dataset))
+        check_linear_schedule_steps(resumed, options, progress, context, dataset)
     check_dataset_fits(config, dataset, "the model")
     return options, config, dataset, resumed, progress
 
@@ -463,6 +487,31 @@ def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOp
     return progress
 
 
+def check_linear_schedule_steps(resumed: Checkpoint, options: TrainOptions, progress: EpochProgress,
+                                context: DistributedContext, dataset: Dataset) -> None:
+    """A linear schedule is laid out in steps (--epochs times the steps of an epoch), and the resumed scheduler
+    continues at its step count. Another number of steps an epoch (--batch-size, the training set, the processes)
+    would put that count on a schedule of another length: the rate would jump, or sit at 0 for the epochs left."""
+    done = (resumed.scheduler_state or {}).get("last_epoch")
+    if options.lr_schedule != "linear" or not isinstance(done, int) or not resumed.epoch:
+        return  # nothing to compare (a damaged state is reported when it is loaded)
+    steps = epoch_steps(len(dataset.train), options.batch_size, context)
+    if done == resumed.epoch * steps + progress.step:
+        return
+    recorded = resumed.metrics
+    changes = [f"{BATCH_PLAN_FLAGS[name]} {value} (checkpoint: {recorded[name]})"
+               for name, value in (("batch_size", options.batch_size), ("train_images", len(dataset.train)),
+                                   ("world_size", context.world_size)) if recorded.get(name, value) != value]
+    raise CapsNetError(f"{options.resume} follows a linear learning-rate schedule of "
+                       f"{(done - progress.step) // resumed.epoch} steps an epoch; this run takes {steps}"
+                       f"{': ' + ', '.join(changes) if changes else ''}")
+
+
+def epoch_steps(num_images: int, batch_size: int, context: DistributedContext) -> int:
+    """Batches per epoch on each rank (the same on every rank)."""
+    return len(epoch_batches(num_images, batch_size // context.world_size, context, 0, 0))
+
+
 def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, resumed: Checkpoint | None,
                progress: EpochProgress, context: DistributedContext, device: torch.device) -> Checkpoint:
     """Train from the start, or from `resumed` and `progress` into its next epoch, up to `options.epochs`."""
@@ -470,8 +519,7 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
     model = create_model(config).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=options.lr)
     per_rank_batch = options.batch_size // context.world_size
-    steps_per_epoch = len(epoch_batches(len(dataset.train), per_rank_batch, context, options.seed, 0))
-    scheduler = learning_rate_scheduler(optimizer, options, steps_per_epoch)
+    scheduler = learning_rate_scheduler(optimizer, options, epoch_steps(len(dataset.train), options.batch_size, context))
     scaler = torch.amp.GradScaler(device.type, enabled=options.amp and device.type == "cuda")
     history: list[dict] = []
     if resumed is not None:
