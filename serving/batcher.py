@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from capsnet.serving.backends.base import Backend
-from capsnet.serving.errors import DeadlineExceeded, InferenceError, QueueFull
+from capsnet.serving.errors import DeadlineExceeded, InferenceError, QueueFull, past_deadline
 from capsnet.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,9 @@ class Batcher:
         except asyncio.TimeoutError:  # an alias of TimeoutError only from Python 3.11
             self._drop(request, "deadline")
             raise DeadlineExceeded("deadline exceeded while waiting for the model") from None
-        except asyncio.CancelledError:
-            self._drop(request, "cancelled")
+        except asyncio.CancelledError:  # the client cancelled, or gRPC ended the call at its deadline
+            past = past_deadline(None if deadline is None else deadline - time.monotonic())
+            self._drop(request, "deadline" if past else "cancelled")
             raise
 
     async def drain(self) -> None:

