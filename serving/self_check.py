@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from capsnet.cpu import CpuKind
-from capsnet.errors import CapsNetError
+from capsnet.errors import CapsNetError, first_line
 from capsnet.model_description import ModelDescription
 from capsnet.serving.backends.base import Backend
 
@@ -58,8 +58,7 @@ class SelfCheck:
                 f"(needed {self.min_agreement:.0%})")
 
 
-def self_check(backend: Backend, reference_path: Path, max_batch_size: int,
-               model: ModelDescription | None = None) -> SelfCheck:
+def self_check(backend: Backend, reference_path: Path, max_batch_size: int, model: ModelDescription) -> SelfCheck:
     """Run the reference images through `backend` in batches it accepts and compare with the stored outputs.
 
     `model` (model.json's description) is what the reference set and the backend's outputs must agree with; a
@@ -73,13 +72,13 @@ def self_check(backend: Backend, reference_path: Path, max_batch_size: int,
         raise
     except Exception as err:  # onnxruntime, torch, TensorRT each raise their own types
         raise CapsNetError(f"self-check: the {backend.name} backend ({backend.description}) failed on the reference "
-                           f"images: {type(err).__name__}: {_first_line(err)}") from None
+                           f"images: {type(err).__name__}: {first_line(err)}") from None
     for name, output in outputs.items():
-        expected = model.output_shapes[name] if model else reference.get(name, output).shape[1:]
+        expected = model.output_shapes[name]
         if output.shape != (len(images), *expected):
             raise CapsNetError(f"self-check: the {backend.name} backend ({backend.description}) gives {name} of shape "
-                               f"{list(output.shape[1:])} per image, {'model.json' if model else reference_path.name} "
-                               f"says {list(expected)}: the file is not this export's; re-export it")
+                               f"{list(output.shape[1:])} per image, model.json says {list(expected)}: the file is not "
+                               "this export's; re-export it")
     names = COMPARED_OUTPUTS[backend.precision] or tuple(name for name in backend.output_names if name in reference)
     same_class = outputs["probabilities"].argmax(axis=1) == reference["probabilities"].argmax(axis=1)  # (N,)
     return SelfCheck(
@@ -92,13 +91,13 @@ def self_check(backend: Backend, reference_path: Path, max_batch_size: int,
     )
 
 
-def read_reference(path: Path, model: ModelDescription | None = None) -> dict[str, np.ndarray]:
+def read_reference(path: Path, model: ModelDescription) -> dict[str, np.ndarray]:
     """reference.npz's arrays, checked: float32 images [N, C, H, W] (N >= 1) and N FP32 outputs per output."""
     try:
         with np.load(path) as archive:
             reference = {name: archive[name] for name in archive.files}
     except Exception as err:  # numpy raises many types for a damaged archive (ValueError, EOFError, BadZipFile, ...)
-        raise CapsNetError(f"{path} is damaged: not a self-check set ({type(err).__name__}: {_first_line(err)}); "
+        raise CapsNetError(f"{path} is damaged: not a self-check set ({type(err).__name__}: {first_line(err)}); "
                            "re-export it") from None
     images = reference.get("images")
     problem = None
@@ -106,11 +105,11 @@ def read_reference(path: Path, model: ModelDescription | None = None) -> dict[st
         problem = "no 'images' or no 'probabilities' array"
     elif images.dtype != np.float32 or images.ndim != 4 or len(images) == 0:
         problem = f"'images' is {images.dtype} {list(images.shape)}, expected float32 [N >= 1, C, H, W]"
-    elif model and images.shape[1:] != model.input_shape:
+    elif images.shape[1:] != model.input_shape:
         problem = f"'images' are {list(images.shape[1:])}, model.json says {list(model.input_shape)}"
     else:
         for name, array in reference.items():
-            expected = model.output_shapes.get(name) if model else None
+            expected = model.output_shapes.get(name)  # None: an array model.json does not list
             if name != "images" and (array.dtype.kind != "f" or array.shape[:1] != (len(images),)
                                      or (expected is not None and array.shape[1:] != expected)):
                 problem = (f"{name!r} is {array.dtype} {list(array.shape)}, expected float32 [{len(images)}"
@@ -119,10 +118,6 @@ def read_reference(path: Path, model: ModelDescription | None = None) -> dict[st
     if problem:
         raise CapsNetError(f"{path} is damaged or not this export's: {problem}; re-export it")
     return reference
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:300]
 
 
 def refusal(check: SelfCheck) -> CapsNetError:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from capsnet.errors import CapsNetError
+from capsnet.errors import CapsNetError, first_line
 from capsnet.model_description import ModelDescription
 from capsnet.serving.artifacts import load_artifacts
 from capsnet.serving.backends import load_backend
@@ -63,8 +63,7 @@ def _startup_step(what: str, max_batch_size: int):
         raise
     except Exception as err:  # numpy's MemoryError, onnxruntime's RuntimeException, torch's OutOfMemoryError, ...
         log.debug("%s failed", what, exc_info=True)  # the traceback, for --log-level DEBUG
-        detail = (str(err).strip().splitlines() or [""])[0][:300]
-        raise CapsNetError(f"{what} failed: {type(err).__name__}: {detail} (--max-batch-size {max_batch_size}: "
+        raise CapsNetError(f"{what} failed: {type(err).__name__}: {first_line(err)} (--max-batch-size {max_batch_size}: "
                            "a smaller one needs less memory)") from None
 
 
