@@ -18,6 +18,11 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
 ONEDNN_BF16_ISAS = ("AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX512_CORE_AMX",
                     "AVX10_1_512_AMX_FP16", "AVX512_CORE_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2", "ALL")
 
+# Most compute threads a --threads flag takes (train, bench, ortprofile): far more than any CPU has cores. Beyond
+# it, 100,000 hung ONNX Runtime's session start and crashed torch's thread pool (a segmentation fault after
+# libgomp's "Thread creation failed").
+MAX_THREADS = 1024
+
 
 def read_cpuinfo(path: str | Path = "/proc/cpuinfo") -> dict[str, str]:
     """The first processor's fields of /proc/cpuinfo (empty where there is none)."""

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
-from capsnet.cpu import CpuKind, bf16_autocast_pays
+from capsnet.cpu import MAX_THREADS, CpuKind, bf16_autocast_pays
 from capsnet.errors import CapsNetError
 from capsnet.training import distributed
 from capsnet.training.checkpoint import (Checkpoint, create_model, load_checkpoint, remove_leftover_temporaries,
@@ -60,9 +60,6 @@ DEFAULT_LR_DECAY = 0.9
 DEFAULT_WARMUP = 0.1
 SEED_LIMIT = 2**63  # torch.manual_seed and numpy's SeedSequence both take 0 .. 2**63 - 1
 DEFAULT_VAL_FRACTION = 0.1
-# far more than any CPU has cores (as `capsnet bench --threads`); --threads 100000 crashed torch's thread pool
-# (a segmentation fault, after libgomp's "Thread creation failed")
-MAX_THREADS = 1024
 
 
 @dataclass

@@ -9,6 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
+from capsnet.cpu import MAX_THREADS
 from capsnet.errors import CapsNetError
 
 # (full run, --quick) for each setting the user did not give
@@ -25,8 +26,6 @@ DEFAULTS = {
 # Largest batch size and concurrency: the export and the timing buffers scale with them, and a CapsNet batch of
 # 1024 already needs about 1 GB for its routing; far larger values ended in a NumPy out-of-memory traceback.
 MAX_BATCH = 1024
-# Most compute threads per backend: far more than any CPU has cores; 100,000 hung ONNX Runtime's session start.
-MAX_THREADS = 1024
 
 
 def register(subparsers) -> None:
