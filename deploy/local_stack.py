@@ -232,7 +232,7 @@ def run(args: argparse.Namespace, stack: Stack, tools: dict[str, str], unclean: 
             threads = [] if args.threads is None else ["--threads", str(args.threads)]
             stack.start(f"replica{i}", [sys.executable, "-m", "capsnet", "serve", "--model", str(args.model),
                                         "--host", "127.0.0.1", "--grpc-port", grpc_address.rsplit(":", 1)[1],
-                                        "--metrics-port", str(metrics_port), *threads, *args.serve_args])
+                                        "--http-port", "0", "--metrics-port", str(metrics_port), *threads, *args.serve_args])
             replicas.append({"grpc": grpc_address, "metrics": f"127.0.0.1:{metrics_port}"})
         for i, replica in enumerate(replicas):
             stack.wait_until(f"replica{i}", lambda: grpc_status(replica["grpc"]) == "SERVING")

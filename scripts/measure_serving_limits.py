@@ -38,7 +38,7 @@ READY = re.compile(r"grpcs?://[^:]+:(\d+) ")
 
 def start_server(model: str) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen([sys.executable, "-m", "capsnet", "serve", "--model", model, "--grpc-port", "0",
-                                "--metrics-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                "--http-port", "0", "--metrics-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in process.stdout:
         if match := READY.search(line):
             threading.Thread(target=process.stdout.read, daemon=True).start()  # keep the pipe drained

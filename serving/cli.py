@@ -41,14 +41,21 @@ def register(subparsers) -> None:
     from capsnet.serving.config import BACKENDS, ENV_VARS, PRECISIONS, ServerConfig
 
     defaults = ServerConfig.defaults()
-    serve = subparsers.add_parser("serve", help="serve an exported model over gRPC (CapsNet API + KServe v2)",
+    serve = subparsers.add_parser("serve", help="serve an exported model over gRPC (CapsNet API + KServe v2) and REST "
+                                                 "(KServe v2)",
                                   description="Serve an export directory over gRPC: the CapsNet API, KServe v2, "
-                                              "health and reflection on one port; Prometheus /metrics on another.")
+                                              "health and reflection on one port; KServe v2 over HTTP/REST on a "
+                                              "second; Prometheus /metrics on a third.")
     serve.add_argument("--model", dest="model_dir", required=True, metavar="DIR", help="export directory (capsnet export)")
     serve.add_argument("--host", help=f"address to bind (default {defaults['host']}, loopback only; 0.0.0.0 for every "
                                       f"interface; env {ENV_VARS['host']})")
     serve.add_argument("--grpc-port", type=int, metavar="PORT",
                        help=f"gRPC port (default {defaults['grpc_port']}; 0: any free port; env {ENV_VARS['grpc_port']})")
+    serve.add_argument("--http-port", type=int, metavar="PORT",
+                       help=f"KServe v2 HTTP/REST port (default {defaults['http_port']}; 0: any free port; env "
+                            f"{ENV_VARS['http_port']})")
+    serve.add_argument("--no-http", dest="http", action="store_false", default=None,
+                       help="serve no HTTP/REST: gRPC and /metrics only")
     serve.add_argument("--metrics-port", type=int, metavar="PORT",
                        help=f"Prometheus /metrics port (default {defaults['metrics_port']}; env {ENV_VARS['metrics_port']})")
     serve.add_argument("--backend", choices=BACKENDS, help="inference backend (default auto: the fastest available)")
@@ -69,8 +76,8 @@ def register(subparsers) -> None:
                             f"(default {defaults['max_pending_rpcs']}; at least --max-queue-size)")
     serve.add_argument("--threads", type=int, metavar="N", help="backend threads (default 0: one per CPU core available)")
     serve.add_argument("--max-message-bytes", type=int, metavar="BYTES",
-                       help="largest request or response, bytes (default: a full batch of the largest images the "
-                            "model accepts, about 1.7 MB for 28x28 grey and batch 32)")
+                       help="largest request or response over gRPC, and request body over HTTP, bytes (default: a "
+                            "full batch of the largest images the model accepts, about 1.7 MB for 28x28 grey and batch 32)")
     serve.add_argument("--max-image-scale", type=int, metavar="K",
                        help="encoded images may be at most K times the model's height and width "
                             f"(default {defaults['max_image_scale']})")
@@ -127,7 +134,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from capsnet.serving.config import ServerConfig
     from capsnet.serving.server import serve
 
-    names = ("model_dir host grpc_port metrics_port backend precision gpu max_batch_size max_queue_delay_us max_queue_size "
+    names = ("model_dir host grpc_port http_port http metrics_port backend precision gpu max_batch_size max_queue_delay_us max_queue_size "
              "max_pending_rpcs threads max_message_bytes max_image_scale tls_cert tls_key tls_client_ca drain_window_s "
              "grace_period_s").split()
     config = ServerConfig.from_sources({name: getattr(args, name) for name in names})

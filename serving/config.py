@@ -19,7 +19,8 @@ GRPC_INT_MAX = 2 ** 31 - 1
 MAX_DRAIN_WINDOW_S = 300.0
 
 # Settings an operator may also give as environment variables (container images, Kubernetes).
-ENV_VARS = {"host": "CAPSNET_HOST", "grpc_port": "CAPSNET_GRPC_PORT", "metrics_port": "CAPSNET_METRICS_PORT"}
+ENV_VARS = {"host": "CAPSNET_HOST", "grpc_port": "CAPSNET_GRPC_PORT", "http_port": "CAPSNET_HTTP_PORT",
+            "metrics_port": "CAPSNET_METRICS_PORT"}
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,9 @@ class ServerConfig:
     # Loopback by default, so a server started for a try-out is not exposed; 0.0.0.0 only when asked.
     host: str = "127.0.0.1"
     grpc_port: int = 8001  # Triton's ports, so KServe tooling finds us where it looks
+    http_port: int = 8000  # KServe v2 REST
     metrics_port: int = 8002
+    http: bool = True  # whether to serve KServe v2 REST at all
     backend: str = "auto"
     # auto: INT8 where exported, self-checked and faster on this CPU, else FP32 (TensorRT: the plan's)
     precision: str = "auto"
@@ -67,7 +70,7 @@ class ServerConfig:
         if self.precision == "bf16" and self.backend != "torch":
             raise CapsNetError("--precision bf16 runs the checkpoint's convolutions in bf16 on the torch backend: "
                                "add --backend torch")
-        for name in ("grpc_port", "metrics_port"):
+        for name in ("grpc_port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise CapsNetError(f"{name.replace('_', '-')} must be in 0..65535 (0: any free port), got {getattr(self, name)}")
         for name in ("max_batch_size", "max_queue_size", "max_pending_rpcs", "max_message_bytes", "max_image_scale"):

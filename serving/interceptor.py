@@ -93,7 +93,7 @@ class _Call:
         """Answer with `code` (the handler returns right after)."""
         self.code = code
         context.set_code(code)
-        context.set_details(_bounded(message))
+        context.set_details(bounded_message(message))
 
     def requests_in_flight(self) -> int:
         """A unary call is one request; a stream counts its requests from arrival to answer, so that an idle stream
@@ -114,8 +114,10 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         self.active: set[_Call] = set()  # RPCs (but health checks) whose handler is running
         self.open_streams: set[_Call] = set()  # health checks and reflection streams whose handler is running
         self.ending_open_streams = False
-        # read at each scrape, never out of step; scrapes run on other threads, so they read a copy of the set
-        metrics.inflight.set_function(lambda: sum(call.requests_in_flight() for call in self.active.copy()))
+
+    def requests_in_flight(self) -> int:
+        """For the in-flight gauge, read at each scrape; scrapes run on other threads, so they read a copy of the set."""
+        return sum(call.requests_in_flight() for call in self.active.copy())
 
     def busy_before(self, moment: float) -> bool:
         """Whether an RPC that started before `moment` (time.monotonic()) is still running."""
@@ -225,7 +227,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         return True
 
 
-def _bounded(message: str) -> str:
+def bounded_message(message: str) -> str:
     """`message`, or its start and end around a note of what was cut, within MAX_DETAILS_BYTES."""
     data = message.encode()
     if len(data) <= MAX_DETAILS_BYTES:

@@ -1,10 +1,11 @@
-"""The gRPC server: our API, KServe v2, health and reflection on one port; Prometheus on another.
+"""The server: our API, KServe v2, health and reflection over gRPC on one port; KServe v2 over HTTP/REST on a second
+(`serving/kserve_http.py`); Prometheus on a third.
 
 Startup: load and check the model, listen with health NOT_SERVING, warm up, then SERVING.
 Shutdown (SIGTERM/SIGINT), the pattern of Kubernetes' preStop delay: health NOT_SERVING at once, yet
 requests are still served for the drain window, so load balancers stop sending first; then requests
 that arrive get UNAVAILABLE while those that arrived before finish (up to the grace period), and only
-when none is left does gRPC stop. gRPC cancels calls it holds when it stops, so stopping it while
+when none is left do gRPC and HTTP stop. gRPC cancels calls it holds when it stops, so stopping it while
 calls still arrive would answer them CANCELLED; the server's own refusal keeps taking them meanwhile.
 Open health Watch and reflection streams are ended with UNAVAILABLE just before; our API's open streams end
 once their requests in progress are answered. A second signal skips the waits.
@@ -26,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from capsnet.errors import CapsNetError
 from capsnet.kserve import reflection_pool
-from capsnet.serving import capsnet_api, kserve
+from capsnet.serving import capsnet_api, kserve_grpc, kserve_http
 from capsnet.serving.config import GRPC_INT_MAX, ServerConfig
 from capsnet.serving.images import max_encoded_bytes
 from capsnet.serving.interceptor import RequestInterceptor
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # What the health service answers for: "" (the whole server) and each API.
-HEALTH_SERVICES = ("", capsnet_api.SERVICE_NAME, kserve.SERVICE_NAME)
+HEALTH_SERVICES = ("", capsnet_api.SERVICE_NAME, kserve_grpc.SERVICE_NAME)
 # Per image, besides its pixels: protobuf framing and the fields around them. Per message: the rest.
 IMAGE_OVERHEAD_BYTES = 1024
 MESSAGE_OVERHEAD_BYTES = 64 * 1024
@@ -98,7 +99,9 @@ class CapsNetServer:
         self.max_message_bytes: int | None = None  # config's, or derived from the model at start()
         self.grpc_port: int | None = None  # bound ports, known after start() (the config may say 0)
         self.metrics_port: int | None = None
+        self.http_port: int | None = None  # None: no HTTP/REST (--no-http)
         self._grpc: grpc.aio.Server | None = None
+        self._http: kserve_http.KServeHTTP | None = None
         self._interceptor: RequestInterceptor | None = None
         self._health = health.aio.HealthServicer()
         self._metrics_http = None
@@ -120,6 +123,7 @@ class CapsNetServer:
                                f"--max-image-scale {config.max_image_scale} is {self.max_message_bytes} bytes, over "
                                f"gRPC's limit of {GRPC_INT_MAX}: lower them, or set --max-message-bytes")
         self._interceptor = RequestInterceptor(self.metrics, self.max_message_bytes)
+        self.metrics.inflight.set_function(self._requests_in_flight)
         if not any(isinstance(f, _CallEndedFirst) for f in GRPC_CORE_LOG.filters):
             GRPC_CORE_LOG.addFilter(_CallEndedFirst())
         self._grpc = grpc.aio.server(
@@ -134,10 +138,10 @@ class CapsNetServer:
                      ("grpc.so_reuseport", 0)],
         )
         capsnet_api.add_to_server(self._grpc, self.service, config.max_image_scale)
-        kserve.add_to_server(self._grpc, self.service)
+        kserve_grpc.add_to_server(self._grpc, self.service)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(  # kserve's `inference` files live in a pool of their own
-            [capsnet_api.SERVICE_NAME, kserve.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._grpc,
+            [capsnet_api.SERVICE_NAME, kserve_grpc.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._grpc,
             pool=reflection_pool())
         for name in HEALTH_SERVICES:
             await self._health.set(name, NOT_SERVING)
@@ -159,9 +163,17 @@ class CapsNetServer:
         self.metrics_port = self._metrics_http.server_port
 
         try:
+            if config.http:
+                self._http = kserve_http.KServeHTTP(self.service, self.metrics, self.max_message_bytes)
+                tls = (None if config.tls_cert is None else
+                       kserve_http.ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca))
+                await self._http.start(config.host, config.http_port, tls, STOP_GRACE_S)
+                self.http_port = self._http.port
             await self.service.warmup()
         except BaseException:  # the one-line error, not gRPC's traceback about a server left running at exit
             await self._grpc.stop(None)
+            if self._http is not None:
+                await self._http.stop()
             self._metrics_http.shutdown()
             raise
         if stopping is not None and stopping.is_set():
@@ -180,15 +192,24 @@ class CapsNetServer:
                 await asyncio.wait_for(self._stop_now.wait(), self.config.drain_window_s)
         refusing_since = self.service.refuse_new_requests()
         deadline = refusing_since + self.config.grace_period_s
-        while self._interceptor.busy_before(refusing_since) and time.monotonic() < deadline and not self._stop_now.is_set():
+        while self._busy_before(refusing_since) and time.monotonic() < deadline and not self._stop_now.is_set():
             await asyncio.sleep(0.01)
         await asyncio.sleep(SETTLE_S)
         await self._interceptor.end_open_streams(STOP_GRACE_S)
         grace = None if self._stop_now.is_set() else min(STOP_GRACE_S, max(0.0, deadline - time.monotonic()))
+        if self._http is not None:
+            await self._http.stop()
         await self._grpc.stop(grace)
         await self.service.close()
         self._metrics_http.shutdown()
         self._metrics_http.server_close()
+
+    def _busy_before(self, moment: float) -> bool:
+        """Whether a request (gRPC or HTTP) that began before `moment` is still running."""
+        return self._interceptor.busy_before(moment) or (self._http is not None and self._http.busy_before(moment))
+
+    def _requests_in_flight(self) -> int:
+        return self._interceptor.requests_in_flight() + (0 if self._http is None else self._http.requests_in_flight())
 
     def stop_now(self) -> None:
         """During stop(): give up draining (an operator's second signal)."""
@@ -225,11 +246,12 @@ async def serve(config: ServerConfig) -> int:
         log.info("a signal arrived during startup: stopping without serving")
     else:
         spec = server.service.spec
-        scheme = "grpcs" if config.tls_cert else "grpc"
+        secure = "s" if config.tls_cert else ""
+        rest = "" if server.http_port is None else f" rest http{secure}://{_address(config.host, server.http_port)}"
         # One line on stdout that scripts (and tests, with port 0) read the bound ports from.
         print(f"capsnet serve: ready: {spec.name} {spec.version} on {spec.backend} ({spec.precision}); "
-              f"{scheme}://{config.host}:{server.grpc_port} metrics http://{config.host}:{server.metrics_port}/metrics",
-              flush=True)
+              f"grpc{secure}://{config.host}:{server.grpc_port} metrics http://{config.host}:{server.metrics_port}/metrics"
+              f"{rest}", flush=True)
         await stopping.wait()
         log.info("shutting down: health NOT_SERVING; requests still served for %.1f s, then refused; those that "
                  "arrived before get up to %.1f s more", config.drain_window_s, config.grace_period_s)

@@ -24,7 +24,7 @@ class ServerProcess:
 
     def __init__(self, flags: list[str]):
         self.command = [sys.executable, "-m", "capsnet", "--log-level", "WARNING", "serve", "--host", "127.0.0.1",
-                        "--grpc-port", "0", "--metrics-port", "0", *flags]
+                        "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", *flags]
         self.target: str | None = None
         self.metrics_url: str | None = None
         self._process: subprocess.Popen | None = None

@@ -10,7 +10,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from capsnet import __version__
 from capsnet.kserve import grpc_service_pb2 as pb
-from capsnet.serving import kserve
+from capsnet.serving import kserve_grpc
 from kserve_messages import images, infer_request, response_arrays
 
 # matches the onnxruntime backend run on different batch compositions, not bit-for-bit
@@ -82,13 +82,13 @@ def test_infer_typed_answers_typed_subset_in_request_order(kserve_stub, run_onnx
 def test_large_typed_contents_are_converted_off_the_event_loop(kserve_stub, monkeypatch, count, on_the_event_loop):
     """Converting thousands of typed values holds the thread that does it: not the loop every RPC shares."""
     threads = []
-    convert = kserve._input_images
+    convert = kserve_grpc._input_images
 
     def recording(*args):
         threads.append(threading.current_thread().name)
         return convert(*args)
 
-    monkeypatch.setattr(kserve, "_input_images", recording)
+    monkeypatch.setattr(kserve_grpc, "_input_images", recording)
     kserve_stub.ModelInfer(infer_request(images(count, seed=4), raw=False, outputs=("probabilities",)), timeout=30)
     assert len(threads) == 1 and (threads[0] == "kserve-test-server") is on_the_event_loop, threads
 

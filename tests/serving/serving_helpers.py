@@ -42,7 +42,7 @@ class ServerThread:
 
 
 def server_config(model_dir: Path, **overrides) -> ServerConfig:
-    values = dict(model_dir=model_dir, grpc_port=0, metrics_port=0, max_batch_size=8, max_queue_delay_us=2000,
+    values = dict(model_dir=model_dir, grpc_port=0, http_port=0, metrics_port=0, max_batch_size=8, max_queue_delay_us=2000,
                   threads=1, drain_window_s=0.0, grace_period_s=5.0)
     return ServerConfig(**{**values, **overrides})
 
@@ -65,7 +65,7 @@ class ServeProcess:
     """`capsnet serve` as a subprocess, on free ports, ready once its ready line is printed."""
 
     def __init__(self, *args: str, timeout: float = 120):
-        command = [sys.executable, "-m", "capsnet", "serve", "--grpc-port", "0", "--metrics-port", "0", *args]
+        command = [sys.executable, "-m", "capsnet", "serve", "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", *args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         reader = threading.Thread(target=self._read_stdout, daemon=True)

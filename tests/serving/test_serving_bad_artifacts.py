@@ -52,7 +52,7 @@ def _refused(directory: Path, *flags: str, prefix: tuple[str, ...] = ()) -> str:
     stderr_path = directory.parent / "stderr.txt"
     with open(stderr_path, "w") as stderr:  # a file: a chatty process cannot block on a full pipe
         process = subprocess.Popen([*prefix, sys.executable, "-m", "capsnet", "serve", "--model", str(directory),
-                                    "--grpc-port", "0", "--metrics-port", "0", "--max-batch-size", "8", "--threads", "1",
+                                    "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", "--max-batch-size", "8", "--threads", "1",
                                     *flags], stdout=subprocess.PIPE, stderr=stderr, text=True)
         try:
             for line in process.stdout:  # its one stdout line is the ready line
@@ -210,6 +210,6 @@ def test_a_plan_description_of_the_wrong_kind_is_one_line(model_dir, tmp_path, m
     runtime = FakeCudaRuntime(device_count=1)
     monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt(runtime))
     monkeypatch.setattr(tensorrt_runner, "cudart", lambda: runtime)
-    code = main(["serve", "--model", str(copy), "--backend", "tensorrt", "--grpc-port", "0", "--metrics-port", "0"])
+    code = main(["serve", "--model", str(copy), "--backend", "tensorrt", "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet serve: error: ")]
     assert code == 2 and len(errors) == 1 and "model.plan.json is damaged: expected" in errors[0], errors

@@ -56,7 +56,7 @@ def test_bf16_is_for_the_torch_backend_only():
 @pytest.mark.skipif(NO_NATIVE_BF16 is None, reason="this CPU has native bf16: the refusal does not apply")
 def test_bf16_is_refused_in_one_line_without_native_bf16(model_dir, capsys):
     code = main(["serve", "--model", str(model_dir), "--backend", "torch", "--precision", "bf16",
-                 "--grpc-port", "0", "--metrics-port", "0"])
+                 "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet serve: error: ")]
     assert code == 2 and errors == [f"capsnet serve: error: --precision bf16: {NO_NATIVE_BF16}"]
     assert "no native bf16" in errors[0] and "many times slower" in errors[0]

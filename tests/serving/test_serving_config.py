@@ -16,21 +16,27 @@ from serving_helpers import server_config
 
 def test_defaults_are_loopback_and_triton_ports():
     config = ServerConfig.from_sources({"model_dir": "m"}, env={})
-    assert (config.host, config.grpc_port, config.metrics_port) == ("127.0.0.1", 8001, 8002)
+    assert (config.host, config.http_port, config.grpc_port, config.metrics_port) == ("127.0.0.1", 8000, 8001, 8002)
+    assert config.http
     assert config.model_dir == Path("m") and config.intra_op_threads >= 1
 
 
 def test_environment_then_flags():
-    env = {"CAPSNET_HOST": "0.0.0.0", "CAPSNET_GRPC_PORT": "9001", "CAPSNET_METRICS_PORT": "9002"}
+    env = {"CAPSNET_HOST": "0.0.0.0", "CAPSNET_GRPC_PORT": "9001", "CAPSNET_METRICS_PORT": "9002",
+           "CAPSNET_HTTP_PORT": "9000"}
     from_env = ServerConfig.from_sources({"model_dir": "m", "grpc_port": None}, env=env)
-    assert (from_env.host, from_env.grpc_port, from_env.metrics_port) == ("0.0.0.0", 9001, 9002)
-    from_flags = ServerConfig.from_sources({"model_dir": "m", "grpc_port": 7001, "host": "127.0.0.2"}, env=env)
-    assert (from_flags.host, from_flags.grpc_port, from_flags.metrics_port) == ("127.0.0.2", 7001, 9002)
+    assert (from_env.host, from_env.http_port, from_env.grpc_port, from_env.metrics_port) == ("0.0.0.0", 9000, 9001, 9002)
+    from_flags = ServerConfig.from_sources({"model_dir": "m", "grpc_port": 7001, "http_port": 7000, "host": "127.0.0.2"},
+                                           env=env)
+    assert (from_flags.host, from_flags.http_port, from_flags.grpc_port, from_flags.metrics_port) == (
+        "127.0.0.2", 7000, 7001, 9002)
 
 
 @pytest.mark.parametrize("values, env, message", [
     ({}, {"CAPSNET_GRPC_PORT": "eighty"}, "CAPSNET_GRPC_PORT must be an integer, got 'eighty'"),
     ({"metrics_port": 70000}, {}, "metrics-port must be in 0..65535"),
+    ({"http_port": -1}, {}, "http-port must be in 0..65535 (0: any free port), got -1"),
+    ({}, {"CAPSNET_HTTP_PORT": "8o00"}, "CAPSNET_HTTP_PORT must be an integer, got '8o00'"),
     ({"max_batch_size": 0}, {}, "--max-batch-size must be >= 1, got 0"),
     ({"max_queue_delay_us": -1}, {}, "--max-queue-delay-us must be >= 0, got -1"),
     ({"tls_cert": "cert.pem"}, {}, "--tls-cert and --tls-key go together"),

@@ -38,7 +38,7 @@ IMAGE = np.random.default_rng(5).random((1, 28, 28), dtype=np.float32)  # (1, 28
 
 def test_missing_model_directory_exits_non_zero(tmp_path):
     result = subprocess.run([sys.executable, "-m", "capsnet", "serve", "--model", str(tmp_path / "nowhere"),
-                             "--grpc-port", "0", "--metrics-port", "0"], capture_output=True, text=True, timeout=120)
+                             "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == f"capsnet serve: error: model directory {tmp_path / 'nowhere'} does not exist"
 
@@ -50,10 +50,10 @@ def test_metrics_port_in_use_is_a_one_line_error(model_dir, holder):
         port = held.getsockname()[1]
         if holder == "another process":
             held.listen()
-            ports = ["--grpc-port", "0", "--metrics-port", str(port)]
+            ports = ["--grpc-port", "0", "--http-port", "0", "--metrics-port", str(port)]
         else:
             held.close()  # free again: gRPC takes it first
-            ports = ["--grpc-port", str(port), "--metrics-port", str(port)]
+            ports = ["--grpc-port", str(port), "--http-port", "0", "--metrics-port", str(port)]
         result = subprocess.run([sys.executable, "-m", "capsnet", "serve", "--model", str(model_dir), *ports],
                                 capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
@@ -69,7 +69,7 @@ def test_a_batch_size_that_does_not_fit_in_memory_is_a_one_line_error(model_dir)
         resource.setrlimit(resource.RLIMIT_AS, (5 << 30, 5 << 30))
 
     result = subprocess.run([sys.executable, "-m", "capsnet", "serve", "--model", str(model_dir), "--precision", "fp32",
-                             "--grpc-port", "0", "--metrics-port", "0", "--max-batch-size", "30000"],
+                             "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", "--max-batch-size", "30000"],
                             capture_output=True, text=True, timeout=120, preexec_fn=five_gib_of_address_space)
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
@@ -90,7 +90,7 @@ def test_damaged_model_directory_is_a_clear_startup_error(model_dir, tmp_path, c
     copy = tmp_path / "model"
     shutil.copytree(model_dir, copy)
     damage(copy)
-    code = main(["serve", "--model", str(copy), "--grpc-port", "0", "--metrics-port", "0"])
+    code = main(["serve", "--model", str(copy), "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet serve: error: ")]
     assert code == 2 and len(errors) == 1 and message in errors[0], errors
 

@@ -57,7 +57,7 @@ def _scale_int8_weights(model_dir: Path, factor: float) -> None:
 
 
 def _serve_errors(model_dir: Path, capsys, *flags: str) -> tuple[int, list[str]]:
-    code = main(["serve", "--model", str(model_dir), "--grpc-port", "0", "--metrics-port", "0", *flags])
+    code = main(["serve", "--model", str(model_dir), "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", *flags])
     return code, [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet serve: error: ")]
 
 

@@ -87,7 +87,7 @@ def test_auto_without_the_configured_gpu_falls_back_to_onnxruntime(plan_model_di
 def test_plan_built_on_another_gpu_is_refused_at_startup(plan_model_dir, fake_gpus, capsys):
     runtime, _ = fake_gpus
     code = main(["serve", "--model", str(plan_model_dir), "--backend", "tensorrt", "--gpu", "0",
-                 "--grpc-port", "0", "--metrics-port", "0"])
+                 "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet serve: error: ")]
     assert code == 2 and len(errors) == 1
     assert "was built for Fake GPU 1 (compute capability 9.1), this GPU is Fake GPU 0 (9.0)" in errors[0]

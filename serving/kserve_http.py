@@ -1,0 +1,373 @@
+"""KServe v2 / Open Inference Protocol over HTTP/REST, with Triton's binary tensor data extension.
+
+The REST face of what `serving/kserve_grpc.py` serves over gRPC, on its own port (Triton's 8000), so that
+`tritonclient.http`, KServe's REST clients, curl and HTTP health probes work unchanged. What a request must hold and
+what is answered come from `serving/kserve.py`, shared with gRPC; the request goes the one path every API takes
+(`InferenceService.infer`: validate, batcher, backend).
+
+Routes (`{model}` is the served model's name; every model route also takes `/versions/{version}` after it):
+
+    GET  /v2/health/live, /v2/health/ready        200, or 400 when not ready (the protocol's "4xx"), empty body
+    GET  /v2                                      server metadata
+    GET  /v2/models/{model}[/ready|/config]       model metadata, readiness, Triton's model config
+    POST /v2/models/{model}/infer                 inference
+
+An inference request is a JSON object; with the `Inference-Header-Content-Length` header it is that many bytes of
+JSON followed by the input's raw little-endian bytes (`parameters.binary_data_size` on the input). Outputs asked with
+`parameters.binary_data: true` (or all, with the request's `binary_data_output: true`) are answered the same way,
+the others as JSON `data`. Errors are `{"error": message}` with the status of their kind (HTTP_STATUSES), counted in
+the same metrics as gRPC's calls, under api="kserve_http" and the gRPC code of the same kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import time
+from collections.abc import Mapping
+
+import numpy as np
+from aiohttp import web
+
+from capsnet.errors import CapsNetError
+from capsnet.serving import kserve
+from capsnet.serving.errors import (
+    DeadlineExceeded, InferenceError, InvalidInput, ModelNotFound, QueueFull, ServerNotReady, ServingError,
+)
+from capsnet.serving.interceptor import STATUS_CODES, bounded_message
+from capsnet.serving.metrics import Metrics
+from capsnet.serving.service import InferenceService
+
+log = logging.getLogger(__name__)
+
+API = "kserve_http"
+HTTP_STATUSES: dict[type[ServingError], int] = {
+    InvalidInput: 400,
+    ModelNotFound: 404,
+    ServerNotReady: 503,
+    QueueFull: 503,
+    DeadlineExceeded: 504,
+    InferenceError: 500,
+}
+# Errors of HTTP itself (no route, wrong method, body over the limit) and the gRPC code they are counted under.
+HTTP_ERROR_CODES = {404: "UNIMPLEMENTED", 405: "UNIMPLEMENTED", 413: "RESOURCE_EXHAUSTED"}
+BINARY_HEADER = "Inference-Header-Content-Length"
+# JSON bodies larger than this are parsed, and JSON answers this large written, in a worker thread, as gRPC's typed
+# contents are converted: about 10 ms a megabyte that every other call on the event loop would wait for.
+INLINE_JSON_BYTES = 64 * 1024
+# An idle keep-alive connection is closed after this long (aiohttp's default is an hour).
+KEEPALIVE_S = 75.0
+
+
+class KServeHTTP:
+    """The REST endpoint: an aiohttp application over the shared InferenceService, started and stopped by the server."""
+
+    def __init__(self, service: InferenceService, metrics: Metrics, max_body_bytes: int):
+        self._service = service
+        self._metrics = metrics
+        self._max_body_bytes = max_body_bytes
+        self._started: dict[object, float] = {}  # requests being handled -> time.monotonic() they began
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+        app = web.Application(client_max_size=max_body_bytes, middlewares=[self._middleware])
+        self._rpc_of = {}  # route handler -> the RPC it answers, for the metrics' method label
+        for path, rpc, handler in [
+            ("/v2/health/live", "ServerLive", self._server_live),
+            ("/v2/health/ready", "ServerReady", self._server_ready),
+            ("/v2", "ServerMetadata", self._server_metadata),
+        ]:
+            app.router.add_get(path, handler)
+            self._rpc_of[handler] = rpc
+        for model in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+            for suffix, rpc, handler in [
+                ("", "ModelMetadata", self._model_metadata),
+                ("/ready", "ModelReady", self._model_ready),
+                ("/config", "ModelConfig", self._model_config),
+            ]:
+                app.router.add_get(model + suffix, handler)
+                self._rpc_of[handler] = rpc
+            app.router.add_post(model + "/infer", self._model_infer)
+        self._rpc_of[self._model_infer] = "ModelInfer"
+        self._app = app
+
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None, shutdown_timeout: float) -> None:
+        """Listen on host:port (0: any free port, then in `port`); CapsNetError when it cannot."""
+        self._runner = web.AppRunner(self._app, access_log=None, handler_cancellation=True,
+                                     keepalive_timeout=KEEPALIVE_S, shutdown_timeout=shutdown_timeout)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context, reuse_address=False, reuse_port=False)
+        try:
+            await site.start()
+        except OSError as err:
+            await self._runner.cleanup()
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            raise CapsNetError(f"cannot listen on {address}: {err.strerror or err}") from None
+        self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        """Stop listening and close the connections: requests still running get up to the shutdown timeout."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def busy_before(self, moment: float) -> bool:
+        """Whether a request that began before `moment` (time.monotonic()) is still being handled."""
+        return any(started < moment for started in self._started.values())
+
+    def requests_in_flight(self) -> int:
+        return len(self._started)
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        """Counts every request once, by its real outcome, and turns errors into JSON answers: the one place where
+        errors are HTTP-shaped."""
+        started = time.monotonic()
+        rpc = self._rpc_of.get(handler, "unknown")
+        key = object()  # this request, among those being handled
+        self._started[key] = started
+        code = "OK"
+        try:
+            return await handler(request)
+        except ServingError as err:
+            code = STATUS_CODES[type(err)].name
+            return _error(HTTP_STATUSES[type(err)], err.message)
+        except web.HTTPException as err:  # from aiohttp: no such route or method, body over client_max_size
+            code = HTTP_ERROR_CODES.get(err.status, "INVALID_ARGUMENT")
+            message = (f"the request body exceeds the server's limit of {self._max_body_bytes} bytes "
+                       "(--max-message-bytes); send fewer images per request, or their data in binary"
+                       if err.status == 413 else f"{request.method} {request.path}: {err.reason}")
+            return _error(err.status, message, headers={"Allow": err.headers["Allow"]} if "Allow" in err.headers else None)
+        except asyncio.CancelledError:  # the client closed the connection
+            code = "CANCELLED"
+            raise
+        except Exception:
+            code = "UNKNOWN"
+            log.exception("%s %s failed", request.method, request.path)
+            return _error(500, "internal server error (logged by the server)")
+        finally:
+            del self._started[key]
+            self._metrics.requests.labels(API, rpc, code).inc()
+            self._metrics.request_duration.labels(API, rpc).observe(time.monotonic() - started)
+
+    async def _server_live(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _server_ready(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self._service.ready else 400)
+
+    async def _server_metadata(self, request: web.Request) -> web.Response:
+        return web.json_response(kserve.server_metadata())
+
+    def _check_model(self, request: web.Request) -> None:
+        kserve.check_model(self._service.spec, request.match_info["model"], request.match_info.get("version", ""),
+                           "model name", "model version")
+
+    async def _model_ready(self, request: web.Request) -> web.Response:
+        self._check_model(request)
+        return web.Response(status=200 if self._service.ready else 400)
+
+    async def _model_metadata(self, request: web.Request) -> web.Response:
+        self._check_model(request)
+        return web.json_response(kserve.model_metadata(self._service.spec))
+
+    async def _model_config(self, request: web.Request) -> web.Response:
+        self._check_model(request)
+        return web.json_response(kserve.model_config(self._service))
+
+    async def _model_infer(self, request: web.Request) -> web.Response:
+        service, spec = self._service, self._service.spec
+        self._check_model(request)
+        body = await request.read()  # all of it, or HTTPRequestEntityTooLarge past client_max_size
+        arrival = time.monotonic()
+        service.check_arrival(arrival)
+        header, binary = _split_body(body, request.headers.get(BINARY_HEADER))
+        document = await _in_a_thread_if_large(len(header), _parse_json, header)
+        inputs, outputs, parameters = _request_fields(document)
+        tensor, given = _input_tensor(spec, inputs)
+        service.check_batch_size(tensor.shape[0], "inputs[0].shape[0]")
+        names = kserve.requested_outputs(spec, [(_name(output, f"outputs[{index}]"), output.get("parameters", {}))
+                                                for index, output in enumerate(outputs)])
+        binary_outputs = _binary_outputs(names, outputs, parameters)
+        if isinstance(given, int):  # binary_data_size
+            values = kserve.raw_values(_binary_input(binary, given), tensor, "inputs[0] binary data")
+        else:
+            if binary:
+                raise InvalidInput(f"request body: {len(binary)} bytes of binary data follow the JSON, but no input "
+                                   "has parameters.binary_data_size")
+            values = await _in_a_thread_if_large(tensor.count * 8, _json_values, given, tensor)
+        images = kserve.images_from_values(values, tensor)
+        result = await service.infer(images, field="inputs[0]", reconstruction="reconstruction" in names,
+                                     arrival=arrival)
+        arrays = {"probabilities": result.probabilities, "poses": result.poses,
+                  "reconstruction": result.reconstruction}
+        answer = {"model_name": spec.name, "model_version": spec.version}
+        if "id" in document:
+            answer["id"] = document["id"]
+        size = sum(arrays[name].size for name in names if name not in binary_outputs) * 20  # JSON: ~20 bytes a value
+        return await _in_a_thread_if_large(size, _response, answer, {name: arrays[name] for name in names},
+                                           binary_outputs)
+
+
+async def _in_a_thread_if_large(size: int, function, *args):
+    """`function(*args)`, in a worker thread when its JSON is `size` bytes or more."""
+    if size > INLINE_JSON_BYTES:
+        return await asyncio.to_thread(function, *args)
+    return function(*args)
+
+
+def _error(status: int, message: str, headers=None) -> web.Response:
+    return web.json_response({"error": bounded_message(message)}, status=status, headers=headers)
+
+
+def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
+    """The JSON part of the body and the binary data after it."""
+    if header_length is None:
+        return body, b""
+    try:
+        length = int(header_length)
+    except ValueError:
+        length = -1
+    if not 0 <= length <= len(body):
+        raise InvalidInput(f"{BINARY_HEADER}: expected the length of the JSON part, 0 to {len(body)} bytes (the body's "
+                           f"size), got {header_length[:40]!r}")
+    return body[:length], body[length:]
+
+
+def _parse_json(text: bytes):
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as err:  # RecursionError: nesting deeper than the interpreter's stack
+        raise InvalidInput(f"request body: not valid JSON ({type(err).__name__}: {str(err)[:200]})") from None
+
+
+def _request_fields(document) -> tuple[list, list, Mapping]:
+    if not isinstance(document, dict):
+        raise InvalidInput(f"request body: expected a JSON object, got {_json_type(document)}")
+    if "id" in document and not isinstance(document["id"], str):
+        raise InvalidInput(f"id: expected a string, got {_json_type(document['id'])}")
+    inputs = _typed(document.get("inputs"), list, "inputs", "a list of input tensors")
+    outputs = _typed(document.get("outputs", []), list, "outputs", "a list of requested outputs")
+    for index, output in enumerate(outputs):
+        _typed(output, dict, f"outputs[{index}]", "an object")
+        _typed(output.get("parameters", {}), dict, f"outputs[{index}].parameters", "an object")
+    parameters = _typed(document.get("parameters", {}), dict, "parameters", "an object")
+    return inputs, outputs, parameters
+
+
+def _input_tensor(spec, inputs: list) -> tuple[kserve.InputTensor, object]:
+    """The input's header, checked, and where its data is: binary_data_size (an int) or its JSON `data`."""
+    for index, tensor in enumerate(inputs):
+        _typed(tensor, dict, f"inputs[{index}]", "an object")
+    first = inputs[0] if len(inputs) == 1 else {}
+    shape = _typed(first.get("shape", []), list, "inputs[0].shape", "a list of integers")
+    if not all(isinstance(size, int) and not isinstance(size, bool) for size in shape):
+        raise InvalidInput(f"inputs[0].shape: expected a list of integers, got {json.dumps(shape)[:200]}")
+    datatype = first.get("datatype")
+    tensor = kserve.check_input(spec, [_name(tensor, f"inputs[{index}]") for index, tensor in enumerate(inputs)],
+                                first.get("name"), datatype if isinstance(datatype, str) else json.dumps(datatype), shape)
+    parameters = _typed(first.get("parameters", {}), dict, "inputs[0].parameters", "an object")
+    kserve.refuse_parameters(parameters, "inputs[0]", output=False,
+                             data_where="inputs[0].data or after the JSON (binary_data_size)")
+    if "binary_data_size" in parameters:
+        size = parameters["binary_data_size"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise InvalidInput(f"inputs[0].parameters.binary_data_size: expected a number of bytes, got {size!r}")
+        if "data" in first:
+            raise InvalidInput("inputs[0]: data given both in `data` and as binary (binary_data_size); "
+                               "expected one of them")
+        return tensor, size
+    if "data" not in first:
+        raise InvalidInput("inputs[0]: no data; expected `data` or binary data after the JSON (binary_data_size)")
+    return tensor, first["data"]
+
+
+def _binary_input(binary: bytes, size: int) -> bytes:
+    if len(binary) != size:
+        raise InvalidInput(f"inputs[0].parameters.binary_data_size: {size} bytes, but {len(binary)} bytes of binary data "
+                           f"follow the JSON ({BINARY_HEADER})")
+    return binary
+
+
+def _json_values(data, tensor: kserve.InputTensor) -> np.ndarray:
+    """The input's values from JSON `data`: flat, or nested as its shape."""
+    field, count = "inputs[0].data", tensor.count
+    try:
+        values = np.array(data)
+    except ValueError:  # ragged, or nested deeper than numpy's 64 dimensions
+        raise InvalidInput(f"{field}: expected a flat list of {count} numbers, or lists nested as the shape "
+                           f"{tensor.shape}; got lists of uneven lengths or nested too deep") from None
+    kinds = "iu" if tensor.datatype == "UINT8" else "iuf"
+    if values.dtype.kind not in kinds or values.ndim == 0:
+        expected = "integers 0..255" if tensor.datatype == "UINT8" else "numbers"
+        raise InvalidInput(f"{field}: expected a list of {expected} for datatype {tensor.datatype}, got "
+                           f"{'a single value' if values.ndim == 0 else f'values of type {values.dtype.name}'}")
+    if values.ndim > 1 and list(values.shape) != tensor.shape:
+        raise InvalidInput(f"{field}: nested as {list(values.shape)}, expected a flat list or nesting as the shape "
+                           f"{tensor.shape}")
+    if values.size != count:
+        raise InvalidInput(f"{field}: expected {count} values for shape {tensor.shape}, got {values.size}")
+    values = values.ravel()
+    if tensor.datatype == "UINT8":
+        kserve.check_uint8_range(values, field)
+    return values.astype(tensor.dtype)
+
+
+def _binary_outputs(names: list[str], outputs: list, parameters: Mapping) -> set[str]:
+    """The outputs answered as binary data: asked per output (binary_data), else for all (binary_data_output)."""
+    default = _flag(parameters, "binary_data_output", "parameters")
+    asked = {output["name"]: _flag(output.get("parameters", {}), "binary_data", f"outputs[{index}].parameters", default)
+             for index, output in enumerate(outputs)}
+    return {name for name in names if asked.get(name, default)}
+
+
+def _response(answer: dict, arrays: dict[str, np.ndarray], binary: set[str]) -> web.Response:
+    chunks = []
+    answer["outputs"] = []
+    for name, array in arrays.items():
+        output = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
+        if name in binary:
+            chunks.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
+            output["parameters"] = {"binary_data_size": len(chunks[-1])}
+        else:
+            output["data"] = array.ravel().tolist()
+        answer["outputs"].append(output)
+    header = json.dumps(answer).encode()
+    if not chunks:
+        return web.Response(body=header, content_type="application/json")
+    return web.Response(body=b"".join([header, *chunks]), content_type="application/octet-stream",
+                        headers={BINARY_HEADER: str(len(header))})
+
+
+def _name(tensor: dict, field: str) -> str:
+    return _typed(tensor.get("name"), str, f"{field}.name", "a string")
+
+
+def _flag(parameters: Mapping, key: str, field: str, default: bool = False) -> bool:
+    return _typed(parameters.get(key, default), bool, f"{field}.{key}", "true or false")
+
+
+def _typed(value, kind: type, field: str, expected: str):
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise InvalidInput(f"{field}: expected {expected}, got {_json_type(value)}")
+    return value
+
+
+def _json_type(value) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "true or false", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+def ssl_context(cert, key, client_ca) -> ssl.SSLContext:
+    """The server's TLS as gRPC's: its certificate and key; with client_ca, clients must present a certificate it
+    signed."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert, key)
+        if client_ca is not None:
+            context.load_verify_locations(client_ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as err:
+        raise CapsNetError(f"cannot use the TLS files {cert}, {key}{f', {client_ca}' if client_ca else ''} for "
+                           f"HTTPS: {err.strerror or err}") from None
+    return context
