@@ -30,6 +30,7 @@ from collections.abc import Mapping
 
 import numpy as np
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from capsnet.errors import CapsNetError
 from capsnet.serving import kserve
@@ -51,14 +52,35 @@ HTTP_STATUSES: dict[type[ServingError], int] = {
     DeadlineExceeded: 504,
     InferenceError: 500,
 }
-# Errors of HTTP itself (no route, wrong method, body over the limit) and the gRPC code they are counted under.
-HTTP_ERROR_CODES = {404: "UNIMPLEMENTED", 405: "UNIMPLEMENTED", 413: "RESOURCE_EXHAUSTED"}
+# Errors of HTTP itself (no route, wrong method, body too slow or over the limit) and the gRPC code they are counted
+# under.
+HTTP_ERROR_CODES = {404: "UNIMPLEMENTED", 405: "UNIMPLEMENTED", 408: "CANCELLED", 413: "RESOURCE_EXHAUSTED"}
 BINARY_HEADER = "Inference-Header-Content-Length"
 # JSON bodies larger than this are parsed, and JSON answers this large written, in a worker thread, as gRPC's typed
 # contents are converted: about 10 ms a megabyte that every other call on the event loop would wait for.
 INLINE_JSON_BYTES = 64 * 1024
 # An idle keep-alive connection is closed after this long (aiohttp's default is an hour).
 KEEPALIVE_S = 75.0
+# A request body must have arrived this long after its headers (a full batch is about 1.7 MB): a client that sends
+# it slowly, or never, gets 408 instead of holding its request, and the shutdown waiting for it, without end.
+BODY_TIMEOUT_S = 30.0
+
+
+class _ClientErrorsAsOneLine(logging.Filter):
+    """aiohttp logs an ERROR with a traceback for a request it cannot parse (a header line over 8 KiB, a bad
+    Content-Length, ...), which it answers 400 itself: a client's mistake, one WARNING line like gRPC's."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError) and 400 <= error.code < 500:
+            record.msg, record.args = "%s, answered %d: %s", (record.getMessage(), error.code,
+                                                             " ".join(str(error.message).split())[:200])
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+AIOHTTP_SERVER_LOG = logging.getLogger("aiohttp.server")
 
 
 class KServeHTTP:
@@ -93,23 +115,27 @@ class KServeHTTP:
         self._app = app
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None, shutdown_timeout: float) -> None:
-        """Listen on host:port (0: any free port, then in `port`); CapsNetError when it cannot."""
+        """Listen on host:port (0: any free port, then in `port`); OSError when it cannot."""
+        if not any(isinstance(f, _ClientErrorsAsOneLine) for f in AIOHTTP_SERVER_LOG.filters):
+            AIOHTTP_SERVER_LOG.addFilter(_ClientErrorsAsOneLine())
         self._runner = web.AppRunner(self._app, access_log=None, handler_cancellation=True,
                                      keepalive_timeout=KEEPALIVE_S, shutdown_timeout=shutdown_timeout)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context, reuse_address=False, reuse_port=False)
+        # SO_REUSEADDR (asyncio's default) lets a restarted server bind at once; no SO_REUSEPORT, so a port another
+        # server holds is an error, as for gRPC.
+        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context, reuse_port=False)
         try:
             await site.start()
-        except OSError as err:
-            await self._runner.cleanup()
-            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            raise CapsNetError(f"cannot listen on {address}: {err.strerror or err}") from None
+        except OSError:
+            await self.stop()
+            raise
         self.port = self._runner.addresses[0][1]
 
     async def stop(self) -> None:
         """Stop listening and close the connections: requests still running get up to the shutdown timeout."""
         if self._runner is not None:
-            await self._runner.cleanup()
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
 
     def busy_before(self, moment: float) -> bool:
         """Whether a request that began before `moment` (time.monotonic()) is still being handled."""
@@ -134,9 +160,10 @@ class KServeHTTP:
             return _error(HTTP_STATUSES[type(err)], err.message)
         except web.HTTPException as err:  # from aiohttp: no such route or method, body over client_max_size
             code = HTTP_ERROR_CODES.get(err.status, "INVALID_ARGUMENT")
-            message = (f"the request body exceeds the server's limit of {self._max_body_bytes} bytes "
-                       "(--max-message-bytes); send fewer images per request, or their data in binary"
-                       if err.status == 413 else f"{request.method} {request.path}: {err.reason}")
+            message = {413: f"the request body exceeds the server's limit of {self._max_body_bytes} bytes "
+                            "(--max-message-bytes); send fewer images per request, or their data in binary",
+                       408: f"the request body did not arrive within {BODY_TIMEOUT_S:g} s of its headers"
+                       }.get(err.status, f"{request.method} {request.path}: {err.reason}")
             return _error(err.status, message, headers={"Allow": err.headers["Allow"]} if "Allow" in err.headers else None)
         except asyncio.CancelledError:  # the client closed the connection
             code = "CANCELLED"
@@ -178,7 +205,10 @@ class KServeHTTP:
     async def _model_infer(self, request: web.Request) -> web.Response:
         service, spec = self._service, self._service.spec
         self._check_model(request)
-        body = await request.read()  # all of it, or HTTPRequestEntityTooLarge past client_max_size
+        try:  # all of it, or HTTPRequestEntityTooLarge past client_max_size
+            body = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:  # not TimeoutError: Python 3.10's is another class
+            raise web.HTTPRequestTimeout() from None
         arrival = time.monotonic()
         service.check_arrival(arrival)
         header, binary = _split_body(body, request.headers.get(BINARY_HEADER))

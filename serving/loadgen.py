@@ -1,12 +1,13 @@
 """Closed-loop load on a running server, and the same images through the backend in-process.
 
-Each of `concurrency` clients sends a Classify (or, with --api kserve, a KServe ModelInfer) request,
-waits for the answer, sends the next; a run stops after `max_requests` requests or `max_seconds`,
+Each of `concurrency` clients sends a Classify (or, with --api kserve, a KServe ModelInfer; with --api kserve-http,
+the same over HTTP/REST with binary data, to the server's REST port) request, waits for the answer, sends the next; a run stops after `max_requests` requests or `max_seconds`,
 whichever comes first. The in-process baseline calls the backend the server would use, at a given
 batch size, with no gRPC, queue or batcher: what the network and the server add is the difference.
 
     capsnet serve --model DIR --grpc-port 8001 &
     python -m capsnet.serving.loadgen --server 127.0.0.1:8001 --model DIR --concurrency 1 16
+    python -m capsnet.serving.loadgen --server 127.0.0.1:8001 --api kserve-http --rest 127.0.0.1:8000
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import grpc
 import numpy as np
 
@@ -36,7 +39,7 @@ class LoadResult:
     batch_size: int  # images per request (or per backend run in-process)
     elapsed_s: float
     latencies_s: list[float] = field(default_factory=list)  # successful requests only
-    errors: dict[str, int] = field(default_factory=dict)  # gRPC status name -> count
+    errors: dict[str, int] = field(default_factory=dict)  # gRPC status name (REST: HTTP status) -> count
 
     def percentile_ms(self, q: float) -> float:
         return float(np.percentile(self.latencies_s, q)) * 1e3 if self.latencies_s else float("nan")
@@ -62,46 +65,106 @@ def random_images(count: int, shape: tuple[int, int, int], seed: int = 0) -> np.
     return (rng.integers(0, 256, (count, *shape)) / 255).astype(np.float32)  # (count, C, H, W)
 
 
-def _classify(channel: grpc.aio.Channel, batches: list[np.ndarray], model_name: str, input_name: str):
-    """Our API: a ClassifyRequest per batch, and the Classify RPC to send them with."""
-    return ([pb.ClassifyRequest(images=[image_message(image) for image in batch]) for batch in batches],
-            pb_grpc.CapsNetServiceStub(channel).Classify)
+class _Failed(Exception):
+    """A request answered with an error: its gRPC status name, or its HTTP status."""
+
+    def __init__(self, code: str):
+        super().__init__(code)
+        self.code = code
 
 
-def _model_infer(channel: grpc.aio.Channel, batches: list[np.ndarray], model_name: str, input_name: str):
-    """KServe v2: a ModelInferRequest per batch (raw little-endian FP32), and the ModelInfer RPC."""
+@contextlib.asynccontextmanager
+async def _grpc_channel(target: str, credentials: grpc.ChannelCredentials | None):
+    options = [("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+               ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES)]
+    channel = (grpc.aio.secure_channel(target, credentials, options) if credentials
+               else grpc.aio.insecure_channel(target, options))
+    async with channel:
+        yield channel
+
+
+def _grpc_send(rpc):
+    async def send(request) -> None:
+        try:
+            await rpc(request, timeout=30)
+        except grpc.aio.AioRpcError as err:
+            raise _Failed(err.code().name) from None
+    return send
+
+
+@contextlib.asynccontextmanager
+async def _classify(target: str, credentials, batches: list[np.ndarray], model_name: str, input_name: str):
+    """Our API: a ClassifyRequest per batch, and how to send one with the Classify RPC."""
+    async with _grpc_channel(target, credentials) as channel:
+        yield ([pb.ClassifyRequest(images=[image_message(image) for image in batch]) for batch in batches],
+               _grpc_send(pb_grpc.CapsNetServiceStub(channel).Classify))
+
+
+def _check_kserve_names(model_name: str, input_name: str) -> None:
     if not model_name or not input_name:
         raise ValueError("KServe load needs the model's name and input name")
+
+
+@contextlib.asynccontextmanager
+async def _model_infer(target: str, credentials, batches: list[np.ndarray], model_name: str, input_name: str):
+    """KServe v2 over gRPC: a ModelInferRequest per batch (raw little-endian FP32), and the ModelInfer RPC."""
+    _check_kserve_names(model_name, input_name)
     requests = [kserve_pb.ModelInferRequest(
         model_name=model_name,
         inputs=[kserve_pb.ModelInferRequest.InferInputTensor(name=input_name, datatype="FP32", shape=batch.shape)],
         raw_input_contents=[np.ascontiguousarray(batch, dtype="<f4").tobytes()],
     ) for batch in batches]
-    return requests, kserve_pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+    async with _grpc_channel(target, credentials) as channel:
+        yield requests, _grpc_send(kserve_pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer)
 
 
-# api -> (LoadResult name, its requests and RPC on a channel)
-APIS = {"capsnet": ("grpc", _classify), "kserve": ("grpc-kserve", _model_infer)}
+@contextlib.asynccontextmanager
+async def _http_model_infer(target: str, credentials, batches: list[np.ndarray], model_name: str, input_name: str):
+    """KServe v2 over HTTP/REST, as tritonclient.http sends it: JSON then the raw FP32 bytes (Triton's binary data
+    extension), every output asked back in binary. `target` is the REST port's HOST:PORT; plain HTTP only."""
+    _check_kserve_names(model_name, input_name)
+    if credentials is not None:
+        raise ValueError("REST load is plain HTTP")
+    requests = []
+    for batch in batches:
+        data = np.ascontiguousarray(batch, dtype="<f4").tobytes()
+        header = json.dumps({"inputs": [{"name": input_name, "datatype": "FP32", "shape": list(batch.shape),
+                                         "parameters": {"binary_data_size": len(data)}}],
+                             "parameters": {"binary_data_output": True}}).encode()
+        requests.append((header + data, {"Inference-Header-Content-Length": str(len(header)),
+                                         "Content-Type": "application/octet-stream"}))
+    url = f"http://{target}/v2/models/{model_name}/infer"
+    # Pooled, kept-alive connections: as many as clients wait at once.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async def send(request) -> None:
+            body, headers = request
+            async with session.post(url, data=body, headers=headers) as response:
+                await response.read()
+                if response.status != 200:
+                    raise _Failed(str(response.status))
+
+        yield requests, send
+
+
+# api -> (LoadResult name, its requests and how to send one, over a connection to the target)
+APIS = {"capsnet": ("grpc", _classify), "kserve": ("grpc-kserve", _model_infer),
+        "kserve-http": ("http-kserve", _http_model_infer)}
 
 
 async def run_load(target: str, images: np.ndarray, *, concurrency: int, batch_size: int = 1,
                    max_requests: int = 1000, max_seconds: float = 30.0, warmup_requests: int = 20,
                    api: str = "capsnet", model_name: str = "", input_name: str = "",
                    credentials: grpc.ChannelCredentials | None = None) -> LoadResult:
-    """Closed-loop load from `concurrency` clients sharing one channel, through `api` (a key of APIS);
-    "kserve" addresses the model by `model_name` and `input_name`."""
+    """Closed-loop load from `concurrency` clients sharing one channel (REST: one session), through `api` (a key of
+    APIS); "kserve" and "kserve-http" address the model by `model_name` and `input_name`."""
     if api not in APIS:
         raise ValueError(f"api must be one of {', '.join(APIS)}, got {api!r}")
-    name, calls = APIS[api]
+    name, transport = APIS[api]
     batches = [images[start:start + batch_size] for start in range(0, len(images) - batch_size + 1, batch_size)]
-    options = [("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-               ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES)]
-    channel = (grpc.aio.secure_channel(target, credentials, options) if credentials
-               else grpc.aio.insecure_channel(target, options))
-    async with channel:
-        requests, rpc = calls(channel, batches, model_name, input_name)
+    async with transport(target, credentials, batches, model_name, input_name) as (requests, send):
         for index in range(warmup_requests):
-            await rpc(requests[index % len(requests)], timeout=30)
+            await send(requests[index % len(requests)])
         latencies: list[float] = []
         errors: collections.Counter = collections.Counter()
         issued = 0
@@ -115,10 +178,10 @@ async def run_load(target: str, images: np.ndarray, *, concurrency: int, batch_s
                 issued += 1
                 sent = time.perf_counter()
                 try:
-                    await rpc(request, timeout=30)
+                    await send(request)
                     latencies.append(time.perf_counter() - sent)
-                except grpc.aio.AioRpcError as err:
-                    errors[err.code().name] += 1
+                except _Failed as err:
+                    errors[err.code] += 1
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
@@ -164,22 +227,27 @@ def run_inprocess(backend, images: np.ndarray, *, batch_size: int, max_runs: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="closed-loop gRPC load vs the in-process backend")
-    parser.add_argument("--server", required=True, metavar="HOST:PORT")
+    parser = argparse.ArgumentParser(description="closed-loop gRPC or REST load vs the in-process backend")
+    parser.add_argument("--server", required=True, metavar="HOST:PORT", help="the server's gRPC address")
+    parser.add_argument("--rest", metavar="HOST:PORT", help="the server's REST address, for --api kserve-http")
     parser.add_argument("--model", metavar="DIR", help="export directory: also time its backend in-process")
     parser.add_argument("--backend", default="onnxruntime", help="in-process backend (default onnxruntime)")
     parser.add_argument("--threads", type=int, default=0, help="in-process backend threads (0: one per core)")
-    parser.add_argument("--api", choices=APIS, default="capsnet", help="capsnet (Classify) or kserve (ModelInfer)")
+    parser.add_argument("--api", choices=APIS, default="capsnet",
+                        help="capsnet (Classify), kserve (ModelInfer) or kserve-http (ModelInfer over REST, at --rest)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--batch-size", type=int, default=1, help="images per request")
     parser.add_argument("--requests", type=int, default=2000, help="most requests per run")
     parser.add_argument("--seconds", type=float, default=20.0, help="longest run")
     parser.add_argument("--json", action="store_true", help="print one JSON object per run")
     args = parser.parse_args(argv)
+    if (args.api == "kserve-http") != (args.rest is not None):
+        parser.error("--rest HOST:PORT goes with --api kserve-http, and only with it")
 
     info = pb_grpc.CapsNetServiceStub(grpc.insecure_channel(args.server)).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
     images = random_images(256, tuple(info.input_shape))
-    results = [asyncio.run(run_load(args.server, images, concurrency=c, batch_size=args.batch_size,
+    target = args.rest or args.server
+    results = [asyncio.run(run_load(target, images, concurrency=c, batch_size=args.batch_size,
                                     max_requests=args.requests, max_seconds=args.seconds, api=args.api,
                                     model_name=info.name, input_name=info.input_name))
                for c in args.concurrency]

@@ -1,8 +1,8 @@
 """Prometheus metrics of the server, in their own registry, served over HTTP on the metrics port.
 
 Request counts and latencies are recorded for every RPC by the gRPC interceptor (`serving/interceptor.py`:
-our API, KServe, health and reflection alike); queue wait, compute time, batch sizes and images inside
-the batcher. /metrics is prometheus-client's WSGI app behind a server with a few threads, socket timeouts
+our API, KServe, health and reflection alike) and for every REST request by its middleware
+(`serving/kserve_http.py`); queue wait, compute time, batch sizes and images inside the batcher. /metrics is prometheus-client's WSGI app behind a server with a few threads, socket timeouts
 and a deadline per connection, so idle or slow connections can neither pile up threads nor hold them; it is
 meant for Prometheus on a private network, never for the internet.
 """
@@ -41,13 +41,13 @@ class Metrics:
         # process_* (CPU, memory, file descriptors), python_info and python_gc_* of this process
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             registry.register(collector)
-        self.requests = Counter("capsnet_requests", "gRPC requests finished, by API, method and status code",
+        self.requests = Counter("capsnet_requests", "Requests finished (gRPC calls, REST requests), by API, method and gRPC status code",
                                 ["api", "method", "code"], registry=registry)
         self.request_duration = Histogram("capsnet_request_duration_seconds",
-                                          "Time from receiving an RPC to its end (a stream: its whole life)",
+                                          "Time from receiving an RPC or REST request to its end (a stream: its whole life)",
                                           ["api", "method"], buckets=LATENCY_BUCKETS, registry=registry)
         self.inflight = Gauge("capsnet_inflight_requests",
-                              "Requests being handled: unary RPCs, and a stream's requests from arrival to answer "
+                              "Requests being handled: unary RPCs, REST requests, and a stream's requests from arrival to answer "
                               "(health checks and reflection aside)", registry=registry)
         self.queue_wait = Histogram("capsnet_queue_wait_seconds",
                                     "Time a request waited in the batch queue before its first backend run",

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -167,7 +168,11 @@ class CapsNetServer:
                 self._http = kserve_http.KServeHTTP(self.service, self.metrics, self.max_message_bytes)
                 tls = (None if config.tls_cert is None else
                        kserve_http.ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca))
-                await self._http.start(config.host, config.http_port, tls, STOP_GRACE_S)
+                try:
+                    await self._http.start(config.host, config.http_port, tls, STOP_GRACE_S)
+                except OSError as err:  # asyncio's strerror holds the address again: the errno's own text
+                    raise CapsNetError(f"cannot listen on {_address(config.host, config.http_port)}: "
+                                       f"{os.strerror(err.errno) if err.errno else err}") from None
                 self.http_port = self._http.port
             await self.service.warmup()
         except BaseException:  # the one-line error, not gRPC's traceback about a server left running at exit

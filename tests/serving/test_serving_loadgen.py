@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from capsnet.serving.loadgen import main, random_images, run_inprocess, run_load
 
 
@@ -31,6 +33,25 @@ def test_closed_loop_load_through_kserve(server):
     result = asyncio.run(run_load(server.target, random_images(4, (1, 28, 28)), concurrency=2, max_requests=10,
                                   warmup_requests=1, api="kserve", model_name=spec.name, input_name=spec.input_name))
     assert result.name == "grpc-kserve" and len(result.latencies_s) == 10 and result.errors == {}
+
+
+def test_closed_loop_load_through_kserve_rest(server, capsys):
+    """REST with Triton's binary data, as tritonclient.http sends it; the command needs --rest with it, only then."""
+    spec, rest = server.server.service.spec, f"127.0.0.1:{server.server.http_port}"
+    result = asyncio.run(run_load(rest, random_images(4, (1, 28, 28)), concurrency=2, batch_size=2, max_requests=10,
+                                  warmup_requests=1, api="kserve-http", model_name=spec.name, input_name=spec.input_name))
+    assert result.name == "http-kserve" and len(result.latencies_s) == 10 and result.errors == {}
+    wrong = asyncio.run(run_load(rest, random_images(2, (1, 28, 28)), concurrency=1, max_requests=3, warmup_requests=0,
+                                 api="kserve-http", model_name="mnist", input_name=spec.input_name))
+    assert wrong.errors == {"404": 3} and not wrong.latencies_s
+    assert main(["--server", server.target, "--api", "kserve-http", "--rest", rest, "--concurrency", "1",
+                 "--requests", "4", "--json"]) == 0
+    assert [json.loads(line)["name"] for line in capsys.readouterr().out.splitlines()] == ["http-kserve"]
+    for flags in (["--api", "kserve-http"], ["--rest", rest]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--server", server.target, *flags])
+        assert exit_.value.code == 2
+    assert "--rest HOST:PORT goes with --api kserve-http" in capsys.readouterr().err
 
 
 def test_the_documented_command_times_the_server_and_the_backend_in_process(server, model_dir, capsys):

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import http.client
 import shutil
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import grpc
 import numpy as np
@@ -64,6 +68,16 @@ def refused(target: str, **tls) -> grpc.StatusCode:
     return caught.value.code()
 
 
+def rest_ready(running: ServerThread, ca=None, client=None, scheme: str = "https") -> int:
+    """The REST port's readiness status over HTTPS trusting `ca` (with `client`'s certificate, for mutual TLS)."""
+    context = ssl.create_default_context(cafile=ca)
+    if client is not None:
+        context.load_cert_chain(client[1], client[0])
+    url = f"{scheme}://127.0.0.1:{running.server.http_port}/v2/health/ready"
+    with urllib.request.urlopen(url, timeout=10, context=context) as response:
+        return response.status
+
+
 def test_tls(model_dir, pki):
     key, cert = pki["server"]
     running = ServerThread(server_config(model_dir, tls_cert=cert, tls_key=key))
@@ -71,6 +85,12 @@ def test_tls(model_dir, pki):
         assert 0 <= classify(running.target, tls_ca=pki["ca"][1]) < 10
         assert refused(running.target) == grpc.StatusCode.UNAVAILABLE  # plaintext client
         assert refused(running.target, tls_ca=pki["other_ca"][1]) == grpc.StatusCode.UNAVAILABLE  # untrusted server
+        # REST: HTTPS with the same certificate, and nothing in plain HTTP
+        assert rest_ready(running, ca=pki["ca"][1]) == 200
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            rest_ready(running, ca=pki["other_ca"][1])
+        with pytest.raises((http.client.HTTPException, ConnectionError)):
+            rest_ready(running, scheme="http")
     finally:
         running.stop()
 
@@ -82,6 +102,9 @@ def test_mutual_tls(model_dir, pki, capsys, tmp_path):
     try:
         assert 0 <= classify(running.target, tls_ca=pki["ca"][1], tls_cert=client_cert, tls_key=client_key) < 10
         assert refused(running.target, tls_ca=pki["ca"][1]) == grpc.StatusCode.UNAVAILABLE  # no client certificate
+        assert rest_ready(running, ca=pki["ca"][1], client=pki["client"]) == 200
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            rest_ready(running, ca=pki["ca"][1])  # no client certificate
         png = tmp_path / "digit.png"
         Image.fromarray((IMAGE[0] * 255).astype(np.uint8)).save(png)
         code = main(["predict", str(png), "--server", running.target, "--tls-ca", str(pki["ca"][1]),
