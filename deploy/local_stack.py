@@ -1,12 +1,13 @@
-"""The docker-compose topology without Docker: N `capsnet serve` replicas on loopback, nginx as their gRPC load
-balancer and Prometheus scraping every replica, from the same deploy/ files the containers use.
+"""The docker-compose topology without Docker: N `capsnet serve` replicas on loopback, nginx as their gRPC and
+KServe REST load balancer and Prometheus scraping every replica, from the same deploy/ files the containers use.
 
     python deploy/local_stack.py --model models/quickstart --replicas 2
-    capsnet predict models/quickstart-samples/*.png --server 127.0.0.1:8001      # through nginx
+    capsnet predict models/quickstart-samples/*.png --server 127.0.0.1:8001      # gRPC through nginx
+    curl -s http://127.0.0.1:8000/v2/models/capsnet                              # REST through nginx
 
 Needs nginx (HTTP/2 and grpc_pass: Debian's nginx-light) and, unless --no-prometheus, Prometheus and PyYAML
-(the dev extra). What changes from deploy/: nginx's upstream servers and listen address (loopback ports instead
-of the `capsnet` service name), Prometheus's replica discovery (static loopback targets instead of Docker's DNS,
+(the dev extra). What changes from deploy/: nginx's upstream servers and listen addresses (loopback ports instead
+of the `capsnet` service name, for gRPC and for REST), Prometheus's replica discovery (static loopback targets instead of Docker's DNS,
 and only the capsnet job), and the paths nginx writes to (a work folder). It runs until SIGTERM or Ctrl-C,
 then stops everything; a child that dies stops the rest too (exit 1). `--ready-file` gets a JSON object of the
 addresses once every part answers, for scripts and tests.
@@ -37,15 +38,22 @@ START_TIMEOUT_S = 120  # a replica loads and warms its model up before it report
 STOP_TIMEOUT_S = 20  # the server's own grace period is 10 s
 
 
-def nginx_lb_conf(upstreams: list[str], listen: str) -> str:
-    """deploy/nginx/grpc-lb.conf with its upstream server and listen address replaced; everything else as is."""
+def nginx_lb_conf(upstreams: list[str], listen: str, rest_upstreams: list[str], rest_listen: str) -> str:
+    """deploy/nginx/grpc-lb.conf with its upstream servers and listen addresses replaced, gRPC's (`upstreams`,
+    `listen`) and REST's; everything else as is."""
     text = NGINX_LB_CONF.read_text()
-    servers = "\n    ".join(f"server {address};" for address in upstreams)
-    text, n_server = re.subn(r"server capsnet:8001;", lambda _: servers, text)
-    text, n_listen = re.subn(r"listen 8001 http2;", lambda _: f"listen {listen} http2;", text)
-    if (n_server, n_listen) != (1, 1):
-        raise SystemExit(f"{NGINX_LB_CONF} no longer has the `server capsnet:8001;` and `listen 8001 http2;` "
-                         "lines this script substitutes")
+    counts = []
+    for pattern, replacement in [
+        (r"server capsnet:8001;", "\n    ".join(f"server {address};" for address in upstreams)),
+        (r"listen 8001 http2;", f"listen {listen} http2;"),
+        (r"server capsnet:8000;", "\n    ".join(f"server {address};" for address in rest_upstreams)),
+        (r"listen 8000;", f"listen {rest_listen};"),
+    ]:
+        text, count = re.subn(pattern, lambda _: replacement, text)
+        counts.append(count)
+    if counts != [1, 1, 1, 1]:
+        raise SystemExit(f"{NGINX_LB_CONF} no longer has the `server capsnet:8001;`, `listen 8001 http2;`, "
+                         "`server capsnet:8000;` and `listen 8000;` lines this script substitutes")
     return text
 
 
@@ -179,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, type=Path, help="exported model folder (capsnet export --out)")
     parser.add_argument("--replicas", type=int, default=2, help="capsnet serve processes (default 2)")
     parser.add_argument("--port", type=int, default=8001, help="nginx's gRPC port on 127.0.0.1 (default 8001; 0: any free one)")
+    parser.add_argument("--rest-port", type=int, default=8000,
+                        help="nginx's KServe REST port on 127.0.0.1 (default 8000; 0: any free one)")
     parser.add_argument("--prometheus-port", type=int, default=9090, help="Prometheus on 127.0.0.1 (default 9090; 0: any free one)")
     parser.add_argument("--no-prometheus", action="store_true", help="replicas and load balancer only")
     parser.add_argument("--scrape-interval", help="Prometheus scrape interval, e.g. 1s (default: deploy/'s)")
@@ -228,21 +238,26 @@ def run(args: argparse.Namespace, stack: Stack, tools: dict[str, str], unclean: 
         cleanup.callback(lambda: unclean.extend(stack.stop()))
         replicas = []
         for i in range(args.replicas):
-            grpc_address, metrics_port = f"127.0.0.1:{free_port()}", free_port()
+            grpc_port, rest_port, metrics_port = free_port(), free_port(), free_port()
             threads = [] if args.threads is None else ["--threads", str(args.threads)]
             stack.start(f"replica{i}", [sys.executable, "-m", "capsnet", "serve", "--model", str(args.model),
-                                        "--host", "127.0.0.1", "--grpc-port", grpc_address.rsplit(":", 1)[1],
-                                        "--http-port", "0", "--metrics-port", str(metrics_port), *threads, *args.serve_args])
-            replicas.append({"grpc": grpc_address, "metrics": f"127.0.0.1:{metrics_port}"})
+                                        "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port",
+                                        str(rest_port), "--metrics-port", str(metrics_port), *threads, *args.serve_args])
+            replicas.append({"grpc": f"127.0.0.1:{grpc_port}", "rest": f"127.0.0.1:{rest_port}",
+                             "metrics": f"127.0.0.1:{metrics_port}"})
         for i, replica in enumerate(replicas):
             stack.wait_until(f"replica{i}", lambda: grpc_status(replica["grpc"]) == "SERVING")
 
         lb_address = f"127.0.0.1:{args.port or free_port()}"
+        rest_lb_address = f"127.0.0.1:{args.rest_port or free_port()}"
         lb_file = workdir / "grpc-lb.conf"
-        lb_file.write_text(nginx_lb_conf([r["grpc"] for r in replicas], lb_address))
+        lb_file.write_text(nginx_lb_conf([r["grpc"] for r in replicas], lb_address,
+                                         [r["rest"] for r in replicas], rest_lb_address))
         stack.start("nginx", [tools["nginx"], "-p", str(workdir), "-c", str(nginx_main_conf(workdir, lb_file))])
-        stack.wait_until("nginx", lambda: grpc_status(lb_address) == "SERVING")
-        ready = {"load_balancer": lb_address, "replicas": replicas, "workdir": str(workdir)}
+        stack.wait_until("nginx", lambda: grpc_status(lb_address) == "SERVING"
+                         and http_ok(f"http://{rest_lb_address}/v2/health/ready"))
+        ready = {"load_balancer": lb_address, "rest_load_balancer": rest_lb_address, "replicas": replicas,
+                 "workdir": str(workdir)}
 
         if not args.no_prometheus:
             import yaml
@@ -262,8 +277,10 @@ def run(args: argparse.Namespace, stack: Stack, tools: dict[str, str], unclean: 
             partial.write_text(json.dumps(ready, indent=2))
             partial.replace(args.ready_file)
         print(f"gRPC through nginx: {lb_address}", flush=True)
+        print(f"KServe REST through nginx: http://{rest_lb_address}", flush=True)
         for i, replica in enumerate(replicas):
-            print(f"replica{i}: gRPC {replica['grpc']}, metrics http://{replica['metrics']}/metrics", flush=True)
+            print(f"replica{i}: gRPC {replica['grpc']}, REST http://{replica['rest']}, "
+                  f"metrics http://{replica['metrics']}/metrics", flush=True)
         if "prometheus" in ready:
             print(f"Prometheus: {ready['prometheus']}", flush=True)
         print(f"configs and logs: {workdir}; Ctrl-C stops everything", flush=True)

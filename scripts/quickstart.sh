@@ -4,7 +4,8 @@
 #   2. deploy/prepare-model.sh: if the model folder has no exported model, trains the `paper` preset briefly on
 #      the embedded MNIST digits (progress bar) and exports it to ONNX; a re-run reuses the model;
 #   3. writes a few sample digit PNGs, prints how to send a request, and runs `capsnet serve` in the
-#      foreground (gRPC on 127.0.0.1:8001, Prometheus metrics on 127.0.0.1:8002) until Ctrl-C / SIGTERM.
+#      foreground (KServe v2 REST on 127.0.0.1:8000, gRPC on 127.0.0.1:8001, Prometheus metrics on 127.0.0.1:8002)
+#      until Ctrl-C / SIGTERM.
 #
 # Usage: bash scripts/quickstart.sh [--model-dir DIR] [--preset paper|tiny] [--epochs N] [-- capsnet serve flags]
 # Environment (the same knobs, for scripts and tests):
@@ -12,7 +13,7 @@
 #   CAPSNET_PRESET     model to train when there is none (default paper)
 #   CAPSNET_EPOCHS     training epochs (default 3)
 #   CAPSNET_VENV       environment to create or reuse (default .venv in the repository)
-#   CAPSNET_HOST, CAPSNET_GRPC_PORT, CAPSNET_METRICS_PORT   where `capsnet serve` listens
+#   CAPSNET_HOST, CAPSNET_HTTP_PORT, CAPSNET_GRPC_PORT, CAPSNET_METRICS_PORT   where `capsnet serve` listens
 set -euo pipefail
 
 quickstart_repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -55,6 +56,7 @@ fi
 
 host=${CAPSNET_HOST:-127.0.0.1}
 grpc_port=${CAPSNET_GRPC_PORT:-8001}
+http_port=${CAPSNET_HTTP_PORT:-8000}
 metrics_port=${CAPSNET_METRICS_PORT:-8002}
 # Clients dial loopback when the server listens on every interface.
 client_host=$host
@@ -63,10 +65,12 @@ venv_bin=${CAPSNET_VENV:-$quickstart_repo/.venv}/bin
 sample=$(find "$samples" -name '*.png' | sort | head -n 1)
 cat <<EOF
 
-==> serving $model_dir on $host:$grpc_port (metrics: http://$client_host:$metrics_port/metrics); Ctrl-C stops it.
+==> serving $model_dir on $host:$grpc_port (gRPC) and $host:$http_port (REST); metrics: http://$client_host:$metrics_port/metrics; Ctrl-C stops it.
     In another terminal (after: source $venv_bin/activate):
       capsnet predict $sample --server $client_host:$grpc_port
       curl -s http://$client_host:$metrics_port/metrics | grep ^capsnet_requests_total
+    KServe v2 over REST (tritonclient.http works too):
+      curl -s http://$client_host:$http_port/v2/models/capsnet
     With grpcurl (the server has reflection):
       grpcurl -plaintext $client_host:$grpc_port list
       grpcurl -plaintext $client_host:$grpc_port grpc.health.v1.Health/Check

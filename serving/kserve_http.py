@@ -205,7 +205,9 @@ class KServeHTTP:
     async def _model_infer(self, request: web.Request) -> web.Response:
         service, spec = self._service, self._service.spec
         self._check_model(request)
-        try:  # all of it, or HTTPRequestEntityTooLarge past client_max_size
+        if (request.content_length or 0) > self._max_body_bytes:  # refused before a byte of it is read
+            raise web.HTTPRequestEntityTooLarge(max_size=self._max_body_bytes, actual_size=request.content_length)
+        try:  # all of it, or HTTPRequestEntityTooLarge past client_max_size (a chunked body)
             body = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
         except asyncio.TimeoutError:  # not TimeoutError: Python 3.10's is another class
             raise web.HTTPRequestTimeout() from None

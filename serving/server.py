@@ -255,8 +255,8 @@ async def serve(config: ServerConfig) -> int:
         rest = "" if server.http_port is None else f" rest http{secure}://{_address(config.host, server.http_port)}"
         # One line on stdout that scripts (and tests, with port 0) read the bound ports from.
         print(f"capsnet serve: ready: {spec.name} {spec.version} on {spec.backend} ({spec.precision}); "
-              f"grpc{secure}://{config.host}:{server.grpc_port} metrics http://{config.host}:{server.metrics_port}/metrics"
-              f"{rest}", flush=True)
+              f"grpc{secure}://{_address(config.host, server.grpc_port)} "
+              f"metrics http://{_address(config.host, server.metrics_port)}/metrics{rest}", flush=True)
         await stopping.wait()
         log.info("shutting down: health NOT_SERVING; requests still served for %.1f s, then refused; those that "
                  "arrived before get up to %.1f s more", config.drain_window_s, config.grace_period_s)

@@ -292,6 +292,14 @@ def default_problem(flag: str, stated: str, default: object) -> str | None:
     return None if ok else f"{flag}: the table says {stated!r}, the code's default is {default!r}"
 
 
+def switch_default(action: argparse.Action, default: object) -> object:
+    """A switch's row states whether the flag is on by default, not its setting's default: `--no-http` (which sets
+    http=False) is off while http defaults to True."""
+    if action.nargs == 0 and default is not None and isinstance(action.const, bool):
+        return default == action.const
+    return default
+
+
 def flag_table_problems(path: Path, heading: str, subcommand: str, complete: bool,
                         parsers: dict[str, argparse.ArgumentParser]) -> list[str]:
     parser = parsers[subcommand]
@@ -304,7 +312,7 @@ def flag_table_problems(path: Path, heading: str, subcommand: str, complete: boo
             if flag not in options:
                 found.append(f"{path.name}:{line}: {flag} is not a flag of capsnet {subcommand}")
             elif len(flags) == 1:
-                problem = default_problem(flag, stated, defaults.get(options[flag].dest))
+                problem = default_problem(flag, stated, switch_default(options[flag], defaults.get(options[flag].dest)))
                 found += [f"{path.name}:{line}: {problem}"] if problem else []
     if complete:
         missing = sorted(set(options) - listed)
@@ -323,13 +331,15 @@ def test_the_flag_table_check_catches_drift(parsers, tmp_path):
     doc = tmp_path / "doc.md"
     rows = [f"| `{flag}` | | {value} | |" for flag, value in (
         ("--model DIR", "(required)"), ("--host", "`0.0.0.0`"), ("--grpc-port", "8001"), ("--threads", "2"),
-        ("--max-message-bytes", "from the model"), ("--no-such-flag", "1"))]
+        ("--max-message-bytes", "from the model"), ("--no-such-flag", "1"), ("--no-http", "on"))]
     doc.write_text("## Settings\n\n| flag | env | default | meaning |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
     found = flag_table_problems(doc, "## Settings", "serve", True, parsers)
-    assert found[:3] == [
+    assert found[:4] == [
         "doc.md:6: --host: the table says '`0.0.0.0`', the code's default is '127.0.0.1'",
         "doc.md:8: --threads: the table says '2', the code's default is 0",
         "doc.md:10: --no-such-flag is not a flag of capsnet serve",
+        # a switch that turns a default-on setting off is itself off by default
+        "doc.md:11: --no-http: the table says 'on', the code's default is False",
     ]
-    assert "doc.md '## Settings': capsnet serve --gpu is missing" in found[3:]
+    assert "doc.md '## Settings': capsnet serve --gpu is missing" in found[4:]
     assert not any("--grpc-port" in p or "--model " in p or "--max-message-bytes:" in p for p in found)

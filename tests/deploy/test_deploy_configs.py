@@ -53,6 +53,18 @@ def test_deploy_compose_services_and_the_files_they_use():
                 assert (REPO / source).exists(), f"{name} mounts missing {source}"
     # The load balancer's file is mounted where the nginx image's nginx.conf includes it.
     assert "./deploy/nginx/grpc-lb.conf:/etc/nginx/conf.d/default.conf:ro" in services["lb"]["volumes"]
+    # The replicas' REST and gRPC ports reach the balancer on the compose network (/metrics too, for Prometheus),
+    # and the balancer publishes both, on loopback unless CAPSNET_PUBLISH_HOST says otherwise.
+    assert {"8000", "8001", "8002"} <= set(services["capsnet"]["expose"])
+    assert {"127.0.0.1:8000:8000", "127.0.0.1:8001:8001"} <= set(compose_defaults(services["lb"]["ports"]))
+    # No two services publish the same host port (triton's 8100/8101, capsnet-gpu's 8010/8011, ...).
+    published = [port.rsplit(":", 2)[-2] for service in services.values()
+                 for port in compose_defaults(service.get("ports", []))]
+    assert len(published) == len(set(published)), published
+    # Every published port is bound to the host CAPSNET_PUBLISH_HOST names, never to every interface by default.
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            assert port.startswith("${CAPSNET_PUBLISH_HOST:-127.0.0.1}:"), (name, port)
 
 
 def test_deploy_dockerfiles_pass_hadolint_and_copy_only_what_the_context_sends():
@@ -109,14 +121,21 @@ def test_deploy_prometheus_configs_pass_promtool(tmp_path):
 def test_deploy_nginx_load_balancer_conf_passes_nginx_t(tmp_path):
     nginx = tool("nginx", "Debian package nginx-light")
     lb = tmp_path / "grpc-lb.conf"
-    lb.write_text(local_stack.nginx_lb_conf(["127.0.0.1:18001", "127.0.0.1:18002"], "127.0.0.1:18000"))
+    good = local_stack.nginx_lb_conf(["127.0.0.1:18001", "127.0.0.1:18002"], "127.0.0.1:18000",
+                                     ["127.0.0.1:18011", "127.0.0.1:18012"], "127.0.0.1:18010")
+    # Both upstreams got the replicas, both servers the loopback listen addresses; nothing points at compose's names.
+    assert "capsnet:" not in good and "listen 127.0.0.1:18000 http2;" in good and "listen 127.0.0.1:18010;" in good
+    assert "server 127.0.0.1:18012;" in good
+    lb.write_text(good)
     conf = local_stack.nginx_main_conf(tmp_path, lb)
     result = run_tool([nginx, "-t", "-p", str(tmp_path), "-c", str(conf)])
     assert "test is successful" in result.stderr
-    # nginx -t really reads the file: a broken copy fails.
-    lb.write_text(lb.read_text().replace("grpc_pass grpc://capsnet_grpc;", "grpc_pass grpc://no_such_upstream"))
-    broken = subprocess.run([nginx, "-t", "-p", str(tmp_path), "-c", str(conf)], capture_output=True, text=True, timeout=30)
-    assert broken.returncode != 0
+    # nginx -t really reads the file: a broken copy fails, on either server.
+    for upstream in ("grpc_pass grpc://capsnet_grpc;", "proxy_pass http://capsnet_rest;"):
+        lb.write_text(good.replace(upstream, upstream.replace("capsnet_", "no_such_upstream_").rstrip(";")))
+        broken = subprocess.run([nginx, "-t", "-p", str(tmp_path), "-c", str(conf)], capture_output=True, text=True,
+                                timeout=30)
+        assert broken.returncode != 0, upstream
 
 
 def test_deploy_kubernetes_manifests_validate():
@@ -129,6 +148,13 @@ def test_deploy_kubernetes_manifests_validate():
     container = kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     for probe in ("readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == 8001, probe
+    # Triton's ports, REST included, on the container and on the Service that clients dial.
+    assert {(p["name"], p["containerPort"]) for p in container["ports"]} == {("http", 8000), ("grpc", 8001),
+                                                                             ("metrics", 8002)}
+    services = {doc["metadata"]["name"]: doc for m in manifests for doc in yaml.safe_load_all(m.read_text())
+                if doc["kind"] == "Service"}
+    assert {(p["name"], p["port"]) for p in services["capsnet-serve"]["spec"]["ports"]} >= {("http", 8000),
+                                                                                          ("grpc", 8001)}
     assert kinds["HorizontalPodAutoscaler"]["spec"]["metrics"][0]["pods"]["metric"]["name"].startswith("capsnet_")
 
 

@@ -1,6 +1,7 @@
 """The docker-compose topology run natively on loopback by deploy/local_stack.py: two `capsnet serve` replicas,
-the real nginx balancing gRPC calls over them (deploy/nginx/grpc-lb.conf), the real Prometheus scraping both
-(deploy/prometheus/prometheus.yml), and the Grafana dashboard's queries evaluated by that Prometheus."""
+the real nginx balancing gRPC calls and KServe REST requests over them (deploy/nginx/grpc-lb.conf), the real
+Prometheus scraping both (deploy/prometheus/prometheus.yml), and the Grafana dashboard's queries evaluated by that
+Prometheus."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 
 import grpc
 import pytest
@@ -49,7 +52,7 @@ def stack(exported_model, tmp_path_factory):
     ready_file = workdir / "ready.json"
     log = workdir / "local_stack.log"
     args = [sys.executable, str(DEPLOY / "local_stack.py"), "--model", str(exported_model), "--replicas", "2",
-            "--port", "0", "--prometheus-port", "0", "--threads", "1", "--scrape-interval", f"{SCRAPE_INTERVAL_S}s",
+            "--port", "0", "--rest-port", "0", "--prometheus-port", "0", "--threads", "1", "--scrape-interval", f"{SCRAPE_INTERVAL_S}s",
             "--workdir", str(workdir), "--ready-file", str(ready_file)]
     with running(args, log, stop_timeout=60) as proc:
         wait_for("local_stack.py to start everything", ready_file.is_file, timeout=240, alive=proc, log=log)
@@ -103,6 +106,37 @@ def test_deploy_calls_through_nginx_reach_every_replica(stack, traffic):
     assert sum(served) >= sum(r["requests"] for r in results)
     # Round robin per call over one client channel: each replica gets about half.
     assert min(served) >= 0.25 * sum(served), f"calls per replica: {served}"
+
+
+def rest_infer(address: str, body: dict) -> tuple[int, dict]:
+    """POST a KServe v2 inference request (JSON) to /v2/models/capsnet/infer: (HTTP status, JSON answer)."""
+    request = urllib.request.Request(f"http://{address}/v2/models/capsnet/infer", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_deploy_rest_requests_through_nginx_reach_every_replica(stack):
+    """KServe v2 REST through nginx's `listen 8000` server: answered, balanced per request over the replicas (on one
+    keep-alive connection each, as urllib opens a new one anyway), and the server's own 400 passed through."""
+    _, ready, _ = stack
+    address = ready["rest_load_balancer"]
+    assert json.loads(http_get(f"http://{address}/v2/models/capsnet"))["name"] == "capsnet"
+    before = [requests_total(scrape(r["metrics"]), "kserve_http", "ModelInfer", "OK") for r in ready["replicas"]]
+    image = {"name": "images", "datatype": "UINT8", "shape": [1, 1, 28, 28], "data": [0] * 784}
+    for i in range(20):
+        status, answer = rest_infer(address, {"id": f"lb-{i}", "inputs": [image],
+                                              "outputs": [{"name": "probabilities"}]})
+        assert status == 200 and answer["id"] == f"lb-{i}", answer
+        assert answer["outputs"][0]["shape"] == [1, 10]
+    served = [requests_total(scrape(r["metrics"]), "kserve_http", "ModelInfer", "OK") - b
+              for r, b in zip(ready["replicas"], before)]
+    assert sum(served) == 20 and min(served) >= 5, f"requests per replica: {served}"
+    status, answer = rest_infer(address, {"inputs": [{**image, "shape": [1, 1, 2, 2], "data": [0] * 4}]})
+    assert status == 400 and answer["error"].startswith("inputs[0].shape: "), answer
 
 
 def test_deploy_docker_healthcheck_probe(stack):
