@@ -256,10 +256,7 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     """The JSON part of the body and the binary data after it."""
     if header_length is None:
         return body, b""
-    try:
-        length = int(header_length)
-    except ValueError:
-        length = -1
+    length = int(header_length) if header_length.isascii() and header_length.isdigit() else -1  # no sign, space or _
     if not 0 <= length <= len(body):
         raise InvalidInput(f"{BINARY_HEADER}: expected the length of the JSON part, 0 to {len(body)} bytes (the body's "
                            f"size), got {header_length[:40]!r}")
@@ -330,10 +327,13 @@ def _json_values(data, tensor: kserve.InputTensor) -> np.ndarray:
         raise InvalidInput(f"{field}: expected a flat list of {count} numbers, or lists nested as the shape "
                            f"{tensor.shape}; got lists of uneven lengths or nested too deep") from None
     kinds = "iu" if tensor.datatype == "UINT8" else "iuf"
+    expected = "integers 0..255" if tensor.datatype == "UINT8" else "numbers"
     if values.dtype.kind not in kinds or values.ndim == 0:
-        expected = "integers 0..255" if tensor.datatype == "UINT8" else "numbers"
         raise InvalidInput(f"{field}: expected a list of {expected} for datatype {tensor.datatype}, got "
                            f"{'a single value' if values.ndim == 0 else f'values of type {values.dtype.name}'}")
+    if _holds_booleans(data, values.ndim):  # numpy reads [true, 0.5] as [1.0, 0.5]
+        raise InvalidInput(f"{field}: expected a list of {expected} for datatype {tensor.datatype}, got true or false "
+                           "among them")
     if values.ndim > 1 and list(values.shape) != tensor.shape:
         raise InvalidInput(f"{field}: nested as {list(values.shape)}, expected a flat list or nesting as the shape "
                            f"{tensor.shape}")
@@ -343,6 +343,13 @@ def _json_values(data, tensor: kserve.InputTensor) -> np.ndarray:
     if tensor.datatype == "UINT8":
         kserve.check_uint8_range(values, field)
     return values.astype(tensor.dtype)
+
+
+def _holds_booleans(data: list, depth: int) -> bool:
+    """Whether JSON `data`, lists nested `depth` deep (evenly: numpy read them as an array), holds true or false."""
+    for _ in range(depth - 1):
+        data = [item for inner in data for item in inner]
+    return any(type(item) is bool for item in data)
 
 
 def _binary_outputs(names: list[str], outputs: list, parameters: Mapping) -> set[str]:

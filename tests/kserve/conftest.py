@@ -3,7 +3,9 @@ shared by all (kserve_target), and more with other settings on request (start_ks
 
 import asyncio
 import contextlib
+import sys
 import threading
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -15,6 +17,10 @@ from capsnet.kserve import grpc_service_pb2_grpc as pb_grpc
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.server import CapsNetServer
 from kserve_messages import MAX_BATCH_SIZE
+
+# The REST tests (test_kserve_http*.py) reuse the serving tests' helpers (ServerThread exposes every bound port;
+# ServeProcess, scrape, metric, wait_until): their folder is on the path only when its own tests are collected.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
 
 
 @pytest.fixture(scope="session")
@@ -77,3 +83,15 @@ def start_kserve(kserve_model_dir):
     stopped at the end of the module."""
     with contextlib.ExitStack() as stack:
         yield lambda **settings: stack.enter_context(running_server(kserve_model_dir, **settings))
+
+
+@pytest.fixture(scope="module")
+def kserve_rest(kserve_model_dir):
+    """A serving_helpers.ServerThread of the kserve model (onnxruntime, batches of MAX_BATCH_SIZE, a 0.5 ms queue
+    delay, which the model config reports): `.server.http_port` for REST, `.target` for gRPC, `.metrics_url`."""
+    from serving_helpers import ServerThread, server_config
+
+    running = ServerThread(server_config(kserve_model_dir, backend="onnxruntime", max_batch_size=MAX_BATCH_SIZE,
+                                         max_queue_delay_us=500, grace_period_s=1.0))
+    yield running
+    running.stop()
