@@ -17,20 +17,30 @@ JSON followed by the input's raw little-endian bytes (`parameters.binary_data_si
 `parameters.binary_data: true` (or all, with the request's `binary_data_output: true`) are answered the same way,
 the others as JSON `data`. Errors are `{"error": message}` with the status of their kind (HTTP_STATUSES), counted in
 the same metrics as gRPC's calls, under api="kserve_http" and the gRPC code of the same kind.
+
+Bounds against hostile clients (docs/serving.md): a body over --max-message-bytes is refused from its
+Content-Length, and the bodies being read at once share a budget; a body must arrive within BODY_TIMEOUT_S and an
+answer be taken within WRITE_TIMEOUT_S; JSON with more values than a full batch is refused before it is parsed;
+gzip and deflate bodies are inflated here, bounded, off the event loop (aiohttp's own inflating runs on the loop,
+and goes on inflating a refused body's rest).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import math
 import ssl
 import time
+import zlib
 from collections.abc import Mapping
 
 import numpy as np
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from capsnet.errors import CapsNetError
 from capsnet.serving import kserve
@@ -52,9 +62,10 @@ HTTP_STATUSES: dict[type[ServingError], int] = {
     DeadlineExceeded: 504,
     InferenceError: 500,
 }
-# Errors of HTTP itself (no route, wrong method, body too slow or over the limit) and the gRPC code they are counted
-# under.
-HTTP_ERROR_CODES = {404: "UNIMPLEMENTED", 405: "UNIMPLEMENTED", 408: "CANCELLED", 413: "RESOURCE_EXHAUSTED"}
+# Errors of HTTP itself (no route, wrong method, body too slow, over the limit or in an encoding not taken) and the
+# gRPC code they are counted under.
+HTTP_ERROR_CODES = {404: "UNIMPLEMENTED", 405: "UNIMPLEMENTED", 408: "CANCELLED", 413: "RESOURCE_EXHAUSTED",
+                    415: "INVALID_ARGUMENT"}
 BINARY_HEADER = "Inference-Header-Content-Length"
 # JSON bodies larger than this are parsed, and JSON answers this large written, in a worker thread, as gRPC's typed
 # contents are converted: about 10 ms a megabyte that every other call on the event loop would wait for.
@@ -64,6 +75,24 @@ KEEPALIVE_S = 75.0
 # A request body must have arrived this long after its headers (a full batch is about 1.7 MB): a client that sends
 # it slowly, or never, gets 408 instead of holding its request, and the shutdown waiting for it, without end.
 BODY_TIMEOUT_S = 30.0
+# An answer must have been taken by the client this long after it is ready, or the connection is closed: a client that
+# sends requests (pipelined) and never reads would otherwise hold their answers in memory without end.
+WRITE_TIMEOUT_S = 30.0
+# Request bodies being read at once hold at most this much memory together (declared sizes; a chunked body counts as
+# the limit); a request past it gets 503 at once. 1,000 connections each sending 1.6 MB of a body and stalling took the
+# server to 2 GB before.
+BODY_BUDGET_BYTES = 128 * 2 ** 20
+# What aiohttp buffers of a connection's body before it stops reading its socket (twice this), whether the body is read
+# or not: 1,000 connections stalled mid-body held 512 KiB each with aiohttp's default (256 KiB).
+READ_BUFFER_BYTES = 64 * 1024
+# Commas a request's JSON may hold beyond one per value of a full batch (its other fields). json.loads and numpy hold
+# the GIL while they read a body: 1.7 MB of `[[],[],...]` held it 300 ms, so that gRPC health checks timed out.
+JSON_FIELD_COMMAS = 1024
+# Content-Encoding of request bodies, and zlib's wbits for each: gzip's header, and zlib's (HTTP's "deflate").
+ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+# From a shutdown on, listening stops this long before the connections close: a request already on its way is
+# answered (503) on its connection rather than cut.
+LISTEN_STOP_S = 0.2
 
 
 class _ClientErrorsAsOneLine(logging.Filter):
@@ -90,7 +119,11 @@ class KServeHTTP:
         self._service = service
         self._metrics = metrics
         self._max_body_bytes = max_body_bytes
-        self._started: dict[object, float] = {}  # requests being handled -> time.monotonic() they began
+        self._started: dict[object, float] = {}  # inferences whose body is in -> time.monotonic() it arrived
+        self._body_budget = max(BODY_BUDGET_BYTES, max_body_bytes)
+        self._reading_bytes = 0  # declared sizes of the bodies being read
+        # values a request's JSON may hold: a full batch of images
+        self._max_values = service.spec.max_batch_size * math.prod(service.spec.input_shape)
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
         app = web.Application(client_max_size=max_body_bytes, middlewares=[self._middleware])
@@ -118,8 +151,9 @@ class KServeHTTP:
         """Listen on host:port (0: any free port, then in `port`); OSError when it cannot."""
         if not any(isinstance(f, _ClientErrorsAsOneLine) for f in AIOHTTP_SERVER_LOG.filters):
             AIOHTTP_SERVER_LOG.addFilter(_ClientErrorsAsOneLine())
-        self._runner = web.AppRunner(self._app, access_log=None, handler_cancellation=True,
-                                     keepalive_timeout=KEEPALIVE_S, shutdown_timeout=shutdown_timeout)
+        self._runner = web.AppRunner(self._app, access_log=None, handler_cancellation=True, auto_decompress=False,
+                                     read_bufsize=READ_BUFFER_BYTES, keepalive_timeout=KEEPALIVE_S,
+                                     shutdown_timeout=shutdown_timeout)
         await self._runner.setup()
         # SO_REUSEADDR (asyncio's default) lets a restarted server bind at once; no SO_REUSEPORT, so a port another
         # server holds is an error, as for gRPC.
@@ -132,17 +166,33 @@ class KServeHTTP:
         self.port = self._runner.addresses[0][1]
 
     async def stop(self) -> None:
-        """Stop listening and close the connections: requests still running get up to the shutdown timeout."""
+        """Stop listening, then close the connections: requests still running get up to the shutdown timeout."""
         if self._runner is not None:
             runner, self._runner = self._runner, None
+            for site in list(runner.sites):
+                await site.stop()
+            if runner.server is not None:  # started: let requests already sent on open connections be answered
+                await asyncio.sleep(LISTEN_STOP_S)
             await runner.cleanup()
 
     def busy_before(self, moment: float) -> bool:
-        """Whether a request that began before `moment` (time.monotonic()) is still being handled."""
+        """Whether an inference whose body arrived before `moment` (time.monotonic()) is still being handled. One
+        whose body is still arriving is not waited for: it arrives after the refusals began, and is refused."""
         return any(started < moment for started in self._started.values())
 
     def requests_in_flight(self) -> int:
+        """Inferences being handled (as gRPC's in-flight RPCs, health probes aside)."""
         return len(self._started)
+
+    @contextlib.contextmanager
+    def _handling(self):
+        """An inference counted in flight (and waited for by a shutdown) from now on; yields its arrival time."""
+        key, arrival = object(), time.monotonic()
+        self._started[key] = arrival
+        try:
+            yield arrival
+        finally:
+            del self._started[key]
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
@@ -150,32 +200,38 @@ class KServeHTTP:
         errors are HTTP-shaped."""
         started = time.monotonic()
         rpc = self._rpc_of.get(handler, "unknown")
-        key = object()  # this request, among those being handled
-        self._started[key] = started
         code = "OK"
-        try:
-            return await handler(request)
+        try:  # counted once the answer is ready, before it is sent, as gRPC's interceptor counts a call
+            response = await handler(request)
         except ServingError as err:
             code = STATUS_CODES[type(err)].name
-            return _error(HTTP_STATUSES[type(err)], err.message)
-        except web.HTTPException as err:  # from aiohttp: no such route or method, body over client_max_size
+            response = _error(HTTP_STATUSES[type(err)], err.message)
+        except web.HTTPException as err:  # from aiohttp (no such route or method) or ours (body refused)
             code = HTTP_ERROR_CODES.get(err.status, "INVALID_ARGUMENT")
-            message = {413: f"the request body exceeds the server's limit of {self._max_body_bytes} bytes "
-                            "(--max-message-bytes); send fewer images per request, or their data in binary",
-                       408: f"the request body did not arrive within {BODY_TIMEOUT_S:g} s of its headers"
-                       }.get(err.status, f"{request.method} {request.path}: {err.reason}")
-            return _error(err.status, message, headers={"Allow": err.headers["Allow"]} if "Allow" in err.headers else None)
+            allow = {"Allow": err.headers["Allow"]} if "Allow" in err.headers else None
+            response = _error(err.status, err.text if err.status in (408, 413, 415)
+                              else f"{request.method} {request.path}: {err.reason}", headers=allow)
         except asyncio.CancelledError:  # the client closed the connection
             code = "CANCELLED"
             raise
+        except ConnectionError:  # the client closed the connection mid-upload: no one to answer
+            code = "CANCELLED"
+            return web.Response(status=499)  # aiohttp finds the connection closed and sends nothing
         except Exception:
             code = "UNKNOWN"
             log.exception("%s %s failed", request.method, request.path)
-            return _error(500, "internal server error (logged by the server)")
+            response = _error(500, "internal server error (logged by the server)")
         finally:
-            del self._started[key]
             self._metrics.requests.labels(API, rpc, code).inc()
             self._metrics.request_duration.labels(API, rpc).observe(time.monotonic() - started)
+        if not self._service.ready:  # shutting down (or warming up): the client reconnects, maybe elsewhere
+            response.force_close()
+        try:
+            await asyncio.wait_for(_send(request, response), WRITE_TIMEOUT_S)
+        except (ConnectionError, asyncio.TimeoutError):  # the client left, or does not read its answer (held no longer)
+            if request.transport is not None:
+                request.transport.abort()
+        return response
 
     async def _server_live(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -203,17 +259,55 @@ class KServeHTTP:
         return web.json_response(kserve.model_config(self._service))
 
     async def _model_infer(self, request: web.Request) -> web.Response:
-        service, spec = self._service, self._service.spec
         self._check_model(request)
-        if (request.content_length or 0) > self._max_body_bytes:  # refused before a byte of it is read
-            raise web.HTTPRequestEntityTooLarge(max_size=self._max_body_bytes, actual_size=request.content_length)
+        body = await self._read_body(request)
+        with self._handling() as arrival:
+            return await self._infer(request, body, arrival)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The request's body, inflated; refused (413) from its declared size before a byte is read when that is over
+        the limit, and at once (503) when the bodies being read would take more than their budget."""
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("identity", *ENCODINGS):
+            raise web.HTTPUnsupportedMediaType(text=f"Content-Encoding {encoding[:40]!r} is not taken; send the body "
+                                                    f"as is, or as {' or '.join(ENCODINGS)}")
+        too_large = web.HTTPRequestEntityTooLarge(
+            max_size=self._max_body_bytes, actual_size=request.content_length or 0,
+            text=f"the request body exceeds the server's limit of {self._max_body_bytes} bytes (--max-message-bytes); "
+                 "send fewer images per request, or their data in binary")
+        if (request.content_length or 0) > self._max_body_bytes:
+            raise too_large
+        reserved = self._max_body_bytes if request.content_length is None else request.content_length
+        if self._reading_bytes + reserved > self._body_budget:
+            raise QueueFull(f"too many request bodies are arriving at once ({self._reading_bytes} bytes of at most "
+                            f"{self._body_budget}); retry shortly, or on another replica")
+        self._reading_bytes += reserved
         try:  # all of it, or HTTPRequestEntityTooLarge past client_max_size (a chunked body)
             body = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
         except asyncio.TimeoutError:  # not TimeoutError: Python 3.10's is another class
-            raise web.HTTPRequestTimeout() from None
-        arrival = time.monotonic()
+            raise web.HTTPRequestTimeout(text=f"the request body did not arrive within {BODY_TIMEOUT_S:g} s of its "
+                                              "headers") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
+        except RequestPayloadError as err:  # a malformed chunked body
+            raise InvalidInput(f"request body: {err}") from None
+        finally:
+            self._reading_bytes -= reserved
+        if encoding == "identity":
+            return body
+        inflated = await asyncio.to_thread(_inflate, body, encoding, self._max_body_bytes)
+        if inflated is None:
+            raise too_large
+        return inflated
+
+    async def _infer(self, request: web.Request, body: bytes, arrival: float) -> web.Response:
+        service, spec = self._service, self._service.spec
         service.check_arrival(arrival)
         header, binary = _split_body(body, request.headers.get(BINARY_HEADER))
+        if (commas := header.count(b",")) > self._max_values + JSON_FIELD_COMMAS:
+            raise InvalidInput(f"request body: the JSON holds {commas} commas, more than a full batch of "
+                               f"{spec.max_batch_size} images has values ({self._max_values}); send fewer images "
+                               "per request, or their data in binary")
         document = await _in_a_thread_if_large(len(header), _parse_json, header)
         inputs, outputs, parameters = _request_fields(document)
         tensor, given = _input_tensor(spec, inputs)
@@ -239,6 +333,26 @@ class KServeHTTP:
         size = sum(arrays[name].size for name in names if name not in binary_outputs) * 20  # JSON: ~20 bytes a value
         return await _in_a_thread_if_large(size, _response, answer, {name: arrays[name] for name in names},
                                            binary_outputs)
+
+
+async def _send(request: web.Request, response: web.StreamResponse) -> None:
+    """Write the answer now (aiohttp would after the handler, without a time limit)."""
+    await response.prepare(request)
+    await response.write_eof()
+
+
+def _inflate(body: bytes, encoding: str, limit: int) -> bytes | None:
+    """A gzip or deflate body inflated; None when it inflates to more than `limit` bytes (read no further)."""
+    inflater = zlib.decompressobj(ENCODINGS[encoding])
+    try:
+        inflated = inflater.decompress(body, limit + 1)
+    except zlib.error as err:
+        raise InvalidInput(f"request body: not valid {encoding} data ({err})") from None
+    if len(inflated) > limit:
+        return None
+    if not inflater.eof or inflater.unused_data:
+        raise InvalidInput(f"request body: not one complete {encoding} stream")
+    return inflated
 
 
 async def _in_a_thread_if_large(size: int, function, *args):
@@ -291,10 +405,10 @@ def _input_tensor(spec, inputs: list) -> tuple[kserve.InputTensor, object]:
     first = inputs[0] if len(inputs) == 1 else {}
     shape = _typed(first.get("shape", []), list, "inputs[0].shape", "a list of integers")
     if not all(isinstance(size, int) and not isinstance(size, bool) for size in shape):
-        raise InvalidInput(f"inputs[0].shape: expected a list of integers, got {json.dumps(shape)[:200]}")
+        raise InvalidInput(f"inputs[0].shape: expected a list of integers, got {_describe(shape)}")
     datatype = first.get("datatype")
     tensor = kserve.check_input(spec, [_name(tensor, f"inputs[{index}]") for index, tensor in enumerate(inputs)],
-                                first.get("name"), datatype if isinstance(datatype, str) else json.dumps(datatype), shape)
+                                first.get("name"), datatype if isinstance(datatype, str) else _describe(datatype), shape)
     parameters = _typed(first.get("parameters", {}), dict, "inputs[0].parameters", "an object")
     kserve.refuse_parameters(parameters, "inputs[0]", output=False,
                              data_where="inputs[0].data or after the JSON (binary_data_size)")
@@ -329,8 +443,9 @@ def _json_values(data, tensor: kserve.InputTensor) -> np.ndarray:
     kinds = "iu" if tensor.datatype == "UINT8" else "iuf"
     expected = "integers 0..255" if tensor.datatype == "UINT8" else "numbers"
     if values.dtype.kind not in kinds or values.ndim == 0:
+        kind = {"U": "str", "S": "str", "O": "object"}.get(values.dtype.kind, values.dtype.name)  # not str672
         raise InvalidInput(f"{field}: expected a list of {expected} for datatype {tensor.datatype}, got "
-                           f"{'a single value' if values.ndim == 0 else f'values of type {values.dtype.name}'}")
+                           f"{'a single value' if values.ndim == 0 else f'values of type {kind}'}")
     if _holds_booleans(data, values.ndim):  # numpy reads [true, 0.5] as [1.0, 0.5]
         raise InvalidInput(f"{field}: expected a list of {expected} for datatype {tensor.datatype}, got true or false "
                            "among them")
@@ -390,6 +505,15 @@ def _typed(value, kind: type, field: str, expected: str):
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise InvalidInput(f"{field}: expected {expected}, got {_json_type(value)}")
     return value
+
+
+def _describe(value) -> str:
+    """A JSON value for a message: as it is (cut) unless it nests lists or objects, which go by their type (their JSON
+    could be deeper than the interpreter's recursion limit)."""
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    if any(isinstance(item, (list, dict)) for item in items):
+        return f"{_json_type(value)} of nested values"
+    return json.dumps(value)[:200]
 
 
 def _json_type(value) -> str:

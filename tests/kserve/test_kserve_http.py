@@ -276,6 +276,7 @@ def test_readiness_is_400_while_draining_yet_requests_are_still_answered(kserve_
     try:
         port = server.http_port
         assert call(port, "GET", "/v2/health/ready")[:3:2] == (200, b"")
+        assert call(port, "GET", "/v2/health/live")[1].get("Connection") != "close"  # kept alive while serving
         stopping = asyncio.run_coroutine_threadsafe(server.stop(), running.loop)  # waits out the drain window
         wait_until(lambda: call(port, "GET", "/v2/health/ready")[0] != 200)
         for path in ("/v2/health/ready", "/v2/models/capsnet/ready"):
@@ -284,6 +285,7 @@ def test_readiness_is_400_while_draining_yet_requests_are_still_answered(kserve_
         batch = images(1, seed=27)
         status, headers, body = call(port, "POST", "/v2/models/capsnet/infer", *infer_body(batch))
         assert status == 200, body  # balancers may not have noticed yet: still served
+        assert headers["Connection"] == "close"  # but the client reconnects for the next, maybe to another replica
         assert_equal_outputs(read_answer(headers, body)[1], run_onnx(batch))
         assert not stopping.done()
     finally:

@@ -3,6 +3,7 @@ its HTTP status and a JSON {"error": ...} naming the field, counted, and the ser
 correctly right after."""
 
 import copy
+import gzip
 import http.client
 import json
 
@@ -17,6 +18,12 @@ INFER = "/v2/models/capsnet/infer"
 GOOD = images(2, seed=41)  # (2, 1, 28, 28)
 COUNT = GOOD.size  # 1568 values
 RAW = GOOD.astype("<f4").tobytes()  # 6272 bytes
+
+
+IMAGE_VALUES = COUNT // len(GOOD)  # 784
+# Empty lists, one more than a full batch's values and the fields' allowance of commas: refused before parsing.
+MANY_LISTS = (b'{"inputs": [{"name": "images", "datatype": "FP32", "shape": [1, 1, 28, 28], "data": ['
+              + b",".join([b"[]"] * (MAX_BATCH_SIZE * IMAGE_VALUES + 1024 + 1)) + b"]}]}")
 
 
 def call(port: int, body: bytes, headers=None, path: str = INFER):
@@ -179,6 +186,24 @@ CASES = [
     ("binary-data-output-not-a-bool", changed(lambda d: d.update(parameters={"binary_data_output": 1})), 400,
      "parameters.binary_data_output: expected true or false, got a number"),
     ("id-not-a-string", changed(lambda d: d.update(id=7)), 400, "id: expected a string, got a number"),
+    # More values than a full batch holds are refused before the JSON is parsed (parsing holds the GIL)
+    ("more-json-values-than-a-full-batch", (MANY_LISTS, {}), 400,
+     f"request body: the JSON holds {MANY_LISTS.count(b',')} commas, more than a full batch of {MAX_BATCH_SIZE} "
+     f"images has values ({MAX_BATCH_SIZE * IMAGE_VALUES}); send fewer images per request, or their data in binary"),
+    # values nested deeper than the interpreter could print back
+    ("shape-nested", with_input(shape=[[[[1]]]]), 400,
+     "inputs[0].shape: expected a list of integers, got a list of nested values"),
+    ("datatype-nested", with_input(datatype={"a": [1]}), 400,
+     "inputs[0].datatype: expected one of FP32, UINT8, got 'an object of nested values'"),
+    # compressed bodies
+    ("gzip-garbage", (b"garbage", {"Content-Encoding": "gzip"}), 400,
+     ("request body: not valid gzip data (",)),
+    ("gzip-truncated", (gzip.compress(changed(lambda d: None)[0])[:-8], {"Content-Encoding": "gzip"}), 400,
+     "request body: not one complete gzip stream"),
+    ("deflate-garbage", (b"garbage", {"Content-Encoding": "deflate"}), 400,
+     ("request body: not valid deflate data (",)),
+    ("encoding-not-taken", (b"{}", {"Content-Encoding": "br"}), 415,
+     "Content-Encoding 'br' is not taken; send the body as is, or as gzip or deflate"),
     # JSON true and false are not numbers (a list of them only is refused), even among numbers
     ("fp32-true-among-numbers", with_data([True] + GOOD.ravel().tolist()[1:]), 400,
      "inputs[0].data: expected a list of numbers for datatype FP32, got true or false among them"),
