@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import collections
 import http.client
-import json
 import platform
 import re
 import signal
@@ -70,11 +69,8 @@ def refused_request(mebibytes: int) -> kserve_pb.ModelInferRequest:
 
 
 def rest_request(count: int) -> tuple[bytes, dict]:
-    """A REST ModelInfer of `count` images with Triton's binary data, as tritonclient.http sends it."""
-    data = bytes(count * 28 * 28 * 4)
-    header = json.dumps({"inputs": [{"name": "images", "datatype": "FP32", "shape": [count, 1, 28, 28],
-                                     "parameters": {"binary_data_size": len(data)}}]}).encode()
-    return header + data, {"Inference-Header-Content-Length": str(len(header))}
+    """A REST ModelInfer of `count` blank 1x28x28 images with Triton's binary data, as tritonclient.http sends it."""
+    return loadgen.rest_infer_request(np.zeros((count, 1, 28, 28), np.float32), "images")
 
 
 def grpc_client(target: str, mebibytes: int, codes: collections.Counter, stop: float) -> None:

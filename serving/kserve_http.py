@@ -40,7 +40,6 @@ from collections.abc import Mapping
 import numpy as np
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
 
 from capsnet.errors import CapsNetError
 from capsnet.serving import kserve
@@ -95,9 +94,10 @@ ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 LISTEN_STOP_S = 0.2
 
 
-class _ClientErrorsAsOneLine(logging.Filter):
+class ClientErrorsAsOneLine(logging.Filter):
     """aiohttp logs an ERROR with a traceback for a request it cannot parse (a header line over 8 KiB, a bad
-    Content-Length, ...), which it answers 400 itself: a client's mistake, one WARNING line like gRPC's."""
+    Content-Length, ...), which it answers 400 itself: a client's mistake, one WARNING line like gRPC's (the server
+    installs it)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
@@ -149,8 +149,6 @@ class KServeHTTP:
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None, shutdown_timeout: float) -> None:
         """Listen on host:port (0: any free port, then in `port`); OSError when it cannot."""
-        if not any(isinstance(f, _ClientErrorsAsOneLine) for f in AIOHTTP_SERVER_LOG.filters):
-            AIOHTTP_SERVER_LOG.addFilter(_ClientErrorsAsOneLine())
         self._runner = web.AppRunner(self._app, access_log=None, handler_cancellation=True, auto_decompress=False,
                                      read_bufsize=READ_BUFFER_BYTES, keepalive_timeout=KEEPALIVE_S,
                                      shutdown_timeout=shutdown_timeout)
@@ -271,12 +269,8 @@ class KServeHTTP:
         if encoding not in ("identity", *ENCODINGS):
             raise web.HTTPUnsupportedMediaType(text=f"Content-Encoding {encoding[:40]!r} is not taken; send the body "
                                                     f"as is, or as {' or '.join(ENCODINGS)}")
-        too_large = web.HTTPRequestEntityTooLarge(
-            max_size=self._max_body_bytes, actual_size=request.content_length or 0,
-            text=f"the request body exceeds the server's limit of {self._max_body_bytes} bytes (--max-message-bytes); "
-                 "send fewer images per request, or their data in binary")
         if (request.content_length or 0) > self._max_body_bytes:
-            raise too_large
+            raise self._too_large()
         reserved = self._max_body_bytes if request.content_length is None else request.content_length
         if self._reading_bytes + reserved > self._body_budget:
             raise QueueFull(f"too many request bodies are arriving at once ({self._reading_bytes} bytes of at most "
@@ -288,8 +282,8 @@ class KServeHTTP:
             raise web.HTTPRequestTimeout(text=f"the request body did not arrive within {BODY_TIMEOUT_S:g} s of its "
                                               "headers") from None
         except web.HTTPRequestEntityTooLarge:
-            raise too_large from None
-        except RequestPayloadError as err:  # a malformed chunked body
+            raise self._too_large() from None
+        except web.RequestPayloadError as err:  # a malformed chunked body
             raise InvalidInput(f"request body: {err}") from None
         finally:
             self._reading_bytes -= reserved
@@ -297,8 +291,14 @@ class KServeHTTP:
             return body
         inflated = await asyncio.to_thread(_inflate, body, encoding, self._max_body_bytes)
         if inflated is None:
-            raise too_large
+            raise self._too_large()
         return inflated
+
+    def _too_large(self) -> web.HTTPRequestEntityTooLarge:
+        return web.HTTPRequestEntityTooLarge(
+            max_size=self._max_body_bytes, actual_size=0,  # only its text is answered (the middleware)
+            text=f"the request body exceeds the server's limit of {self._max_body_bytes} bytes (--max-message-bytes); "
+                 "send fewer images per request, or their data in binary")
 
     async def _infer(self, request: web.Request, body: bytes, arrival: float) -> web.Response:
         service, spec = self._service, self._service.spec

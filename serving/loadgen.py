@@ -118,6 +118,17 @@ async def _model_infer(target: str, credentials, batches: list[np.ndarray], mode
         yield requests, _grpc_send(kserve_pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer)
 
 
+def rest_infer_request(batch: np.ndarray, input_name: str) -> tuple[bytes, dict[str, str]]:
+    """A KServe REST infer body and its headers, as tritonclient.http sends them: the JSON, then the batch's raw FP32
+    bytes (Triton's binary data extension), every output asked back in binary."""
+    data = np.ascontiguousarray(batch, dtype="<f4").tobytes()
+    header = json.dumps({"inputs": [{"name": input_name, "datatype": "FP32", "shape": list(batch.shape),
+                                     "parameters": {"binary_data_size": len(data)}}],
+                         "parameters": {"binary_data_output": True}}).encode()
+    return header + data, {"Inference-Header-Content-Length": str(len(header)),
+                           "Content-Type": "application/octet-stream"}
+
+
 @contextlib.asynccontextmanager
 async def _http_model_infer(target: str, credentials, batches: list[np.ndarray], model_name: str, input_name: str):
     """KServe v2 over HTTP/REST, as tritonclient.http sends it: JSON then the raw FP32 bytes (Triton's binary data
@@ -125,14 +136,7 @@ async def _http_model_infer(target: str, credentials, batches: list[np.ndarray],
     _check_kserve_names(model_name, input_name)
     if credentials is not None:
         raise ValueError("REST load is plain HTTP")
-    requests = []
-    for batch in batches:
-        data = np.ascontiguousarray(batch, dtype="<f4").tobytes()
-        header = json.dumps({"inputs": [{"name": input_name, "datatype": "FP32", "shape": list(batch.shape),
-                                         "parameters": {"binary_data_size": len(data)}}],
-                             "parameters": {"binary_data_output": True}}).encode()
-        requests.append((header + data, {"Inference-Header-Content-Length": str(len(header)),
-                                         "Content-Type": "application/octet-stream"}))
+    requests = [rest_infer_request(batch, input_name) for batch in batches]
     url = f"http://{target}/v2/models/{model_name}/infer"
     # Pooled, kept-alive connections: as many as clients wait at once.
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),

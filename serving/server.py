@@ -125,8 +125,11 @@ class CapsNetServer:
                                f"gRPC's limit of {GRPC_INT_MAX}: lower them, or set --max-message-bytes")
         self._interceptor = RequestInterceptor(self.metrics, self.max_message_bytes)
         self.metrics.inflight.set_function(self._requests_in_flight)
-        if not any(isinstance(f, _CallEndedFirst) for f in GRPC_CORE_LOG.filters):
-            GRPC_CORE_LOG.addFilter(_CallEndedFirst())
+        # Clients' mistakes logged by gRPC and aiohttp as tracebacks become one line; once per process (loggers are).
+        quieted = [(GRPC_CORE_LOG, _CallEndedFirst), (kserve_http.AIOHTTP_SERVER_LOG, kserve_http.ClientErrorsAsOneLine)]
+        for logger, filter_type in quieted:
+            if not any(isinstance(f, filter_type) for f in logger.filters):
+                logger.addFilter(filter_type())
         self._grpc = grpc.aio.server(
             interceptors=[self._interceptor],
             options=[("grpc.max_receive_message_length", self.max_message_bytes),

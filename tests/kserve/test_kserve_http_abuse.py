@@ -139,3 +139,16 @@ def test_answers_a_client_does_not_read_are_dropped_after_the_write_timeout(kser
     assert 0 < received.count(b"HTTP/1.1 200 OK") < requests
     status, good = answer(port, infer_json(1, seed=75))  # the server carries on
     assert status == 200, good
+
+
+def test_a_request_aiohttp_cannot_parse_is_one_warning_line(port, caplog):
+    """aiohttp answers a header line over 8 KiB with 400 itself and logs an ERROR traceback: the server makes that one
+    WARNING line, as a client's mistake."""
+    with caplog.at_level(logging.WARNING, logger="aiohttp.server"):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+            client.sendall(b"GET /v2 HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 20_000 + b"\r\n\r\n")
+            assert client.recv(100).startswith(b"HTTP/1.0 400 Bad Request")
+        wait_until(lambda: any(record.name == "aiohttp.server" for record in caplog.records))
+    [record] = [record for record in caplog.records if record.name == "aiohttp.server"]
+    assert (record.levelname, record.exc_info) == ("WARNING", None)
+    assert record.getMessage().startswith("Error handling request from 127.0.0.1, answered 400: Got more than 8190")
