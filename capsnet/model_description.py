@@ -23,7 +23,8 @@ from capsnet.errors import CapsNetError
 SIDECAR_NAME = "model.json"
 FORMAT_NAME = "capsnet-model"
 # 2: file hashes, the self-check reference set, the INT8 gate's data and CPU, the FP16 gate
-FORMAT_VERSION = 2
+# 3: AOTInductor packages; one precision gate for INT8, FP16 and BF16, measured per model (`precision_gate`)
+FORMAT_VERSION = 3
 MODEL_NAME = "capsnet"
 MODEL_VERSION = "1"
 INPUT_NAME = "images"
@@ -42,6 +43,102 @@ ONNX_KEYS = {"fp32": "onnx", "fp16": "onnx_fp16", "int8": "onnx_int8"}
 ARTIFACT_KEYS = ("onnx", "onnx_int8", "onnx_fp16", "tensorrt", "checkpoint", "reference")
 # model.plan.json: what the engine was built for (TensorRT rejects a plan from another GPU or version)
 PLAN_INFO_KEYS = ("tensorrt_version", "gpu_name", "compute_capability", "precision", "min_batch", "opt_batch", "max_batch")
+# AOTInductor packages: one per device kind and precision; CPU ones are fp32, CUDA ones fp32, fp16 or bf16
+AOTI_DEVICES = ("cpu", "cuda")
+AOTI_PRECISIONS = {"cpu": ("fp32",), "cuda": ("fp32", "fp16", "bf16")}
+
+
+def aoti_name(device: str, precision: str) -> str:
+    return f"model.{device}.{precision}.pt2"
+
+
+# The precision gate: ONE criterion for every reduced precision (INT8, FP16, BF16), used by export and by the
+# server's self-check. Export accepts a variant whose top-1 accuracy on the model's own test split is at most the
+# export's --max-accuracy-drop below FP32's, and records what the variant does on the 128 reference images: the
+# share with FP32's class and the largest |difference| of the probabilities. A server accepts that variant only
+# where it reproduces both on the same images within these margins. Near-ties that changed class at export change
+# again and pass; a kernel that saturates, a damaged file or a wrong conversion moves them by far more.
+GATE_AGREEMENT_SLACK_IMAGES = 2  # reference images that may change class beyond those export saw change
+GATE_DIFF_FACTOR = 2.0  # the max |diff| may be this multiple of export's ...
+GATE_DIFF_SLACK = 1e-3  # ... plus this, so that a variant export saw almost exact is not held to rounding noise
+# Export's bound on the max |diff| (fp16/bf16: of every output; int8: of the probabilities, as quantisation moves
+# poses more), far above what sound variants measured (INT8 5e-3 and FP16 3e-4 on the trained tiny model, BF16
+# convolutions 1.2e-3 on the trained paper model): a conversion bug that keeps the accuracy but moves the outputs is
+# not recorded as the model's behaviour.
+GATE_MAX_DIFF = {"int8": 0.1, "fp16": 1e-2, "bf16": 2e-2}
+# The variants gated, by what computes them: ONNX Runtime's INT8/FP16 graphs (also what TensorRT builds from), and
+# the checkpoint with its convolutions in fp16/bf16 (the torch backend and the AOTInductor packages).
+GATE_VARIANTS = ("onnx_int8", "onnx_fp16", "torch_fp16", "torch_bf16")
+GATE_KEYS = ("precision", "computed_by", "accuracy_fp32", "accuracy", "accuracy_change_points", "max_drop_points",
+             "test_images", "argmax_agreement", "max_abs_diff", "bounded_diff", "reference_images", "measured_on")
+
+
+def gate_variant(backend: str, precision: str) -> str | None:
+    """The gate entry that a backend serving `precision` answers to (None: fp32, held to the FP32 parity)."""
+    if precision == "fp32":
+        return None
+    return f"{'torch' if backend in ('torch', 'aoti') else 'onnx'}_{precision}"
+
+
+@dataclass(frozen=True)
+class PrecisionGate:
+    """What export measured for one reduced-precision variant, and the bounds a server must then meet."""
+
+    precision: str  # "int8" | "fp16" | "bf16"
+    computed_by: str  # what ran it at export, e.g. "onnxruntime model.int8.onnx on AMD EPYC [avx2 fma]"
+    accuracy_fp32: float  # top-1 on the test split
+    accuracy: float
+    accuracy_change_points: float
+    max_drop_points: float
+    test_images: int
+    argmax_agreement: float  # on the reference images: share with FP32's class
+    max_abs_diff: float  # on the reference images: probabilities against FP32
+    bounded_diff: float  # what GATE_MAX_DIFF bounds: fp16/bf16 every output's max |diff|, int8 the probabilities'
+    reference_images: int
+    measured_on: str  # the CPU (or GPU) that measured it
+
+    @property
+    def accepted(self) -> bool:
+        """The export half of the criterion: accuracy kept within max_drop_points, and finite outputs."""
+        return -self.accuracy_change_points <= self.max_drop_points and self.bounded_diff <= GATE_MAX_DIFF[self.precision]
+
+    def refusal(self) -> str:
+        """Why export did not accept this variant."""
+        if not math.isfinite(self.bounded_diff):
+            return f"NaN or infinity in its outputs ({self.computed_by})"
+        if -self.accuracy_change_points <= self.max_drop_points:
+            what = "probabilities" if self.precision == "int8" else "outputs"
+            return (f"{self.computed_by}: max |diff| of its {what} {self.bounded_diff:.2e} against FP32 on "
+                    f"{self.reference_images} reference images, more than {GATE_MAX_DIFF[self.precision]:g}")
+        return (f"{self.computed_by} on {self.test_images} test images: accuracy {self.accuracy_fp32:.2%} -> "
+                f"{self.accuracy:.2%} ({self.accuracy_change_points:+.2f} points), more than --max-accuracy-drop "
+                f"{self.max_drop_points:g}")
+
+    @property
+    def least_agreement(self) -> float:
+        return max(0.0, self.argmax_agreement - GATE_AGREEMENT_SLACK_IMAGES / self.reference_images)
+
+    @property
+    def most_diff(self) -> float:
+        return GATE_DIFF_FACTOR * self.max_abs_diff + GATE_DIFF_SLACK
+
+    def describe_bounds(self) -> str:
+        return (f"export measured {self.argmax_agreement:.1%} and {self.max_abs_diff:.2e} on {self.measured_on}; "
+                f"allowed: {GATE_AGREEMENT_SLACK_IMAGES} more images of {self.reference_images} changing class, "
+                f"{GATE_DIFF_FACTOR:g}x the difference + {GATE_DIFF_SLACK:g}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in GATE_KEYS}
+
+
+def gate_criterion() -> dict[str, Any]:
+    """model.json's statement of the criterion its gate entries were measured for."""
+    return {"accuracy": "top-1 on the test split at most max_drop_points below FP32's (export)",
+            "max_abs_diff": GATE_MAX_DIFF,
+            "reproduced": "on the reference images: same-class share >= export's less agreement_slack_images, "
+                          "max |diff| of probabilities <= diff_factor x export's + diff_slack (every load)",
+            "agreement_slack_images": GATE_AGREEMENT_SLACK_IMAGES, "diff_factor": GATE_DIFF_FACTOR,
+            "diff_slack": GATE_DIFF_SLACK}
 
 
 def output_names(reconstruction: bool) -> tuple[str, ...]:
@@ -54,6 +151,33 @@ def file_sha256(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+AOTI_KEYS = ("file", "device", "precision", "torch_version", "min_batch", "max_batch", "built_on", "compute_capability",
+             "parity")
+
+
+@dataclass(frozen=True)
+class AotiPackage:
+    """One AOTInductor package (torch._inductor.aoti_compile_and_package): compiled for one device kind, precision and
+    torch version, for batches of min_batch to max_batch images."""
+
+    file: str
+    device: str  # "cpu" | "cuda"
+    precision: str
+    torch_version: str  # the torch that compiled it; another one is refused
+    min_batch: int
+    max_batch: int
+    built_on: str  # the GPU's name, or the CPU's description
+    compute_capability: str | None  # CUDA: "major.minor" of the GPU it was compiled for
+    parity: dict  # against eager PyTorch FP32 (fp32), or the precision gate's figures (fp16, bf16)
+
+    def describe(self) -> str:
+        where = f"{self.device} ({self.built_on}{f', sm {self.compute_capability}' if self.compute_capability else ''})"
+        return f"{self.file}: {where} {self.precision}, batch {self.min_batch}-{self.max_batch}, torch {self.torch_version}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in AOTI_KEYS}
 
 
 @dataclass(frozen=True)
@@ -72,9 +196,10 @@ class ModelDescription:
     sha256: dict[str, str] = field(default_factory=dict)  # file name -> digest, for every listed file
     training_metrics: dict = field(default_factory=dict)
     reference_set: dict | None = None  # {"images", "dataset", "split"} of reference.npz
-    int8: dict | None = None  # the INT8 accuracy gate: data, CPU, scheme, accuracies
-    fp16: dict | None = None  # the FP16 gate: tolerances and what was measured
+    int8: dict | None = None  # how the INT8 model was made: calibration, scheme, the CPU that quantised it
     parity: dict = field(default_factory=dict)  # exported graphs against their reference
+    precision_gate: dict[str, PrecisionGate] = field(default_factory=dict)  # GATE_VARIANTS -> what export measured
+    aoti: tuple[AotiPackage, ...] = ()  # AOTInductor packages
 
     @property
     def output_names(self) -> tuple[str, ...]:
@@ -105,8 +230,10 @@ class ModelDescription:
             "reference_set": self.reference_set,
             "training_metrics": self.training_metrics,
             "int8": self.int8,
-            "fp16": self.fp16,
             "parity": self.parity,
+            "precision_gate": {"criterion": gate_criterion(),
+                               "variants": {name: gate.to_json() for name, gate in self.precision_gate.items()}},
+            "aoti": [package.to_json() for package in self.aoti],
         }
         if not with_hashes:
             del values["sha256"]
@@ -156,10 +283,12 @@ class ModelDescription:
             if not artifacts.get(key):
                 raise reader.fail(f"artifacts.{key} is not set")
         sha256 = reader.get(values, "sha256", dict)
-        unhashed = [name for name in artifacts.values() if name and not isinstance(sha256.get(name), str)]
+        aoti = reader.aoti(values)
+        listed = [*(name for name in artifacts.values() if name), *(package.file for package in aoti)]
+        unhashed = [name for name in listed if not isinstance(sha256.get(name), str)]
         if unhashed:
             raise reader.fail(f"sha256 has no digest for {', '.join(unhashed)}")
-        optional = {key: reader.get(values, key, (dict, type(None))) for key in ("reference_set", "int8", "fp16")}
+        optional = {key: reader.get(values, key, (dict, type(None))) for key in ("reference_set", "int8")}
         # informational, and absent from older exports, but served in GetModelInfo: objects or nothing
         extra = {key: dict(reader.get(values, key, (dict, type(None))) or {}) if key in values else {}
                  for key in ("training_metrics", "parity")}
@@ -176,6 +305,8 @@ class ModelDescription:
             exporter_version=str(values.get("exporter_version", "")),
             created=str(values.get("created", "")),
             sha256=dict(sha256),
+            precision_gate=reader.precision_gate(values),
+            aoti=aoti,
             **extra,
             **optional,
         )
@@ -240,6 +371,54 @@ class _Reader:
                 if isinstance(value, bool) or not math.isfinite(value):
                     raise self.fail(f"routing.{key} must be a finite number, got {value!r}")
         return routing
+
+    def precision_gate(self, values: dict) -> dict[str, PrecisionGate]:
+        """The gate's entries; the server compares and counts with them, so each is typed."""
+        variants = self.get(self.get(values, "precision_gate", dict), "variants", dict, "precision_gate.")
+        gates = {}
+        for name, entry in variants.items():
+            where = f"precision_gate.variants.{name}."
+            if name not in GATE_VARIANTS or not isinstance(entry, dict):
+                raise self.fail(f"precision_gate.variants.{name} is not one of {', '.join(GATE_VARIANTS)} with an object")
+            numbers = {key: self.get(entry, key, (int, float), where) for key in GATE_KEYS
+                       if key not in ("precision", "computed_by", "measured_on", "test_images", "reference_images")}
+            # the differences may be infinite: export records a variant with NaN outputs as not accepted
+            if not all(math.isfinite(value) for key, value in numbers.items() if not key.endswith("diff")) or not (
+                    0 <= numbers["argmax_agreement"] <= 1 and numbers["max_abs_diff"] >= 0):
+                raise self.fail(f"{where[:-1]} needs finite numbers, argmax_agreement in [0, 1], max_abs_diff >= 0")
+            counts = {key: self.get(entry, key, int, where) for key in ("test_images", "reference_images")}
+            if min(counts.values()) < 1:
+                raise self.fail(f"{where[:-1]} counts no images")
+            precision = self.get(entry, "precision", str, where)
+            if precision != name.partition("_")[2]:
+                raise self.fail(f"{where}precision is {precision!r}, the variant {name!r} is {name.partition('_')[2]}")
+            gates[name] = PrecisionGate(precision=precision, computed_by=self.get(entry, "computed_by", str, where),
+                                        measured_on=self.get(entry, "measured_on", str, where), **counts,
+                                        **{key: float(value) for key, value in numbers.items()})
+        return gates
+
+    def aoti(self, values: dict) -> tuple[AotiPackage, ...]:
+        packages = []
+        for index, entry in enumerate(self.get(values, "aoti", list)):
+            where = f"aoti[{index}]."
+            if not isinstance(entry, dict):
+                raise self.fail(f"aoti[{index}] is not an object")
+            device = self.get(entry, "device", str, where)
+            precision = self.get(entry, "precision", str, where)
+            if precision not in AOTI_PRECISIONS.get(device, ()):
+                raise self.fail(f"aoti[{index}] is {device} {precision}; packages are cpu fp32 or cuda fp32|fp16|bf16")
+            batches = [self.get(entry, key, int, where) for key in ("min_batch", "max_batch")]
+            if not 1 <= batches[0] <= batches[1]:
+                raise self.fail(f"aoti[{index}] needs 1 <= min_batch <= max_batch, got {batches}")
+            capability = entry.get("compute_capability")
+            if (device == "cuda") != isinstance(capability, str):
+                raise self.fail(f"{where}compute_capability must be a string for cuda and null for cpu")
+            packages.append(AotiPackage(
+                file=self.get(entry, "file", str, where), device=device, precision=precision,
+                torch_version=self.get(entry, "torch_version", str, where), min_batch=batches[0], max_batch=batches[1],
+                built_on=self.get(entry, "built_on", str, where), compute_capability=capability,
+                parity=dict(self.get(entry, "parity", dict, where))))
+        return tuple(packages)
 
     def output_shapes(self, values: dict, classes: int, input_shape: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
         shapes = {}

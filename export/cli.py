@@ -1,4 +1,4 @@
-"""`capsnet export CHECKPOINT --out DIR`: ONNX (+ INT8, FP16), TensorRT and a Triton repository."""
+"""`capsnet export CHECKPOINT --out DIR`: ONNX (+ INT8, FP16), AOTInductor packages, TensorRT and a Triton repository."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from capsnet.export.config import DEFAULT_OPSET, MAX_INT8_OPSET, MAX_OPSET, MIN_
 DEFAULTS = ExportConfig()
 # The artifacts each option shapes: set for none that is written, it would do nothing.
 APPLIES_TO = {
-    "int8_max_drop": ("--int8",), "calibration_images": ("--int8",),
+    "calibration_images": ("--int8",),
     "tensorrt_precision": ("--tensorrt",), "min_batch": ("--tensorrt",), "workspace_mib": ("--tensorrt",),
-    "timing_cache": ("--tensorrt",), "gpu": ("--tensorrt",),
-    "opt_batch": ("--tensorrt", "--triton"), "max_batch": ("--tensorrt", "--triton"),
+    "timing_cache": ("--tensorrt",), "gpu": ("--tensorrt", "--aoti cuda"), "aoti_precision": ("--aoti cuda",),
+    "opt_batch": ("--tensorrt", "--triton"), "max_batch": ("--tensorrt", "--triton", "--aoti"),
     "max_queue_delay_us": ("--triton",),
 }
 
@@ -37,11 +37,12 @@ def register(subparsers) -> None:
                         help=f"ONNX opset, {MIN_OPSET}-{MAX_OPSET}; with INT8 at most {MAX_INT8_OPSET} "
                         "(default: %(default)s)")
 
+    parser.add_argument("--max-accuracy-drop", type=float, default=DEFAULTS.max_accuracy_drop, metavar="POINTS",
+                        help="the precision gate: refuse an INT8, FP16 or BF16 variant that loses more test accuracy "
+                        "than this, in percentage points (default: %(default)s)")
+
     int8 = parser.add_argument_group("INT8 / FP16 (ONNX Runtime)")
     int8.add_argument("--int8", action="store_true", help="also write model.int8.onnx (static QDQ, for CPUs)")
-    int8.add_argument("--int8-max-drop", type=float, default=DEFAULTS.int8_max_drop, metavar="POINTS",
-                      help="refuse the INT8 model if it loses more accuracy than this, in percentage points "
-                      "(default: %(default)s)")
     int8.add_argument("--calibration-images", type=int, default=DEFAULTS.calibration_images, metavar="N",
                       help="training images that calibrate the INT8 ranges (default: %(default)s)")
     int8.add_argument("--fp16", action="store_true", help="also write model.fp16.onnx (for GPU execution providers)")
@@ -53,7 +54,7 @@ def register(subparsers) -> None:
     trt.add_argument("--min-batch", type=int, default=DEFAULTS.min_batch,
                      help="optimisation profile: smallest batch (default: %(default)s)")
     trt.add_argument("--opt-batch", type=int, default=DEFAULTS.opt_batch,
-                     help="optimisation profile: batch tuned for (default: %(default)s)")
+                     help="optimisation profile: batch tuned for (default: 32, or --max-batch if smaller)")
     trt.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch,
                      help="optimisation profile: largest batch, also Triton's max_batch_size (default: %(default)s)")
     trt.add_argument("--workspace-mib", type=int, default=DEFAULTS.workspace_mib,
@@ -61,7 +62,15 @@ def register(subparsers) -> None:
     trt.add_argument("--timing-cache", metavar="PATH", default=None,
                      help="TensorRT timing cache reused across builds (default: ~/.cache/capsnet/tensorrt.timing-cache)")
     trt.add_argument("--gpu", type=int, default=DEFAULTS.gpu, metavar="N",
-                     help="CUDA device to build and check the engine on, the one that will serve it (default: %(default)s)")
+                     help="CUDA device to build and check the engine and the CUDA packages on, the one that will serve "
+                     "them (default: 0)")
+
+    aoti = parser.add_argument_group("AOTInductor (compiled PyTorch; needs a C++ compiler, and a CUDA GPU for cuda)")
+    aoti.add_argument("--aoti", nargs="?", const="cpu", metavar="cpu|cuda|cpu,cuda",
+                      help="also compile model.<device>.<precision>.pt2 packages from the exported program, for "
+                      "batches of 1 to --max-batch (bare --aoti: cpu; cuda: on --gpu)")
+    aoti.add_argument("--aoti-precision", default=DEFAULTS.aoti_precision, metavar="fp32[,fp16][,bf16]",
+                      help="precisions of the CUDA packages; the CPU package is fp32 (default: %(default)s)")
 
     triton = parser.add_argument_group("Triton Inference Server")
     triton.add_argument("--triton", dest="triton_repo", metavar="REPO", default=None,
@@ -93,15 +102,14 @@ def run_export(args: argparse.Namespace) -> int:
     diffs = ", ".join(f"{name} {diff:.1e}" for name, diff in parity["onnxruntime"]["max_abs_diff"].items())
     print(f"  ONNX Runtime vs PyTorch, batches {'/'.join(map(str, parity['batch_sizes']))}: max |diff| {diffs}; "
           f"same class {parity['onnxruntime']['argmax_agreement']:.0%}")
+    for name, gate in description.precision_gate.items():
+        print(f"  precision gate {name}: test accuracy {gate.accuracy_fp32:.2%} -> {gate.accuracy:.2%} "
+              f"({gate.accuracy_change_points:+.2f} points, {gate.test_images} images); on the {gate.reference_images} "
+              f"reference images same class {gate.argmax_agreement:.1%}, max |diff| {gate.max_abs_diff:.1e}")
     if description.int8:
-        int8 = description.int8
-        print(f"  INT8 accuracy on {int8['test_images']} {int8['dataset']} test images {int8['accuracy_fp32']:.2%} -> "
-              f"{int8['accuracy_int8']:.2%} ({int8['accuracy_change_points']:+.2f} points), "
-              f"{int8['calibration_images']} calibration images")
-    if description.fp16:
-        fp16 = parity["onnxruntime_fp16_vs_fp32"]
-        print(f"  FP16 vs FP32: max |diff| {max(fp16['max_abs_diff'].values()):.1e}, "
-              f"same class {fp16['argmax_agreement']:.0%}")
+        print(f"  INT8: {description.int8['calibration_images']} calibration images")
+    for package in description.aoti:
+        print(f"  AOTInductor {package.describe()}")
     if "tensorrt" in parity:
         engine = parity["tensorrt"]
         print(f"  TensorRT {engine['precision']} vs ONNX Runtime: max |diff| "
@@ -114,7 +122,8 @@ def run_export(args: argparse.Namespace) -> int:
 def check_options_apply(config: ExportConfig) -> None:
     """Refuse an option changed for an artifact this export does not write: ignored, `--tensorrt-precision int8`
     without --tensorrt looked as if something had been quantised."""
-    writes = {"--int8": config.wants_int8, "--tensorrt": config.tensorrt, "--triton": config.triton_repo is not None}
+    writes = {"--int8": config.wants_int8, "--tensorrt": config.tensorrt, "--triton": config.triton_repo is not None,
+              "--aoti": config.aoti is not None, "--aoti cuda": "cuda" in config.aoti_devices}
     for name, artifacts in APPLIES_TO.items():
         if getattr(config, name) != getattr(DEFAULTS, name) and not any(writes[flag] for flag in artifacts):
             raise CapsNetError(f"--{name.replace('_', '-')} does nothing without {' or '.join(artifacts)}")

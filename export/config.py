@@ -18,6 +18,8 @@ DEFAULT_OPSET = 18
 # QuantizeLinear whose output_dtype contradicts its zero point (microsoft/onnxruntime#25526's error).
 MAX_INT8_OPSET = 20
 PRECISIONS = ("fp32", "fp16", "int8")
+AOTI_DEVICES = ("cpu", "cuda")
+AOTI_CUDA_PRECISIONS = ("fp32", "fp16", "bf16")
 TRITON_MAX_BATCH_SIZE = 2**31 - 1  # model_config.proto's max_batch_size is an int32
 
 
@@ -90,23 +92,38 @@ class ExportConfig:
     # None: the data the checkpoint was trained on
     data: str | None = None
     opset: int = DEFAULT_OPSET
-    int8_max_drop: float = 1.0  # accuracy points the INT8 model may lose
+    # accuracy points a reduced precision (INT8, FP16, BF16) may lose on the test split: the precision gate's export half
+    max_accuracy_drop: float = 1.0
     calibration_images: int = 200
     tensorrt_precision: str = "fp32"
     min_batch: int = 1
-    opt_batch: int = 32
+    opt_batch: int | None = None  # None: 32, or --max-batch where that is smaller
     max_batch: int = 256
     workspace_mib: int = 1024
     timing_cache: str | Path | None = None
-    gpu: int = 0
+    gpu: int | None = None  # CUDA device of the TensorRT engine and the CUDA packages; None: 0
+    # AOTInductor packages: "cpu", "cuda" or "cpu,cuda" (None: none), CUDA ones in each of aoti_precision
+    aoti: str | None = None
+    aoti_precision: str = "fp32"
     max_queue_delay_us: int = 100
 
     def __post_init__(self) -> None:
         if self.triton_repo is not None and not str(self.triton_repo):  # `--triton "$UNSET"` wrote no repository
             raise CapsNetError("--triton needs a directory, got an empty path")
         check_opset(self.opset)
-        if not (math.isfinite(self.int8_max_drop) and self.int8_max_drop >= 0):  # nan turned the gate off
-            raise CapsNetError(f"--int8-max-drop must be finite and >= 0 accuracy points, got {self.int8_max_drop}")
+        if not (math.isfinite(self.max_accuracy_drop) and self.max_accuracy_drop >= 0):  # nan turned the gate off
+            raise CapsNetError(f"--max-accuracy-drop must be finite and >= 0 accuracy points, got {self.max_accuracy_drop}")
+        if self.aoti is not None:
+            unknown = [device for device in self.aoti_devices if device not in AOTI_DEVICES] or (
+                [] if self.aoti_devices else ["nothing"])
+            if unknown:
+                raise CapsNetError(f"--aoti takes {' and/or '.join(AOTI_DEVICES)} (e.g. cpu,cuda), got {self.aoti!r}")
+        wrong = [p for p in self.aoti_precisions if p not in AOTI_CUDA_PRECISIONS] or (
+            [] if self.aoti_precisions else ["nothing"])
+        if wrong:
+            raise CapsNetError(f"--aoti-precision takes {', '.join(AOTI_CUDA_PRECISIONS)} (e.g. fp32,bf16), "
+                               f"got {self.aoti_precision!r}")
+
         if self.calibration_images < 1:
             raise CapsNetError(f"--calibration-images must be at least 1, got {self.calibration_images}")
         if self.wants_int8 and self.opset > MAX_INT8_OPSET:
@@ -123,19 +140,36 @@ class ExportConfig:
         return EngineConfig(
             precision=self.tensorrt_precision,
             min_batch=self.min_batch,
-            opt_batch=self.opt_batch,
+            opt_batch=self.optimal_batch,
             max_batch=self.max_batch,
             workspace_mib=self.workspace_mib,
             timing_cache=Path(self.timing_cache) if self.timing_cache else None,
-            gpu=self.gpu,
+            gpu=self.gpu or 0,
         )
 
     def triton(self) -> TritonConfig:
         return TritonConfig(
             max_batch_size=self.max_batch,
-            preferred_batch_sizes=(self.opt_batch, self.max_batch),
+            preferred_batch_sizes=(self.optimal_batch, self.max_batch),
             max_queue_delay_us=self.max_queue_delay_us,
         )
+
+    @property
+    def optimal_batch(self) -> int:
+        return self.opt_batch if self.opt_batch is not None else min(EngineConfig.opt_batch, self.max_batch)
+
+    @property
+    def aoti_devices(self) -> tuple[str, ...]:
+        return tuple(part.strip() for part in (self.aoti or "").split(",") if part.strip())
+
+    @property
+    def aoti_precisions(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(part.strip() for part in self.aoti_precision.split(",") if part.strip()))
+
+    def aoti_targets(self) -> list[tuple[str, str]]:
+        """(device, precision) of every AOTInductor package to compile: CPU fp32, CUDA in each --aoti-precision."""
+        return [(device, precision) for device in self.aoti_devices
+                for precision in (("fp32",) if device == "cpu" else self.aoti_precisions)]
 
     @property
     def wants_int8(self) -> bool:

@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +26,23 @@ import onnx
 from capsnet.cpu import CpuKind
 from capsnet.errors import CapsNetError
 from capsnet.export.config import EngineConfig, ExportConfig
-from capsnet.export.fp16 import FP16_MIN_ARGMAX_AGREEMENT, FP16_TOLERANCE, convert_fp16
+from capsnet.export import aoti
+from capsnet.export.fp16 import convert_fp16
 from capsnet.export.metadata import describe, embed_metadata
-from capsnet.export.onnx_export import check_graph, export_onnx, graph_opset, op_counts
+from capsnet.export.onnx_export import check_graph, export_onnx, export_program, graph_opset, op_counts
 from capsnet.export.parity import (
     FP32_TOLERANCE,
     PARITY_BATCH_SIZES,
     compare,
     onnxruntime_outputs,
     onnxruntime_session,
+    onnxruntime_probabilities,
     parity_batches,
     spread,
     torch_outputs,
 )
-from capsnet.export.quantize import SCHEME, accuracy, accuracy_change_points, quantize_int8
+from capsnet.export.precision import convolutions_in, measure_gate, require, torch_gates
+from capsnet.export.quantize import SCHEME, quantize_int8
 from capsnet.export.tensorrt_build import (
     MIN_ARGMAX_AGREEMENT,
     PARITY_TOLERANCE,
@@ -58,13 +61,17 @@ from capsnet.model_description import (
     ONNX_NAME,
     PLAN_INFO_NAME,
     PLAN_NAME,
+    RECONSTRUCTION_NAME,
     REFERENCE_NAME,
     SIDECAR_NAME,
+    AotiPackage,
     ModelDescription,
+    PrecisionGate,
     file_sha256,
     output_names,
 )
 from capsnet.tensorrt_runner import unavailable_reason
+from capsnet.torch_runner import cuda_unavailable_reason
 from capsnet.training.checkpoint import Checkpoint, load_checkpoint
 from capsnet.training.config import CAPSULE_ARCHITECTURES
 from capsnet.training.data import Dataset
@@ -72,7 +79,7 @@ from capsnet.training.evaluate import load_checkpoint_data
 
 log = logging.getLogger(__name__)
 
-REFERENCE_IMAGES = 128  # the self-check needs 99% agreement: one image of 128 may differ
+REFERENCE_IMAGES = 128  # the self-check's images; the precision gate's figures are measured on them
 
 
 def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike, **options: Any) -> ModelDescription:
@@ -94,7 +101,8 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
             raise CapsNetError(f"Triton repository {triton_model_dir.parent} exists and is not a directory")
         _check_target(triton_model_dir, CONFIG_NAME)
         _check_apart(out_dir, triton_model_dir.parent)
-    tensorrt_error = unavailable_reason(config.gpu) if config.tensorrt else None
+    _check_aoti_possible(config)
+    tensorrt_error = unavailable_reason(config.engine().gpu) if config.tensorrt else None
     if tensorrt_error:
         log.warning("--tensorrt: %s; writing the other artifacts, then failing", tensorrt_error)
     # parity, INT8 calibration and its per-class gate need the model's own data, every class of it
@@ -133,7 +141,9 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
     model = checkpoint.build_model()
     names = output_names(config.reconstruction)
     variants = {"fp32": staging / ONNX_NAME}
-    exported = export_onnx(model, variants["fp32"], config.opset, config.reconstruction)
+    # one exported program: the ONNX file and the AOTInductor packages are both made from it
+    program = export_program(model, config.reconstruction, config.max_batch if config.aoti else None)
+    exported = export_onnx(program, variants["fp32"], config.opset, config.reconstruction)
     counts = op_counts(exported)
     log.info("ONNX opset %d, %d nodes: %s", graph_opset(exported), sum(counts.values()),
              ", ".join(f"{op} {n}" for op, n in counts.most_common()))
@@ -141,7 +151,8 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
     batches = parity_batches(dataset.test.images)
     fp32_session = onnxruntime_session(str(variants["fp32"]))
     fp32_outputs = onnxruntime_outputs(fp32_session, batches, names)
-    onnx_parity = compare(torch_outputs(model, batches, names), fp32_outputs)
+    pytorch_outputs = torch_outputs(model, batches, names)
+    onnx_parity = compare(pytorch_outputs, fp32_outputs)
     log.info("ONNX Runtime vs PyTorch: %s", onnx_parity.describe())
     if not onnx_parity.passes(FP32_TOLERANCE):
         raise CapsNetError(f"ONNX Runtime disagrees with PyTorch beyond {FP32_TOLERANCE:g}: {onnx_parity.describe()}")
@@ -151,27 +162,42 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
         "tolerance": FP32_TOLERANCE,
         "onnxruntime": onnx_parity.to_dict(),
     }
-    reference_set = _write_reference(staging / REFERENCE_NAME, fp32_session, dataset, names)
+    reference = _write_reference(staging / REFERENCE_NAME, fp32_session, dataset, names)
+    # the precision gate: every reduced precision measured on this model's own data, stated in model_description.py
+    test = dataset.test
+    fp32_test = onnxruntime_probabilities(fp32_session, test.images)
+    gates = torch_gates(checkpoint.build_model, reference.images, reference.outputs, test.images, test.labels,
+                        fp32_test, config.max_accuracy_drop)
+    cpu = CpuKind.this_host()
 
-    int8 = fp16 = None
+    def onnx_gate(precision: str, path: Path) -> PrecisionGate:
+        session = onnxruntime_session(str(path))
+        (outputs,) = onnxruntime_outputs(session, [reference.images], names)
+        gate = measure_gate(precision, f"onnxruntime {path.name}", reference.outputs, outputs, test.labels, fp32_test,
+                            onnxruntime_probabilities(session, test.images), config.max_accuracy_drop, cpu.describe())
+        log.info("%s %s", precision.upper(), _describe_gate(gate))
+        require(gate)
+        parity[f"onnxruntime_{precision}_vs_fp32"] = compare(
+            fp32_outputs, onnxruntime_outputs(session, batches, names)).to_dict()
+        return gate
+
+    int8 = None
     if config.wants_int8:
         variants["int8"] = staging / ONNX_INT8_NAME
-        int8 = _quantize(variants["fp32"], variants["int8"], fp32_session, dataset, config)
-        int8_parity = compare(fp32_outputs, onnxruntime_outputs(onnxruntime_session(str(variants["int8"])), batches, names))
-        log.info("ONNX Runtime INT8 vs FP32: %s", int8_parity.describe())
-        parity["onnxruntime_int8_vs_fp32"] = int8_parity.to_dict()
+        calibration = dataset.train.images[: config.calibration_images]
+        quantize_int8(variants["fp32"], variants["int8"], calibration)
+        gates["onnx_int8"] = onnx_gate("int8", variants["int8"])
+        int8 = {"dataset": dataset.name, "calibration_images": len(calibration), "cpu": cpu.to_dict(), "scheme": SCHEME}
     if config.wants_fp16:
         variants["fp16"] = staging / ONNX_FP16_NAME
         fp16_model = convert_fp16(exported)
         check_graph(fp16_model)
         onnx.save(fp16_model, str(variants["fp16"]))
-        fp16_parity = compare(fp32_outputs, onnxruntime_outputs(onnxruntime_session(str(variants["fp16"])), batches, names))
-        log.info("ONNX Runtime (CPU) FP16 vs FP32: %s", fp16_parity.describe())
-        parity["onnxruntime_fp16_vs_fp32"] = fp16_parity.to_dict()
-        if not fp16_parity.passes(FP16_TOLERANCE, FP16_MIN_ARGMAX_AGREEMENT):
-            raise CapsNetError(f"FP16 model refused: against FP32 {fp16_parity.describe()}; allowed: max |diff| "
-                               f"{FP16_TOLERANCE:g}, same class for {FP16_MIN_ARGMAX_AGREEMENT:.0%}")
-        fp16 = {"tolerance": FP16_TOLERANCE, "min_argmax_agreement": FP16_MIN_ARGMAX_AGREEMENT}
+        gates["onnx_fp16"] = onnx_gate("fp16", variants["fp16"])
+    for name in ("torch_fp16", "torch_bf16"):  # not refused here: the server refuses them if asked (see the gate)
+        log.log(logging.INFO if gates[name].accepted else logging.WARNING, "%s %s%s", name, _describe_gate(gates[name]),
+                "" if gates[name].accepted else "; not accepted, so not served")
+    packages = _compile_aoti(staging, program, checkpoint, config, names, batches, pytorch_outputs, reference, gates)
     for path in variants.values():
         problems = tensorrt_problems(onnx.load(str(path)))
         log.log(logging.WARNING if problems else logging.INFO, "TensorRT compatibility of %s: %s",
@@ -198,12 +224,14 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
         "reference": REFERENCE_NAME,
     }
     description = describe(checkpoint, graph_opset(exported), config.reconstruction, artifacts=artifacts,
-                           reference_set=reference_set, int8=int8, fp16=fp16, parity=parity)
+                           reference_set=reference.description, int8=int8, parity=parity, precision_gate=gates,
+                           aoti=packages)
     for path in variants.values():
         onnx_model = onnx.load(str(path))
         embed_metadata(onnx_model, description)
         onnx.save(onnx_model, str(path))
-    hashed = [name for name in artifacts.values() if name] + ([PLAN_INFO_NAME] if plan_built else [])
+    hashed = ([name for name in artifacts.values() if name] + ([PLAN_INFO_NAME] if plan_built else [])
+              + [package.file for package in packages])
     description = replace(description, sha256={name: file_sha256(staging / name) for name in hashed})
     description.write(staging)
     return description, tensorrt_error
@@ -225,39 +253,100 @@ def _staged_checkpoint(checkpoint_path: Path, checkpoint: Checkpoint, staging: P
     return staged
 
 
-def _write_reference(path: Path, fp32_session, dataset: Dataset, names: tuple[str, ...]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _Reference:
+    images: np.ndarray  # (128, C, H, W) float32
+    outputs: dict[str, np.ndarray]  # FP32 ONNX Runtime outputs on them
+    description: dict[str, Any]  # model.json's reference_set
+
+
+def _write_reference(path: Path, fp32_session, dataset: Dataset, names: tuple[str, ...]) -> _Reference:
     """The images `capsnet serve` checks its backend with before it reports SERVING, and their FP32 outputs."""
     images = spread(dataset.test.images, REFERENCE_IMAGES)  # (128, C, H, W)
     (outputs,) = onnxruntime_outputs(fp32_session, [images], names)
     np.savez_compressed(path, images=images, **outputs)
-    return {"images": len(images), "dataset": dataset.name, "split": "test"}
+    return _Reference(images, outputs, {"images": len(images), "dataset": dataset.name, "split": "test"})
 
 
-def _quantize(fp32_path: Path, int8_path: Path, fp32_session, dataset: Dataset, config: ExportConfig) -> dict[str, Any]:
-    """Write the INT8 model and measure its accuracy against FP32 on this CPU; refuse it past --int8-max-drop."""
-    calibration = dataset.train.images[: config.calibration_images]
-    quantize_int8(fp32_path, int8_path, calibration)
-    test = dataset.test
-    accuracy_fp32 = accuracy(fp32_session, test.images, test.labels)
-    accuracy_int8 = accuracy(onnxruntime_session(str(int8_path)), test.images, test.labels)
-    change = accuracy_change_points(accuracy_fp32, accuracy_int8)
-    summary = (f"accuracy on {len(test)} {dataset.name} test images: fp32 {accuracy_fp32:.2%}, "
-               f"int8 {accuracy_int8:.2%} ({change:+.2f} points)")
-    cpu = CpuKind.this_host()
-    log.info("INT8 %s (on %s)", summary, cpu.describe())
-    if -change > config.int8_max_drop:
-        raise CapsNetError(f"INT8 model refused: {summary}, more than --int8-max-drop {config.int8_max_drop:g}")
-    return {
-        "accuracy_fp32": accuracy_fp32,
-        "accuracy_int8": accuracy_int8,
-        "accuracy_change_points": change,
-        "max_drop_points": config.int8_max_drop,
-        "dataset": dataset.name,
-        "calibration_images": len(calibration),
-        "test_images": len(test),
-        "cpu": cpu.to_dict(),
-        "scheme": SCHEME,
-    }
+def _describe_gate(gate: PrecisionGate) -> str:
+    return (f"({gate.computed_by}): test accuracy {gate.accuracy_fp32:.2%} -> {gate.accuracy:.2%} "
+            f"({gate.accuracy_change_points:+.2f} points); on the {gate.reference_images} reference images same class "
+            f"for {gate.argmax_agreement:.1%}, max |diff| of probabilities {gate.max_abs_diff:.2e}")
+
+
+def _check_aoti_possible(config: ExportConfig) -> None:
+    """Refuse at once what would make the AOTInductor packages fail after minutes of other work."""
+    if not config.aoti:
+        return
+    reason = aoti.compiler_unavailable_reason()
+    if reason is None and "cuda" in config.aoti_devices:
+        reason = cuda_unavailable_reason(config.engine().gpu)
+        reason = reason and f"--aoti cuda: {reason}; export the CUDA packages on a GPU machine"
+    if reason:
+        raise CapsNetError(reason)
+
+
+def _compile_aoti(staging: Path, program, checkpoint: Checkpoint, config: ExportConfig, names: tuple[str, ...],
+                  batches: list[np.ndarray], pytorch_outputs: list, reference: _Reference,
+                  gates: dict[str, PrecisionGate]) -> tuple[AotiPackage, ...]:
+    """Compile the asked AOTInductor packages and check each with the runner that serves it: fp32 against eager
+    PyTorch (FP32_TOLERANCE, every image the same class), fp16/bf16 by the precision gate on the reference images."""
+    import torch
+
+    from capsnet.torch_runner import AotiRunner
+
+    packages = []
+    for device, precision in config.aoti_targets():
+        gpu = config.engine().gpu
+        target = f"cuda:{gpu}" if device == "cuda" else "cpu"
+        if precision == "fp32":
+            source = program
+        else:  # the checkpoint with its convolutions in fp16/bf16, as the torch backend runs it
+            model = checkpoint.build_model()
+            convolutions_in(model, precision)
+            source = export_program(model, config.reconstruction, config.max_batch)
+        if device == "cuda":
+            source = aoti.move_program(source, target)
+        path = aoti.package_path(staging, device, precision)
+        package = aoti.compile_package(source, path, device, precision, gpu, 1, config.max_batch)
+        model_config = checkpoint.config
+        runner = AotiRunner(path, torch.device(target), (model_config.in_channels, model_config.height, model_config.width),
+                            _output_rows(checkpoint, names), config.max_batch)
+        if precision == "fp32":
+            checked = [batch for batch in batches if len(batch) <= config.max_batch]
+            expected = [outputs for batch, outputs in zip(batches, pytorch_outputs) if len(batch) <= config.max_batch]
+            package_parity = compare(expected, [runner.run(batch) for batch in checked])
+            log.info("AOTInductor %s fp32 vs PyTorch: %s", device, package_parity.describe())
+            if not package_parity.passes(FP32_TOLERANCE):
+                raise CapsNetError(f"the AOTInductor {device} package disagrees with PyTorch beyond {FP32_TOLERANCE:g}: "
+                                   f"{package_parity.describe()}")
+            result = {"reference": "pytorch", "batch_sizes": [len(batch) for batch in checked],
+                      "tolerance": FP32_TOLERANCE, **package_parity.to_dict()}
+        else:
+            result = _gate_package(runner, reference, require(gates[f"torch_{precision}"]), config.max_batch)
+        packages.append(replace(package, parity=result))
+    return tuple(packages)
+
+
+def _gate_package(runner, reference: _Reference, gate: PrecisionGate, max_batch: int) -> dict[str, Any]:
+    """A reduced-precision package on the reference images, held to the precision gate as a server would hold it."""
+    runs = [runner.run(reference.images[start:start + max_batch]) for start in range(0, len(reference.images), max_batch)]
+    probabilities = np.concatenate([run["probabilities"] for run in runs])
+    agreement = float((probabilities.argmax(1) == reference.outputs["probabilities"].argmax(1)).mean())
+    difference = float(np.abs(probabilities - reference.outputs["probabilities"]).max())
+    summary = (f"same class for {agreement:.1%}, max |diff| of probabilities {difference:.2e} on "
+               f"{len(probabilities)} reference images")
+    if not (agreement >= gate.least_agreement and difference <= gate.most_diff):  # `not`: NaN fails it too
+        raise CapsNetError(f"the AOTInductor {gate.precision} package fails the precision gate: {summary}; "
+                           f"{gate.describe_bounds()}")
+    return {"reference": "the precision gate", "argmax_agreement": agreement, "max_abs_diff": difference,
+            "images": len(probabilities)}
+
+
+def _output_rows(checkpoint: Checkpoint, names: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+    from capsnet.export.metadata import output_shapes
+
+    return output_shapes(checkpoint.config, RECONSTRUCTION_NAME in names)
 
 
 def _build_tensorrt(staging: Path, variants: dict[str, Path], model_config, dataset, names: tuple[str, ...],

@@ -6,6 +6,7 @@ Loop/If/Scan; `check_graph` proves that, and that every dimension but the batch 
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -29,11 +30,11 @@ def op_counts(model: onnx.ModelProto) -> Counter:
     return Counter(node.op_type for node in model.graph.node)
 
 
-def export_onnx(model, path: Path, opset: int, reconstruction: bool) -> onnx.ModelProto:
-    """Write `model` (a CapsNet in eval mode) to `path` and return the checked ONNX model."""
+def export_program(model, reconstruction: bool, max_batch: int | None = None):
+    """`model` (a CapsNet in eval mode) as a torch.export program of the outputs the graph declares, its batch axis
+    dynamic from 1 to `max_batch` (None: no bound). The ONNX file and the AOTInductor packages are made from it."""
     import torch
 
-    check_opset(opset)
     config = model.config
     names = output_names(reconstruction)
 
@@ -50,26 +51,52 @@ def export_onnx(model, path: Path, opset: int, reconstruction: bool) -> onnx.Mod
 
     # Batch 2, not 1: the exporter would specialise a size-1 axis to a constant.
     example = torch.rand(2, config.in_channels, config.height, config.width)  # (2, C, H, W)
+    batch = torch.export.Dim(BATCH_DIM, min=1, **({} if max_batch is None else {"max": max_batch}))
+    with quiet("torch.export", "torch._dynamo"):
+        return torch.export.export(InferenceOutputs().eval(), (example,), dynamic_shapes={INPUT_NAME: {0: batch}})
+
+
+def export_onnx(program, path: Path, opset: int, reconstruction: bool) -> onnx.ModelProto:
+    """Write the exported program (export_program) to `path` and return the checked ONNX model."""
+    import torch
+
+    check_opset(opset)
+    names = output_names(reconstruction)
     # torch warns about optional torchvision ops; onnxscript and onnx_ir narrate their passes
     with quiet("torch.onnx", "onnxscript", "onnx_ir"):
         torch.onnx.export(
-            InferenceOutputs().eval(),
-            (example,),
+            program,
+            (),
             str(path),
             input_names=[INPUT_NAME],
             output_names=list(names),
-            dynamic_shapes={"images": {0: torch.export.Dim(BATCH_DIM)}},
             opset_version=opset,
             dynamo=True,
             external_data=False,  # one self-contained file; the paper model is 33 MB
             verbose=False,
         )
     exported = onnx.load(str(path))
+    if _name_batch_axis(exported):
+        onnx.save(exported, str(path))
     written = graph_opset(exported)
     if written != opset:
         raise CapsNetError(f"asked for ONNX opset {opset} but the PyTorch exporter wrote opset {written}")
     check_graph(exported)
     return exported
+
+
+def _name_batch_axis(model: onnx.ModelProto) -> bool:
+    """Name the batch axis BATCH_DIM wherever it appears (inputs, outputs, intermediate shapes such as 144*s34):
+    the exported program calls it by a generated symbol. Returns whether anything was renamed."""
+    symbol = model.graph.input[0].type.tensor_type.shape.dim[0].dim_param
+    if not symbol or symbol == BATCH_DIM:
+        return False
+    pattern = re.compile(rf"\b{re.escape(symbol)}\b")
+    for value in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param:
+                dim.dim_param = pattern.sub(BATCH_DIM, dim.dim_param)
+    return True
 
 
 def check_graph(model: onnx.ModelProto) -> None:

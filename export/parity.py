@@ -76,6 +76,15 @@ def onnxruntime_outputs(session, batches: list[Batch], names: tuple[str, ...]) -
     return results
 
 
+def onnxruntime_probabilities(session, images_uint8: np.ndarray, batch: int = 250) -> np.ndarray:
+    """The probabilities (N, J) of an ONNX Runtime session over a whole split of uint8 images, in batches."""
+    runs = []
+    for start in range(0, len(images_uint8), batch):
+        (probabilities,) = session.run(["probabilities"], {INPUT_NAME: to_float(images_uint8[start:start + batch]).numpy()})
+        runs.append(probabilities.astype(np.float32))
+    return np.concatenate(runs)
+
+
 def max_abs_diff(reference: np.ndarray, candidate: np.ndarray) -> float:
     """max |reference - candidate|, infinite if either holds a NaN or an infinity: a NaN would otherwise compare
     False with everything, and Python's max() over the batches kept whichever finite value came first."""

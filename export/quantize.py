@@ -29,7 +29,6 @@ QUANTIZED_OP_TYPES = ["Conv"]
 SCHEME = {"format": "QDQ", "op_types": QUANTIZED_OP_TYPES, "activations": "int8 symmetric per tensor",
           "weights": "int8 symmetric per output channel, 7-bit range (reduce_range)"}
 CALIBRATION_BATCH = 32
-EVALUATION_BATCH = 250
 
 
 def _calibration_reader(images_uint8: np.ndarray):
@@ -67,19 +66,3 @@ def quantize_int8(fp32_path: Path, int8_path: Path, calibration_images: np.ndarr
             reduce_range=True,
             extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
         )
-
-
-def accuracy_change_points(accuracy_fp32: float, accuracy_int8: float) -> float:
-    """INT8's accuracy change in percentage points, rounded as model.json records it, so that the gate judges that
-    figure (unrounded, 100 * (0.823 - 0.833) is -1.0000000000000009, which --int8-max-drop 1 refused)."""
-    return round(100 * (accuracy_int8 - accuracy_fp32), 4)
-
-
-def accuracy(session, images_uint8: np.ndarray, labels: np.ndarray) -> float:
-    """Top-1 accuracy of an ONNX Runtime session over a whole split."""
-    correct = 0
-    for start in range(0, len(labels), EVALUATION_BATCH):
-        batch = to_float(images_uint8[start : start + EVALUATION_BATCH]).numpy()  # (b, C, H, W)
-        (probabilities,) = session.run(["probabilities"], {INPUT_NAME: batch})
-        correct += int((probabilities.argmax(axis=1) == labels[start : start + EVALUATION_BATCH]).sum())
-    return correct / len(labels)

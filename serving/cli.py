@@ -58,13 +58,17 @@ def register(subparsers) -> None:
                        help="serve no HTTP/REST: gRPC and /metrics only")
     serve.add_argument("--metrics-port", type=int, metavar="PORT",
                        help=f"Prometheus /metrics port (default {defaults['metrics_port']}; env {ENV_VARS['metrics_port']})")
-    serve.add_argument("--backend", choices=BACKENDS, help="inference backend (default auto: the fastest available)")
+    serve.add_argument("--backend", choices=BACKENDS,
+                       help="inference backend (default auto: a TensorRT plan on its GPU, else on a GPU host the fastest "
+                            "GPU backend that passes its self-check, else ONNX Runtime on the CPU)")
     serve.add_argument("--precision", choices=PRECISIONS,
                        help="model precision (default auto: INT8 where the export has it, it passes its self-check "
-                            "and is faster on this CPU, else FP32; tensorrt: the plan's); fp16/int8 need those exports; "
-                            "bf16: --backend torch on a CPU with native bf16 (AVX512_BF16 or AMX)")
+                            "and is faster on this CPU, else FP32; tensorrt: the plan's; on a GPU the fastest that "
+                            "passes); int8 and onnxruntime fp16 need those exports; torch and aoti: fp16/bf16 on a GPU, "
+                            "bf16 also on a CPU with native bf16 (AVX512_BF16 or AMX)")
     serve.add_argument("--gpu", type=int, metavar="N",
-                       help=f"CUDA device the tensorrt backend and ONNX Runtime's GPU providers run on (default {defaults['gpu']})")
+                       help="CUDA device to serve on: torch and aoti run there (default: the CPU); tensorrt, ONNX "
+                            "Runtime's GPU providers and auto use it (default: 0)")
     serve.add_argument("--max-batch-size", type=int, metavar="N",
                        help=f"images per backend run and per request (default {defaults['max_batch_size']})")
     serve.add_argument("--max-queue-delay-us", type=int, metavar="US",

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from capsnet.errors import CapsNetError
 
-BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
-PRECISIONS = ("auto", "fp32", "fp16", "int8", "bf16")  # bf16: the torch backend on a CPU with native bf16
+BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch", "aoti")
+PRECISIONS = ("auto", "fp32", "fp16", "int8", "bf16")  # bf16: torch and aoti (on the CPU, torch with native bf16)
 
 # gRPC takes its size and count options as C ints: larger values raise OverflowError inside grpcio.
 GRPC_INT_MAX = 2 ** 31 - 1
@@ -35,8 +35,9 @@ class ServerConfig:
     backend: str = "auto"
     # auto: INT8 where exported, self-checked and faster on this CPU, else FP32 (TensorRT: the plan's)
     precision: str = "auto"
-    # CUDA device of the tensorrt backend and ONNX Runtime's GPU providers, as CUDA_VISIBLE_DEVICES numbers them
-    gpu: int = 0
+    # CUDA device, as CUDA_VISIBLE_DEVICES numbers them. None: torch and aoti run on the CPU; tensorrt, ONNX Runtime's
+    # GPU providers and auto's GPU candidates use device 0, so that a GPU host serves on its GPU without the flag
+    gpu: int | None = None
     # dynamic batching
     max_batch_size: int = 32  # images per backend run, and per request
     # How long the oldest request waits for batch-mates. 0, as Triton: batches still form from the
@@ -67,9 +68,12 @@ class ServerConfig:
             raise CapsNetError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.precision not in PRECISIONS:
             raise CapsNetError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.precision == "bf16" and self.backend != "torch":
-            raise CapsNetError("--precision bf16 runs the checkpoint's convolutions in bf16 on the torch backend: "
-                               "add --backend torch")
+        if self.precision == "bf16" and self.backend not in ("torch", "aoti"):
+            raise CapsNetError("--precision bf16 runs the checkpoint's convolutions in bf16 on the torch or aoti "
+                               "backend: add --backend torch or --backend aoti")
+        if self.backend in ("torch", "aoti") and self.precision == "int8":
+            raise CapsNetError(f"--precision int8 is an ONNX model: the {self.backend} backend runs fp32, fp16 or bf16 "
+                               "(int8: --backend onnxruntime or tensorrt)")
         for name in ("grpc_port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise CapsNetError(f"{name.replace('_', '-')} must be in 0..65535 (0: any free port), got {getattr(self, name)}")
@@ -84,7 +88,7 @@ class ServerConfig:
             raise CapsNetError(f"--max-pending-rpcs ({self.max_pending_rpcs}) must be >= --max-queue-size "
                                f"({self.max_queue_size}), so that gRPC does not cut calls the queue would take")
         for name in ("max_queue_delay_us", "threads", "drain_window_s", "grace_period_s", "gpu"):
-            if not getattr(self, name) >= 0:  # `not >=`: NaN fails it too
+            if getattr(self, name) is not None and not getattr(self, name) >= 0:  # `not >=`: NaN fails it too
                 raise CapsNetError(f"--{name.removesuffix('_s').replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not math.isfinite(self.grace_period_s):
             raise CapsNetError(f"--grace-period must be a number of seconds, got {self.grace_period_s}")
@@ -94,6 +98,11 @@ class ServerConfig:
             raise CapsNetError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise CapsNetError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+
+    @property
+    def gpu_or_first(self) -> int:
+        """The CUDA device of the backends that use one whether or not --gpu is given."""
+        return self.gpu or 0
 
     @property
     def intra_op_threads(self) -> int:

@@ -1,8 +1,11 @@
 """The self-check before SERVING: the export's reference images through the loaded backend, compared
 with the FP32 outputs recorded at export (reference.npz).
 
-INT8 kernels differ between x86 kinds (AVX2's 16-bit intermediate sums saturate where VNNI's do
-not), so a model gated on one machine is checked again on the one that serves it.
+FP32 must match them within the export's parity tolerance, every image in the same class. A reduced precision
+(INT8, FP16, BF16) answers to the precision gate (capsnet/model_description.py): it must reproduce what export
+measured for that model on the same images, within the gate's margins. INT8 kernels differ between x86 kinds
+(AVX2's 16-bit intermediate sums saturate where VNNI's do not), GPU kernels between GPUs, so a variant gated on
+one machine is checked again on the one that serves it.
 """
 
 from __future__ import annotations
@@ -15,16 +18,10 @@ import numpy as np
 
 from capsnet.cpu import CpuKind
 from capsnet.errors import CapsNetError, first_line
-from capsnet.model_description import ModelDescription
+from capsnet.model_description import ModelDescription, PrecisionGate, gate_variant
 from capsnet.serving.backends.base import Backend
 
-# (max |diff| of every output against FP32, least share of images with the FP32 class), per precision.
-# FP32 is the export's parity tolerance; INT8/FP16/BF16 bound the probabilities only: quantisation noise
-# measured 5e-3 (INT8) and 3e-4 (FP16) on the trained tiny model, 1.2e-3 (bf16 convolutions, the trained
-# paper model, 300 test digits), a broken file moves them by far more.
-TOLERANCES = {"fp32": (1e-4, 1.0), "fp16": (1e-2, 0.99), "int8": (0.1, 0.99), "bf16": (1e-2, 0.99)}
-COMPARED_OUTPUTS = {"fp32": None, "fp16": ("probabilities",), "int8": ("probabilities",),
-                    "bf16": ("probabilities",)}  # None: every output
+FP32_TOLERANCE = 1e-4  # the export's parity tolerance (export/parity.py), on every output
 
 
 @dataclass(frozen=True)
@@ -34,15 +31,10 @@ class SelfCheck:
     max_abs_diff: dict[str, float]  # per compared output
     argmax_agreement: float  # share of images with the FP32 reference's class
     cpu: str  # the CPU that ran it, e.g. "AMD EPYC [avx2 fma]"
+    tolerance: float  # the largest max |diff| allowed
+    min_agreement: float  # the least agreement allowed
+    gate: str = ""  # a reduced precision: what export measured, and the margins
     non_finite: tuple[str, ...] = ()  # outputs with a NaN or an infinity, compared or not
-
-    @property
-    def tolerance(self) -> float:
-        return TOLERANCES[self.precision][0]
-
-    @property
-    def min_agreement(self) -> float:
-        return TOLERANCES[self.precision][1]
 
     @property
     def passed(self) -> bool:
@@ -53,9 +45,26 @@ class SelfCheck:
     def describe(self) -> str:
         diffs = ", ".join(f"{name} {diff:.2e}" for name, diff in self.max_abs_diff.items())
         nan = f"NaN or infinity in {', '.join(self.non_finite)}; " if self.non_finite else ""
+        gate = f"; the precision gate: {self.gate}" if self.gate else ""
         return (f"{nan}{self.precision} against the FP32 reference on {self.images} images: max |diff| {diffs} "
-                f"(allowed {self.tolerance:g}), same class for {self.argmax_agreement:.1%} "
-                f"(needed {self.min_agreement:.0%})")
+                f"(allowed {self.tolerance:.3g}), same class for {self.argmax_agreement:.1%} "
+                f"(needed {self.min_agreement:.1%}){gate}")
+
+
+def precision_gate(model: ModelDescription, backend: str, precision: str) -> PrecisionGate | None:
+    """The gate entry a backend serving `precision` answers to (None for fp32); CapsNetError when model.json has
+    none, or export did not accept that variant."""
+    variant = gate_variant(backend, precision)
+    if variant is None:
+        return None
+    gate = model.precision_gate.get(variant)
+    if gate is None:
+        raise CapsNetError(f"model.json has no precision gate for {variant}: {precision} was not exported for the "
+                           f"{backend} backend; re-export with it")
+    if not gate.accepted:
+        raise CapsNetError(f"--precision {precision} on the {backend} backend: export did not accept it for this "
+                           f"model: {gate.refusal()}")
+    return gate
 
 
 def self_check(backend: Backend, reference_path: Path, max_batch_size: int, model: ModelDescription) -> SelfCheck:
@@ -63,6 +72,7 @@ def self_check(backend: Backend, reference_path: Path, max_batch_size: int, mode
 
     `model` (model.json's description) is what the reference set and the backend's outputs must agree with; a
     disagreement is a CapsNetError, as is any failure of the backend here, its first run of the model."""
+    gate = precision_gate(model, backend.name, backend.precision)
     reference = read_reference(reference_path, model)
     images = reference.pop("images")  # (N, C, H, W) float32
     try:
@@ -79,7 +89,8 @@ def self_check(backend: Backend, reference_path: Path, max_batch_size: int, mode
             raise CapsNetError(f"self-check: the {backend.name} backend ({backend.description}) gives {name} of shape "
                                f"{list(output.shape[1:])} per image, model.json says {list(expected)}: the file is not "
                                "this export's; re-export it")
-    names = COMPARED_OUTPUTS[backend.precision] or tuple(name for name in backend.output_names if name in reference)
+    # a reduced precision is held to the probabilities (what its gate measured); FP32 to every output
+    names = ("probabilities",) if gate else tuple(name for name in backend.output_names if name in reference)
     same_class = outputs["probabilities"].argmax(axis=1) == reference["probabilities"].argmax(axis=1)  # (N,)
     return SelfCheck(
         precision=backend.precision,
@@ -87,6 +98,9 @@ def self_check(backend: Backend, reference_path: Path, max_batch_size: int, mode
         max_abs_diff={name: float(np.abs(outputs[name] - reference[name]).max()) for name in names},
         argmax_agreement=float(same_class.mean()),
         cpu=CpuKind.this_host().describe(),
+        tolerance=gate.most_diff if gate else FP32_TOLERANCE,
+        min_agreement=gate.least_agreement if gate else 1.0,
+        gate=gate.describe_bounds() if gate else "",
         non_finite=tuple(name for name, output in outputs.items() if not np.isfinite(output).all()),
     )
 

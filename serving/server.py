@@ -114,6 +114,7 @@ class CapsNetServer:
         stop() follows). CapsNetError when the model, a port or a TLS file is unusable."""
         config = self.config
         self.service = InferenceService.load(config, self.metrics)
+        self._watch_device(asyncio.get_running_loop())
         self.max_message_bytes = config.max_message_bytes or message_limit(self.service.spec, config.max_image_scale)
         least = least_message_limit(self.service.spec)
         if self.max_message_bytes < least:  # only a given limit can be this small
@@ -189,6 +190,22 @@ class CapsNetServer:
         for name in HEALTH_SERVICES:
             await self._health.set(name, SERVING)
         self._served = True
+
+    # --- A GPU backend's device failure (CUDA out of memory, a lost device) ---------------------------------------
+    # The backend fails that batch (INTERNAL / HTTP 500, through the batcher) and reports here from its worker
+    # thread: readiness and every health service turn NOT_SERVING, so that load balancers and Kubernetes stop sending
+    # and restart the server; later batches fail at once (serving/backends/base.py: DeviceBackend).
+    def _watch_device(self, loop: asyncio.AbstractEventLoop) -> None:
+        backend = self.service.backend
+        if hasattr(backend, "on_device_failure"):
+            backend.on_device_failure = lambda reason: loop.call_soon_threadsafe(self._device_failed, reason)
+
+    def _device_failed(self, reason: str) -> None:
+        log.error("the %s backend's device failed (%s): health NOT_SERVING; restart the server", self.service.backend.name,
+                  reason)
+        self.service.ready = False
+        for name in HEALTH_SERVICES:
+            asyncio.ensure_future(self._health.set(name, NOT_SERVING))
 
     async def stop(self) -> None:
         """Drain (see the module's docstring); requests still running after the grace period are cancelled.

@@ -29,7 +29,8 @@ from capsnet.serving.self_check import SelfCheck
 log = logging.getLogger(__name__)
 
 # KServe ModelMetadata platform of each backend, named as Triton names them
-PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "torch": "pytorch"}  # eager: not TorchScript (pytorch_libtorch)
+PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "torch": "pytorch",  # eager: not TorchScript (pytorch_libtorch)
+             "aoti": "pytorch_aoti"}  # an AOTInductor package
 
 
 @dataclass(frozen=True, kw_only=True)

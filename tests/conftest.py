@@ -118,3 +118,19 @@ def idx_dataset(tmp_path):
         return directory
 
     return make
+
+
+AOTI_MAX_BATCH = 16
+
+
+@pytest.fixture(scope="session")
+def aoti_model_dir(random_tiny_checkpoint, tmp_path_factory) -> Path:
+    """The tiny model exported with its reconstruction and an AOTInductor CPU package for batches up to 16: the one
+    AOTInductor compile of the suite (about a minute on 2 cores), shared by the export and serving tests."""
+    from capsnet.cli import main
+
+    out = tmp_path_factory.mktemp("aoti") / "model"
+    code = main(["export", str(random_tiny_checkpoint), "--out", str(out), "--reconstruction", "--aoti",
+                 "--max-batch", str(AOTI_MAX_BATCH)])
+    assert code == 0
+    return out

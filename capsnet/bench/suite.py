@@ -161,7 +161,7 @@ def _prepare_models(options: BenchOptions, tmp: Path) -> tuple[Path, dict[str, P
     max_batch = max(options.batch_sizes + options.concurrency)
     log.info("exporting %s (ONNX FP32 + INT8)", options.model)
     # The bench reports INT8 accuracy itself, so the exporter's refusal threshold is lifted.
-    export_model(options.model, tmp / "model", int8=True, data=options.data, int8_max_drop=100.0)
+    export_model(options.model, tmp / "model", int8=True, data=options.data, max_accuracy_drop=100.0)
     for name in options.backends:
         if name not in wanted_trt:
             model_dirs[name] = tmp / "model"
@@ -173,7 +173,7 @@ def _prepare_models(options: BenchOptions, tmp: Path) -> tuple[Path, dict[str, P
         precision = SERVER_BACKENDS[name][1]
         log.info("building a TensorRT %s engine", precision)
         export_model(options.model, tmp / name, tensorrt=True, tensorrt_precision=precision, data=options.data,
-                     int8_max_drop=100.0, opt_batch=min(PEAK_BATCH, max_batch), max_batch=max_batch)
+                     max_accuracy_drop=100.0, opt_batch=min(PEAK_BATCH, max_batch), max_batch=max_batch)
         model_dirs[name] = tmp / name
     return tmp / "model", model_dirs, skipped
 

@@ -1,5 +1,9 @@
 """Backend and precision choice: `--backend auto` takes the fastest backend that can run here,
-`--precision auto` the fastest precision whose self-check passes on this CPU; both log why.
+`--precision auto` the fastest precision whose self-check passes on this machine; both log why.
+
+On a GPU host without a usable TensorRT plan, auto loads every GPU candidate (torch with CUDA graphs, the export's
+CUDA AOTInductor packages, ONNX Runtime's GPU providers where installed), self-checks each, times each on a full
+batch and serves the fastest; a reduced precision must beat FP32 by AUTO_MIN_SPEEDUP. None passing: the CPU.
 
 Every backend is self-checked on the export's reference images before the server reports SERVING
 (serving/self_check.py): a backend that fails is refused with one line, never served.
@@ -8,10 +12,12 @@ Every backend is self-checked on the export's reference images before the server
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from capsnet.errors import CapsNetError
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import Backend
 from capsnet.serving.config import ServerConfig
@@ -32,11 +38,15 @@ class LoadedBackend:
     why: str  # why this backend and precision
 
 
-def choose_backend(artifacts: ModelArtifacts, config: ServerConfig) -> tuple[str, str]:
-    """(backend name, why): a TensorRT engine on its GPU, else ONNX Runtime (on its GPU providers if any).
+def gpu_host() -> bool:
+    """Whether an NVIDIA driver is loaded; only then is torch asked about CUDA, so that a server on a CPU host that
+    serves ONNX Runtime never imports torch."""
+    return os.path.exists("/proc/driver/nvidia/version")
 
-    The torch backend is the reference, never the fastest, so auto does not pick it.
-    """
+
+def choose_backend(artifacts: ModelArtifacts, config: ServerConfig) -> tuple[str, str]:
+    """(backend name, why): "tensorrt" for a TensorRT plan on its GPU, else "gpu" on a host with a CUDA GPU (the
+    fastest GPU backend is measured next), else "onnxruntime" (on its GPU providers if any)."""
     from capsnet.serving.backends.onnxruntime_backend import gpu_providers_installed
     from capsnet.tensorrt_runner import unavailable_reason
 
@@ -45,9 +55,16 @@ def choose_backend(artifacts: ModelArtifacts, config: ServerConfig) -> tuple[str
     elif config.precision not in ("auto", artifacts.tensorrt_info["precision"]):
         no_trt = f"the TensorRT plan is {artifacts.tensorrt_info['precision']}, --precision {config.precision} was asked"
     else:
-        no_trt = unavailable_reason(config.gpu)
+        no_trt = unavailable_reason(config.gpu_or_first)
         if no_trt is None:
             return "tensorrt", "a TensorRT plan and a CUDA GPU are present"
+    if gpu_host():
+        from capsnet.torch_runner import cuda_unavailable_reason
+
+        no_cuda = cuda_unavailable_reason(config.gpu_or_first)
+        if no_cuda is None:
+            return "gpu", f"not tensorrt: {no_trt}"
+        no_trt += f"; no GPU backend: {no_cuda}"
     gpu = gpu_providers_installed()
     where = f"with {' and '.join(gpu)}" if gpu else "on the CPU (onnxruntime-gpu not installed)"
     return "onnxruntime", f"{where}; not tensorrt: {no_trt}"
@@ -57,14 +74,21 @@ def create_backend(name: str, precision: str, artifacts: ModelArtifacts, config:
     if name == "tensorrt":
         from capsnet.serving.backends.tensorrt_backend import TensorRTBackend
 
-        return TensorRTBackend(artifacts, None if precision == "auto" else precision, config.max_batch_size, config.gpu)
+        return TensorRTBackend(artifacts, None if precision == "auto" else precision, config.max_batch_size,
+                               config.gpu_or_first)
     if name == "torch":
         from capsnet.serving.backends.torch_backend import TorchBackend
 
-        return TorchBackend(artifacts, "fp32" if precision == "auto" else precision, config.intra_op_threads)
+        return TorchBackend(artifacts, "fp32" if precision == "auto" else precision, config.intra_op_threads, config.gpu,
+                            config.max_batch_size)
+    if name == "aoti":
+        from capsnet.serving.backends.aoti_backend import AotiBackend
+
+        return AotiBackend(artifacts, "fp32" if precision == "auto" else precision, config.intra_op_threads, config.gpu,
+                           config.max_batch_size)
     from capsnet.serving.backends.onnxruntime_backend import OnnxRuntimeBackend
 
-    return OnnxRuntimeBackend(artifacts, precision, config.intra_op_threads, config.max_batch_size, config.gpu)
+    return OnnxRuntimeBackend(artifacts, precision, config.intra_op_threads, config.max_batch_size, config.gpu_or_first)
 
 
 def checked(backend: Backend, artifacts: ModelArtifacts, config: ServerConfig) -> SelfCheck:
@@ -78,6 +102,11 @@ def load_backend(artifacts: ModelArtifacts, config: ServerConfig) -> LoadedBacke
     name, why = config.backend, "asked for"
     if name == "auto":
         name, why = choose_backend(artifacts, config)
+        if name == "gpu":
+            loaded = _fastest_gpu_backend(artifacts, replace(config, gpu=config.gpu_or_first), why)
+            if loaded is not None:
+                return loaded
+            name, why = "onnxruntime", "on the CPU: no GPU backend passed its self-check (logged above)"
         log.info("backend auto: %s %s", name, why)
     if name == "onnxruntime" and config.precision == "auto":
         return _choose_onnxruntime_precision(artifacts, config)
@@ -86,6 +115,61 @@ def load_backend(artifacts: ModelArtifacts, config: ServerConfig) -> LoadedBacke
     if not check.passed:
         raise refusal(check)
     return LoadedBackend(backend, check, f"{name}: {why}")
+
+
+def gpu_candidates(artifacts: ModelArtifacts, config: ServerConfig) -> list[tuple[str, str]]:
+    """(backend, precision) pairs that can serve on the GPU: torch in every precision, the export's CUDA packages,
+    ONNX Runtime's exported precisions where onnxruntime-gpu is installed."""
+    from capsnet.serving.backends.onnxruntime_backend import gpu_providers_installed
+
+    precisions = ("fp32", "fp16", "bf16", "int8") if config.precision == "auto" else (config.precision,)
+    candidates = [("torch", p) for p in precisions if p != "int8"]
+    candidates += [("aoti", p) for p in precisions if any(pkg.device == "cuda" and pkg.precision == p
+                                                          for pkg in artifacts.aoti)]
+    if gpu_providers_installed():
+        candidates += [("onnxruntime", p) for p in precisions if p in artifacts.onnx]
+    return candidates
+
+
+def _fastest_gpu_backend(artifacts: ModelArtifacts, config: ServerConfig, why: str) -> LoadedBackend | None:
+    """Every GPU candidate loaded and self-checked, timed in turns on a full batch; the fastest (a reduced precision
+    only AUTO_MIN_SPEEDUP x faster than the fastest FP32), or None when none passes."""
+    passed, refused = [], []
+    for name, precision in gpu_candidates(artifacts, config):
+        try:
+            backend = create_backend(name, precision, artifacts, config)
+            check = checked(backend, artifacts, config)
+        except Exception as err:  # CapsNetError, or torch's own (a failed graph capture): the next candidate
+            refused.append(f"{name} {precision}: {err if isinstance(err, CapsNetError) else repr(err)[:300]}")
+            continue
+        if check.passed:
+            passed.append((backend, check))
+        else:
+            refused.append(f"{name} {precision}: {refusal(check)}")
+            backend.close()
+    for reason in refused:
+        log.warning("backend auto: GPU %d candidate refused: %s", config.gpu, reason)
+    if not passed:
+        return None
+    images = np.zeros((config.max_batch_size, *artifacts.input_shape), dtype=np.float32)  # (B, C, H, W)
+    for backend, _ in passed:
+        backend.run(images)  # first runs allocate and pick kernels
+    times = best_times([backend for backend, _ in passed], images, AUTO_TIMING_ROUNDS)
+    timed = sorted(zip(times, range(len(passed))))
+    fp32 = [(taken, index) for taken, index in timed if passed[index][0].precision == "fp32"]
+    best_time, best = timed[0]
+    if fp32 and passed[best][0].precision != "fp32" and best_time * AUTO_MIN_SPEEDUP > fp32[0][0]:
+        best_time, best = fp32[0]  # a reduced precision that is not clearly faster changes answers for nothing
+    for index, (backend, _) in enumerate(passed):
+        if index != best:
+            backend.close()
+    backend, check = passed[best]
+    table = ", ".join(f"{passed[index][0].name} {passed[index][0].precision} {1e3 * taken:.2f} ms"
+                      for taken, index in timed)
+    choice = (f"{backend.name} {backend.precision} on GPU {config.gpu}, the fastest of those passing their self-check "
+              f"at batch {config.max_batch_size} ({table}){'; refused: ' + str(len(refused)) if refused else ''}; {why}")
+    log.info("backend auto: %s", choice)
+    return LoadedBackend(backend, check, choice)
 
 
 def _choose_onnxruntime_precision(artifacts: ModelArtifacts, config: ServerConfig) -> LoadedBackend:

@@ -1,19 +1,25 @@
-"""PyTorch on the CPU from the checkpoint copy: the reference the exported backends are compared with, and
-the bf16 path for CPUs with native bf16 (AVX512_BF16, AMX), where oneDNN runs the convolutions in bf16."""
+"""PyTorch from the checkpoint copy, on the CPU or on CUDA device --gpu N.
+
+On the CPU: the reference the exported backends are compared with (fp32), and the bf16 path for CPUs with native
+bf16 (AVX512_BF16, AMX), where oneDNN runs the convolutions in bf16.
+On a GPU: fp32 (no TF32), fp16 or bf16 convolutions, every padded batch bucket up to --max-batch-size a CUDA graph
+captured at start-up (capsnet/torch_runner.py), so a batch is one graph launch between two pinned-memory copies.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from torch import nn
 
 from capsnet.cpu import CpuKind, bf16_autocast_pays
 from capsnet.errors import CapsNetError
+from capsnet.export.precision import convolutions_in
 from capsnet.serving.artifacts import ModelArtifacts
-from capsnet.serving.backends.base import Backend
+from capsnet.serving.backends.base import DeviceBackend, DeviceFailure
+from capsnet.torch_runner import BucketRunner, cuda_unavailable_reason, gpu_facts, is_device_error
 from capsnet.training.checkpoint import load_checkpoint
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "fp16", "bf16")
 
 
 def bf16_unavailable_reason() -> str | None:
@@ -22,39 +28,66 @@ def bf16_unavailable_reason() -> str | None:
     return None if native else f"{why}; emulated bf16 runs many times slower than fp32"
 
 
-def convolutions_in_bf16(model: nn.Module) -> int:
-    """Every Conv2d of `model` in bf16 (its weights stored so, its input cast on the way in, its output cast
-    back to fp32): the convolutions are 98% of the paper CapsNet's FLOPs, while routing, squash and the decoder keep
-    fp32, whose sums over 1,152 capsules bf16's 8-bit mantissa would blur. Returns the number converted."""
-    convolutions = [module for module in model.modules() if isinstance(module, nn.Conv2d)]
-    for conv in convolutions:
-        conv.to(torch.bfloat16)
-        conv.register_forward_pre_hook(lambda _, inputs: tuple(x.to(torch.bfloat16) for x in inputs))
-        conv.register_forward_hook(lambda _, inputs, output: output.float())
-    return len(convolutions)
+def torch_device(gpu: int | None) -> torch.device:
+    """CUDA device `gpu` (None: the CPU); CapsNetError naming what is missing when there is no such GPU."""
+    if gpu is None:
+        return torch.device("cpu")
+    reason = cuda_unavailable_reason(gpu)
+    if reason:
+        raise CapsNetError(f"--gpu {gpu}: {reason}")
+    return torch.device("cuda", gpu)
 
 
-class TorchBackend(Backend):
+class TorchBackend(DeviceBackend):
     name = "torch"
 
-    def __init__(self, artifacts: ModelArtifacts, precision: str, threads: int):
+    def __init__(self, artifacts: ModelArtifacts, precision: str, threads: int, gpu: int | None = None,
+                 max_batch_size: int = 32, buckets: bool | None = None, graphs: bool = True):
+        """`buckets` (default: on a GPU) runs every batch padded to its bucket from static tensors; `graphs` makes
+        each bucket a CUDA graph on a GPU (off: eager, for comparison)."""
         if precision not in PRECISIONS:
-            raise CapsNetError(f"the torch backend runs the checkpoint in fp32 or bf16; --precision {precision} "
+            raise CapsNetError(f"the torch backend runs the checkpoint in {', '.join(PRECISIONS)}; --precision {precision} "
                                "needs onnxruntime or tensorrt")
-        if precision == "bf16" and (why := bf16_unavailable_reason()):
+        self.device = torch_device(gpu)
+        on_gpu = self.device.type == "cuda"
+        if precision == "fp16" and not on_gpu:
+            raise CapsNetError("--precision fp16 on the torch backend runs on a GPU: add --gpu N (on the CPU: "
+                               "--backend onnxruntime with an --fp16 export)")
+        if precision == "bf16" and not on_gpu and (why := bf16_unavailable_reason()):
             raise CapsNetError(f"--precision bf16: {why}")
         torch.set_num_threads(threads)
-        self.model = load_checkpoint(artifacts.checkpoint).build_model()
-        config = self.model.config
+        model = load_checkpoint(artifacts.checkpoint).build_model()
+        config = model.config
         if (config.in_channels, config.height, config.width) != artifacts.input_shape:
             raise CapsNetError(f"{artifacts.checkpoint} is for {config.in_channels}x{config.height}x{config.width} "
                                f"images, model.json says {'x'.join(map(str, artifacts.input_shape))}")
         self.precision = precision
-        converted = f", {convolutions_in_bf16(self.model)} convolutions in bf16" if precision == "bf16" else ""
+        converted = f", {convolutions_in(model, precision)} convolutions in {precision}" if precision != "fp32" else ""
+        self.model = model.to(self.device).eval()
         self.output_names = artifacts.output_names
-        self.description = f"{artifacts.checkpoint.name} on CPU, {threads} threads{converted}"
+        where = f"GPU {self.device.index} {gpu_facts(self.device.index)[0]}" if on_gpu else f"CPU, {threads} threads"
+        self.runner = None
+        if on_gpu if buckets is None else buckets:
+            names = self.output_names
+            self.runner = BucketRunner(lambda images: tuple(getattr(self.model(images), name) for name in names),
+                                       self.device, artifacts.input_shape, dict(artifacts.output_shapes), max_batch_size,
+                                       graphs)
+            mode = "CUDA graphs" if self.runner.graphs else "eager"
+            where += f", {mode} for batch buckets {'/'.join(map(str, self.runner.buckets))}"
+            if on_gpu:  # what the largest bucket took: the backend's GPU memory, bounded by --max-batch-size
+                where += f", {torch.cuda.memory_reserved(self.device) / 2**30:.2f} GiB of GPU memory reserved"
+        self.description = f"{artifacts.checkpoint.name} on {where}{converted}"
 
     def run(self, images: np.ndarray) -> dict[str, np.ndarray]:
-        with torch.inference_mode():
-            output = self.model(torch.from_numpy(images))
-        return {name: getattr(output, name).numpy() for name in self.output_names}
+        if self.failed:
+            raise DeviceFailure(f"{self.description}: {self.failed}")
+        try:
+            if self.runner is not None:
+                return self.runner.run(images)
+            with torch.inference_mode():
+                output = self.model(torch.from_numpy(images))
+            return {name: getattr(output, name).numpy() for name in self.output_names}
+        except Exception as err:
+            if is_device_error(err):
+                raise self.device_failure(err) from None
+            raise

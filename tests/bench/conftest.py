@@ -13,5 +13,5 @@ def tiny_export(random_tiny_checkpoint, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("bench-export") / "model"
     # Untrained weights: the INT8 accuracy change is noise, so the exporter must not refuse it.
-    export_model(random_tiny_checkpoint, out, int8=True, int8_max_drop=100.0)
+    export_model(random_tiny_checkpoint, out, int8=True, max_accuracy_drop=100.0)
     return out

@@ -35,6 +35,6 @@ def tiny_export(trained_tiny_checkpoint, tmp_path_factory) -> TinyExport:
     root = tmp_path_factory.mktemp("export")
     out, repo = root / "model", root / "triton"
     code = main(["export", str(trained_tiny_checkpoint), "--out", str(out), "--reconstruction", "--int8", "--fp16",
-                 "--int8-max-drop", "100", "--triton", str(repo)])
+                 "--max-accuracy-drop", "100", "--triton", str(repo)])
     assert code == 0
     return TinyExport(trained_tiny_checkpoint, out, repo, json.loads((out / "model.json").read_text()))

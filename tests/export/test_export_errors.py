@@ -102,10 +102,10 @@ def test_export_refuses_overlapping_out_and_triton(random_tiny_checkpoint, tmp_p
 
 
 @pytest.mark.parametrize("drop", ["nan", "inf", "-1"])
-def test_export_int8_max_drop_must_be_finite_and_not_negative(tmp_path, capsys, drop):
+def test_export_max_accuracy_drop_must_be_finite_and_not_negative(tmp_path, capsys, drop):
     # nan passed every comparison: the accuracy gate was off and model.json recorded NaN
-    line = _export_error([str(tmp_path / "any.ckpt"), "--out", str(tmp_path / "out"), "--int8-max-drop", drop], capsys)
-    assert f"--int8-max-drop must be finite and >= 0 accuracy points, got {float(drop)}" in line
+    line = _export_error([str(tmp_path / "any.ckpt"), "--out", str(tmp_path / "out"), "--max-accuracy-drop", drop], capsys)
+    assert f"--max-accuracy-drop must be finite and >= 0 accuracy points, got {float(drop)}" in line
     assert list(tmp_path.iterdir()) == []
 
 
@@ -239,10 +239,11 @@ def test_export_stages_the_triton_model_outside_its_repository(random_tiny_check
 
 @pytest.mark.parametrize("flags, message", [
     (["--calibration-images", "50"], "--calibration-images does nothing without --int8"),
-    (["--int8-max-drop", "2", "--fp16"], "--int8-max-drop does nothing without --int8"),
+    (["--aoti-precision", "bf16", "--aoti"], "--aoti-precision does nothing without --aoti cuda"),
+    (["--gpu", "1", "--int8"], "--gpu does nothing without --tensorrt or --aoti cuda"),
     (["--tensorrt-precision", "int8", "--int8"], "--tensorrt-precision does nothing without --tensorrt"),
     (["--timing-cache", "cache", "--triton", "repo"], "--timing-cache does nothing without --tensorrt"),
-    (["--max-batch", "64"], "--max-batch does nothing without --tensorrt or --triton"),
+    (["--max-batch", "64"], "--max-batch does nothing without --tensorrt or --triton or --aoti"),
     (["--max-queue-delay-us", "500", "--int8"], "--max-queue-delay-us does nothing without --triton"),
 ])
 def test_export_refuses_an_option_for_an_artifact_it_does_not_write(tmp_path, capsys, monkeypatch, flags, message):

@@ -7,7 +7,7 @@ import onnx
 import pytest
 import torch
 
-from capsnet.export.onnx_export import CONTROL_FLOW_OPS, export_onnx, graph_opset, op_counts
+from capsnet.export.onnx_export import CONTROL_FLOW_OPS, export_onnx, export_program, graph_opset, op_counts
 from capsnet.export.parity import onnxruntime_session
 from capsnet.training.config import preset
 from capsnet.training.model import CapsNet
@@ -59,7 +59,8 @@ def test_export_graph_is_small_and_straight(graph):
 def test_export_graph_unrolls_the_checkpoints_iteration_count(tmp_path):
     torch.manual_seed(0)
     model = CapsNet(preset("tiny", routing_iterations=5)).eval()
-    exported = export_onnx(model, tmp_path / "model.onnx", opset=18, reconstruction=False)
+    exported = export_onnx(export_program(model, reconstruction=False), tmp_path / "model.onnx", opset=18,
+                           reconstruction=False)
     counts = op_counts(exported)
     assert not CONTROL_FLOW_OPS & set(counts)
     assert counts["Softmax"] == 4  # iterations - 1

@@ -1,4 +1,5 @@
-"""INT8: QDQ on the convolutions only, accuracy measured and stored, refused when it drops too far."""
+"""INT8: QDQ on the convolutions only, accuracy measured and stored in the precision gate, refused when it drops
+too far."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import onnx
 from onnx import numpy_helper
 
 from capsnet.cli import main
-from capsnet.export.parity import onnxruntime_session
-from capsnet.export.quantize import accuracy, accuracy_change_points
+from capsnet.export.parity import onnxruntime_probabilities, onnxruntime_session
+from capsnet.export.precision import accuracy_change_points
 
 
 def test_export_int8_quantises_only_the_convolutions_symmetrically(tiny_export):
@@ -37,14 +38,19 @@ def test_export_int8_quantises_only_the_convolutions_symmetrically(tiny_export):
 
 
 def test_export_int8_accuracy_is_measured_on_the_test_split(tiny_export, embedded):
-    int8 = tiny_export.sidecar["int8"]
+    gate = tiny_export.sidecar["precision_gate"]["variants"]["onnx_int8"]
     test = embedded.test
-    accuracy_fp32 = accuracy(onnxruntime_session(str(tiny_export.out / "model.onnx")), test.images, test.labels)
-    accuracy_int8 = accuracy(onnxruntime_session(str(tiny_export.out / "model.int8.onnx")), test.images, test.labels)
+
+    def accuracy(name: str) -> float:
+        probabilities = onnxruntime_probabilities(onnxruntime_session(str(tiny_export.out / name)), test.images)
+        return float((probabilities.argmax(1) == test.labels).mean())
+
+    accuracy_fp32, accuracy_int8 = accuracy("model.onnx"), accuracy("model.int8.onnx")
     assert accuracy_fp32 > 0.5  # the trained model, so a drop would show
-    assert int8["accuracy_fp32"] == accuracy_fp32 and int8["accuracy_int8"] == accuracy_int8
-    assert abs(int8["accuracy_change_points"] - 100 * (accuracy_int8 - accuracy_fp32)) < 1e-3
-    assert int8["calibration_images"] == 200
+    assert gate["accuracy_fp32"] == accuracy_fp32 and gate["accuracy"] == accuracy_int8
+    assert abs(gate["accuracy_change_points"] - 100 * (accuracy_int8 - accuracy_fp32)) < 1e-3
+    assert gate["test_images"] == len(test) and gate["precision"] == "int8"
+    assert tiny_export.sidecar["int8"]["calibration_images"] == 200
 
 
 def test_export_int8_is_refused_when_accuracy_drops_too_far(trained_tiny_checkpoint, embedded, idx_dataset, tmp_path,
@@ -57,12 +63,12 @@ def test_export_int8_is_refused_when_accuracy_drops_too_far(trained_tiny_checkpo
     stderr = capsys.readouterr().err
     errors = [line for line in stderr.splitlines() if line.startswith("capsnet export: error:")]
     assert code == 2 and "Traceback" not in stderr
-    assert len(errors) == 1 and "INT8 model refused" in errors[0] and "--int8-max-drop 1" in errors[0]
+    assert len(errors) == 1 and "INT8 model refused" in errors[0] and "--max-accuracy-drop 1" in errors[0]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["black-calibration"]  # nothing half-written
 
 
 def test_export_int8_gate_takes_a_drop_of_exactly_the_limit():
-    # 100 * (0.823 - 0.833) is -1.0000000000000009: --int8-max-drop 1 refused a drop of exactly 1 point
+    # 100 * (0.823 - 0.833) is -1.0000000000000009: --max-accuracy-drop 1 refused a drop of exactly 1 point
     for correct_fp32 in range(0, 1001, 7):  # accuracies over 1,000 test images, as export measures them
         for lost in range(min(correct_fp32, 50) + 1):
             assert accuracy_change_points(correct_fp32 / 1000, (correct_fp32 - lost) / 1000) == -lost / 10

@@ -13,7 +13,8 @@ from capsnet.training.checkpoint import load_checkpoint
 
 CONTRACT_KEYS = {
     "format", "format_version", "name", "version", "exporter_version", "created", "opset", "input", "outputs",
-    "class_names", "routing", "training_metrics", "artifacts", "sha256", "reference_set", "int8", "fp16", "parity",
+    "class_names", "routing", "training_metrics", "artifacts", "sha256", "reference_set", "int8", "parity",
+    "precision_gate", "aoti",
 }
 FILES = ["model.ckpt", "model.fp16.onnx", "model.int8.onnx", "model.json", "model.onnx", "reference.npz"]
 
@@ -24,7 +25,7 @@ def test_export_sidecar_describes_the_checkpoint(tiny_export):
     config = checkpoint.config
     assert set(sidecar) == CONTRACT_KEYS
     identity = (sidecar["format"], sidecar["format_version"], sidecar["name"], sidecar["version"])
-    assert identity == ("capsnet-model", 2, "capsnet", "1")
+    assert identity == ("capsnet-model", 3, "capsnet", "1")
     assert sidecar["input"] == {"name": "images", "datatype": "FP32", "layout": "NCHW",
                                 "shape": [config.in_channels, config.height, config.width], "value_range": [0.0, 1.0]}
     assert sidecar["outputs"] == [
@@ -44,6 +45,9 @@ def test_export_sidecar_describes_the_checkpoint(tiny_export):
     assert sidecar["sha256"] == {name: file_sha256(tiny_export.out / name) for name in FILES if name != "model.json"}
     assert sidecar["sha256"]["model.ckpt"] == file_sha256(tiny_export.checkpoint)
     assert ModelDescription.read(tiny_export.out).to_json() == sidecar  # the reader gives back what export wrote
+    # the precision gate: the variants written, and the checkpoint's fp16/bf16 convolutions always
+    assert set(sidecar["precision_gate"]["variants"]) == {"onnx_int8", "onnx_fp16", "torch_fp16", "torch_bf16"}
+    assert sidecar["precision_gate"]["criterion"]["agreement_slack_images"] == 2 and sidecar["aoti"] == []
 
 
 def test_export_reference_set_holds_test_images_and_their_fp32_outputs(tiny_export, embedded):
@@ -63,8 +67,9 @@ def test_export_reference_set_holds_test_images_and_their_fp32_outputs(tiny_expo
 
 def test_export_int8_record_names_its_data_and_cpu(tiny_export):
     int8 = tiny_export.sidecar["int8"]
-    assert int8["dataset"] == "embedded-mnist-5k" and int8["test_images"] == 1000 and int8["max_drop_points"] == 100
-    assert int8["cpu"] == CpuKind.this_host().to_dict()
+    gate = tiny_export.sidecar["precision_gate"]["variants"]["onnx_int8"]
+    assert int8["dataset"] == "embedded-mnist-5k" and gate["test_images"] == 1000 and gate["max_drop_points"] == 100
+    assert int8["cpu"] == CpuKind.this_host().to_dict() and gate["measured_on"] == CpuKind.this_host().describe()
     assert "reduce_range" in int8["scheme"]["weights"]
 
 

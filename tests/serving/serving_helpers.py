@@ -47,6 +47,14 @@ def server_config(model_dir: Path, **overrides) -> ServerConfig:
     return ServerConfig(**{**values, **overrides})
 
 
+def onnxruntime_reference(model_dir: Path, images):
+    """What the FP32 ONNX Runtime backend answers for `images` (N, C, H, W): the reference other backends match."""
+    from capsnet.serving.artifacts import load_artifacts
+    from capsnet.serving.backends import create_backend
+
+    return create_backend("onnxruntime", "fp32", load_artifacts(model_dir), server_config(model_dir)).run(images)
+
+
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
     """The exposition at `url` as {(sample name, sorted label items): value}."""
     with urllib.request.urlopen(url, timeout=10) as response:

@@ -80,14 +80,14 @@ def _random_checkpoint(path: Path, **overrides) -> Path:
 @pytest.fixture(scope="module")
 def other_models(tmp_path_factory) -> dict[str, Path]:
     """Checkpoints and ONNX files (with reconstruction, as model_dir) of two other models: 5 classes, 32x32 images."""
-    from capsnet.export.onnx_export import export_onnx
+    from capsnet.export.onnx_export import export_onnx, export_program
     from capsnet.training.checkpoint import load_checkpoint
 
     out = tmp_path_factory.mktemp("other-models")
     files = {}
     for name, overrides in {"5-classes": {"num_classes": 5}, "32x32": {"height": 32, "width": 32}}.items():
         checkpoint = _random_checkpoint(out / f"{name}.ckpt", **overrides)
-        export_onnx(load_checkpoint(checkpoint).build_model().eval(), out / f"{name}.onnx", 18, True)
+        export_onnx(export_program(load_checkpoint(checkpoint).build_model().eval(), True), out / f"{name}.onnx", 18, True)
         files[f"{name}.ckpt"], files[f"{name}.onnx"] = checkpoint, out / f"{name}.onnx"
     return files
 

@@ -12,7 +12,7 @@ import pytest
 from capsnet.cli import main
 from capsnet.tensorrt_runner import unavailable_reason
 from capsnet.serving.client import CapsNetClient
-from serving_helpers import ServerThread, server_config
+from serving_helpers import ServerThread, onnxruntime_reference, server_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(unavailable_reason() is not None, reason=f"{unavailable_reason()}")]
 
@@ -35,11 +35,7 @@ def test_auto_serves_the_engine_and_matches_onnxruntime(tensorrt_model_dir):
             predictions = client.classify(list(images), reconstruction=True)
     finally:
         running.stop()
-    reference = ServerThread(server_config(tensorrt_model_dir, backend="onnxruntime"))
-    try:
-        expected = reference.server.service.backend.run(images)
-    finally:
-        reference.stop()
+    expected = onnxruntime_reference(tensorrt_model_dir, images)
     got = np.stack([p.probabilities for p in predictions])  # (8, J)
     # fp32 engines may use TF32 tensor cores: close, not bit-equal.
     np.testing.assert_allclose(got, expected["probabilities"], rtol=0, atol=5e-3)

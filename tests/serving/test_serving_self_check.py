@@ -27,7 +27,7 @@ def int8_model_dir(trained_tiny_checkpoint, tmp_path_factory) -> Path:
     from capsnet.export.exporter import export_model
 
     out = tmp_path_factory.mktemp("self-check") / "model"
-    export_model(trained_tiny_checkpoint, out, int8=True, int8_max_drop=100.0)  # the gate is not under test here
+    export_model(trained_tiny_checkpoint, out, int8=True, max_accuracy_drop=100.0)  # the gate is not under test here
     return out
 
 

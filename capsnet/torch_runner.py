@@ -1,0 +1,196 @@
+"""Running the model with torch on the CPU or a CUDA GPU, numpy in and numpy out: the torch backend's padded
+batch buckets (CUDA graphs on a GPU) and the AOTInductor package runner. The server's backends serve with them,
+and export checks its packages with the same runner, so the gate checks the code that serves.
+
+On a GPU, images go up and outputs come back through pinned host buffers sized once for the largest batch, as
+asynchronous copies on the runner's own stream: nothing is allocated per batch but the arrays handed back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from capsnet.errors import CapsNetError
+
+Outputs = dict[str, np.ndarray]
+
+
+def cuda_unavailable_reason(gpu: int) -> str | None:
+    """Why CUDA device `gpu` cannot run (or compile for) torch here, or None."""
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        return f"no CUDA GPU is visible to torch {torch.__version__} ({build})"
+    count = torch.cuda.device_count()
+    if not 0 <= gpu < count:
+        return f"no CUDA GPU {gpu}: this machine has {count} (0 to {count - 1})"
+    return None
+
+
+def gpu_facts(gpu: int) -> tuple[str, str]:
+    """(name, compute capability "major.minor") of CUDA device `gpu`."""
+    major, minor = torch.cuda.get_device_capability(gpu)
+    return torch.cuda.get_device_name(gpu), f"{major}.{minor}"
+
+
+def is_device_error(err: BaseException) -> bool:
+    """Whether a failure under a CUDA run is the device's (out of memory, a CUDA error), not the caller's."""
+    accelerator_error = getattr(torch, "AcceleratorError", ())  # torch >= 2.8 raises it for CUDA errors
+    return isinstance(err, (torch.OutOfMemoryError, *((accelerator_error,) if accelerator_error else ()))) or (
+        isinstance(err, RuntimeError) and "CUDA" in str(err))
+
+
+def bucket_sizes(max_batch: int) -> tuple[int, ...]:
+    """The padded batch sizes: powers of two below `max_batch`, and `max_batch` itself."""
+    return tuple(sorted({2 ** i for i in range(max_batch.bit_length()) if 2 ** i < max_batch} | {max_batch}))
+
+
+def bucket_for(batch: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket that holds `batch` images."""
+    for size in buckets:
+        if size >= batch:
+            return size
+    raise CapsNetError(f"a batch of {batch} images is more than the largest bucket, {buckets[-1]}")
+
+
+class StagedIO:
+    """Pinned host buffers for one input and the outputs, sized for `max_batch`, and the stream the copies and the
+    computation run on. On the CPU there is nothing to stage: tensors are views of the caller's arrays."""
+
+    def __init__(self, device: torch.device, row_shape: tuple[int, ...], output_rows: dict[str, tuple[int, ...]],
+                 max_batch: int):
+        self.device = device
+        self.max_batch = max_batch
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.cuda:
+            # fp32 means fp32: TF32 tensor cores (cuDNN's default for convolutions) round inputs to 10 bits, which
+            # the FP32 parity bound (1e-4) does not allow; fp16/bf16 are the precisions that trade accuracy for speed
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+            self.host_input = torch.empty((max_batch, *row_shape), dtype=torch.float32, pin_memory=True)
+            self.host_outputs = {name: torch.empty((max_batch, *rows), dtype=torch.float32, pin_memory=True)
+                                 for name, rows in output_rows.items()}
+
+    def upload(self, images: np.ndarray, target: torch.Tensor | None = None) -> torch.Tensor:
+        """images (N, ...) -> the same on the device: into `target`'s first N rows where given (enqueued on the
+        stream), else a new device tensor (CPU: a view of `images`)."""
+        batch = len(images)
+        if not self.cuda:
+            tensor = torch.from_numpy(images)
+            if target is None:
+                return tensor
+            target[:batch].copy_(tensor)
+            return target[:batch]
+        self.host_input[:batch].numpy()[...] = images  # pinned, so the copy below is a true asynchronous DMA
+        with torch.cuda.stream(self.stream):
+            if target is None:
+                target = torch.empty_like(self.host_input[:batch], device=self.device)
+            target[:batch].copy_(self.host_input[:batch], non_blocking=True)
+        return target[:batch]
+
+    def download(self, outputs: dict[str, torch.Tensor], batch: int) -> Outputs:
+        """The first `batch` rows of each device output as float32 arrays, the caller's to keep."""
+        if not self.cuda:
+            return {name: output[:batch].float().numpy().copy() for name, output in outputs.items()}
+        with torch.cuda.stream(self.stream):
+            for name, output in outputs.items():
+                self.host_outputs[name][:batch].copy_(output[:batch], non_blocking=True)
+        self.stream.synchronize()
+        return {name: self.host_outputs[name][:batch].numpy().copy() for name in outputs}
+
+    def on_stream(self):
+        """The context that makes the runner's stream current (a no-op on the CPU)."""
+        return torch.cuda.stream(self.stream) if self.cuda else _nothing()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class BucketRunner:
+    """`model` (images -> a tuple of outputs in `output_names`' order) on padded batch buckets: each batch runs at the
+    smallest bucket that holds it, from static input and output tensors allocated once per bucket. On a GPU with
+    `graphs`, each bucket's forward pass is a CUDA graph captured at start-up and replayed per batch (one launch
+    instead of a few hundred); otherwise the model runs on the bucket's static tensors as it is."""
+
+    def __init__(self, model: Callable, device: torch.device, row_shape: tuple[int, ...],
+                 output_rows: dict[str, tuple[int, ...]], max_batch: int, graphs: bool):
+        self.model, self.device, self.output_names = model, device, tuple(output_rows)
+        self.buckets = bucket_sizes(max_batch)
+        self.io = StagedIO(device, row_shape, output_rows, max_batch)
+        self.graphs = graphs and device.type == "cuda"
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, dict[str, torch.Tensor]] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        # the static tensors outside inference mode: each batch is copied into them (inference tensors refuse that)
+        for size in self.buckets:
+            self.inputs[size] = torch.zeros((size, *row_shape), dtype=torch.float32, device=device)
+            if not self.graphs:
+                self.outputs[size] = {name: torch.empty((size, *rows), dtype=torch.float32, device=device)
+                                      for name, rows in output_rows.items()}
+        if self.graphs:
+            self._capture(pool)
+
+    def _capture(self, pool) -> None:
+        with torch.inference_mode(), self.io.on_stream():
+            # largest first: the shared memory pool is sized by it, and the smaller captures fit in what it left
+            for size in reversed(self.buckets):
+                for _ in range(2):  # cuDNN/cuBLAS pick and allocate their kernels outside the capture
+                    self.model(self.inputs[size])
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=self.io.stream):
+                    self.outputs[size] = self._named(self.model(self.inputs[size]))
+                self._graphs[size] = graph
+        self.io.stream.synchronize()
+
+    def _named(self, outputs) -> dict[str, torch.Tensor]:
+        return dict(zip(self.output_names, outputs))
+
+    def run(self, images: np.ndarray) -> Outputs:
+        batch = len(images)
+        size = bucket_for(batch, self.buckets)
+        # rows past `batch` keep earlier images (or zeros): every image is computed on its own, so they change
+        # nothing in the rows returned
+        self.io.upload(images, self.inputs[size])
+        with torch.inference_mode(), self.io.on_stream():
+            if self.graphs:
+                self._graphs[size].replay()
+            else:
+                for name, output in self._named(self.model(self.inputs[size])).items():
+                    self.outputs[size][name].copy_(output)
+        return self.io.download(self.outputs[size], batch)
+
+
+class AotiRunner:
+    """An AOTInductor package (torch._inductor.aoti_load_package) on the CPU or CUDA device `gpu`, for batches of
+    1 to `max_batch` images (a package does not check its batch range itself)."""
+
+    def __init__(self, path, device: torch.device, row_shape: tuple[int, ...], output_rows: dict[str, tuple[int, ...]],
+                 max_batch: int):
+        self.device, self.output_names, self.max_batch = device, tuple(output_rows), max_batch
+        try:
+            self.package = torch._inductor.aoti_load_package(
+                str(path), device_index=device.index if device.type == "cuda" else -1)
+        except Exception as err:  # a damaged archive, a shared object for another machine
+            raise CapsNetError(f"{path} cannot be loaded: {type(err).__name__}: "
+                               f"{(str(err).strip().splitlines() or [''])[0][:300]}") from None
+        self.io = StagedIO(device, row_shape, output_rows, max_batch)
+        self._input = (torch.empty((max_batch, *row_shape), dtype=torch.float32, device=device)
+                       if device.type == "cuda" else None)
+
+    def run(self, images: np.ndarray) -> Outputs:
+        batch = len(images)
+        if not 1 <= batch <= self.max_batch:
+            raise CapsNetError(f"the package runs 1 to {self.max_batch} images at a time, got {batch}")
+        inputs = self.io.upload(images, self._input)
+        with torch.inference_mode(), self.io.on_stream():
+            outputs = self.package(inputs)  # its outputs come from the caching allocator: reused, not cudaMalloc'd
+        return self.io.download(dict(zip(self.output_names, outputs)), batch)
