@@ -16,7 +16,8 @@ from capsnet.errors import CapsNetError
 
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
-_READY = re.compile(r"capsnet serve: ready: .* grpc://(?P<host>[^:\s]+):(?P<port>\d+) metrics (?P<metrics>\S+)")
+_READY = re.compile(r"capsnet serve: ready: .* grpc://(?P<host>[^:\s]+):(?P<port>\d+) metrics (?P<metrics>\S+)"
+                    r"(?: rest http://(?P<rest>\S+))?")
 
 
 class ServerProcess:
@@ -26,6 +27,7 @@ class ServerProcess:
         self.command = [sys.executable, "-m", "capsnet", "--log-level", "WARNING", "serve", "--host", "127.0.0.1",
                         "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", *flags]
         self.target: str | None = None
+        self.rest_target: str | None = None  # HOST:PORT of KServe REST
         self.metrics_url: str | None = None
         self._process: subprocess.Popen | None = None
         self._output: list[str] = []
@@ -94,6 +96,7 @@ class ServerProcess:
             if match:
                 self.target = f"{match['host']}:{match['port']}"
                 self.metrics_url = match["metrics"]
+                self.rest_target = match["rest"]
                 ready.set()
 
     def _stop(self) -> None:

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# The GPU check, on a bare GPU machine, in one run: install against the machine's own torch, train the paper model
+# briefly on the embedded digits on the GPU, export it, time every GPU backend and precision in process beside the
+# XifengGuo forward pass, serve it on the GPU under gRPC and REST load, compile the CUDA AOTInductor packages, run
+# the GPU tests. Every step has its own time limit within one budget; a failed step does not stop the others; the
+# results so far are rewritten after each step to OUT/gpu_check.json and OUT/gpu_check.md (OUT/gpu_check.log: all
+# output).
+#
+#   bash scripts/gpu_check.sh OUT                 # on the GPU machine (budget: GPU_CHECK_BUDGET_S, default 320 s)
+#   bash scripts/gpu_check.sh --cpu-dry-run OUT   # every step on the CPU, small sizes: the script walked end to end
+#
+# Missing Python packages travel as wheels in the repository's ignored .whl/ folder and are installed with --no-deps
+# into a folder of their own; the project itself goes on PYTHONPATH as a package tree linked to this checkout.
+set -uo pipefail
+
+dry=0
+if [ "${1:-}" = "--cpu-dry-run" ]; then
+    dry=1
+    shift
+fi
+out=${1:?usage: bash scripts/gpu_check.sh [--cpu-dry-run] OUT}
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+budget=${GPU_CHECK_BUDGET_S:-$([ $dry = 1 ] && echo 900 || echo 320)}
+began=$SECONDS
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
+mkdir -p "$work/parts"
+exec > >(tee -a "$out/gpu_check.log") 2>&1
+
+if [ $dry = 1 ]; then
+    python=${PYTHON:-$repo/.venv/bin/python}
+    dry_flag=(--cpu-dry-run)
+    preset=tiny device=cpu aoti_flags=(--aoti cpu --max-batch 32) specs_first=(torch:fp32 torch:fp32:plain public:fp32 onnxruntime:fp32)
+    specs_aoti=(aoti:fp32 torch:fp32) concurrency=(1 16) window=1 threads=2
+else
+    python=${PYTHON:-$([ -x /opt/torch/.venv/bin/python3 ] && echo /opt/torch/.venv/bin/python3 || echo python3)}
+    dry_flag=()
+    preset=paper device=cuda aoti_flags=(--aoti cuda --gpu 0 --max-batch 1024)
+    specs_first=(torch:fp32 torch:bf16 torch:fp16 torch:fp32:eager public:fp32)
+    specs_aoti=(aoti:fp32 torch:fp32 torch:bf16) concurrency=(1 16 64) window=2 threads=4
+fi
+# Compiles and the timed runs never share the cores: threads are set for each; inductor compiles on all of them.
+cores=$(nproc)
+export OMP_NUM_THREADS=$threads PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=$cores
+echo "==> gpu_check: $([ $dry = 1 ] && echo 'CPU dry run' || echo GPU), budget ${budget} s, python $python, work $work"
+
+# --- steps: each under `timeout`, recorded in steps.jsonl; the report is rewritten after every one ----------------
+report() {
+    (cd "$work" && timeout 60 "$python" -m capsnet.bench.gpu_check report --work "$work" --out "$out") \
+        || echo "==> report failed"
+}
+record() {  # step status seconds limit
+    printf '{"step": "%s", "status": "%s", "seconds": %s, "limit": %s}\n' "$1" "$2" "$3" "$4" >> "$work/steps.jsonl"
+}
+step() {  # name limit command...: runs in $work (so the checkout's bare capsnet/ folder never shadows the package)
+    local name=$1 limit=$2 left status t0 rc
+    shift 2
+    left=$((budget - (SECONDS - began) - 15))  # 15 s kept for the last report
+    [ "$limit" -gt "$left" ] && limit=$left
+    if [ "$limit" -lt 10 ]; then
+        echo "==> $name: skipped, ${left} s of the budget left"
+        record "$name" "skipped: no time left" 0 0
+        return 1
+    fi
+    echo "==> $name (at most ${limit} s)"
+    t0=$SECONDS
+    (cd "$work" && timeout -k 5 "$limit" "$@")
+    rc=$?
+    case $rc in
+        0) status=ok ;;
+        124 | 137) status="timed out" ;;
+        *) status="failed (exit $rc)" ;;
+    esac
+    echo "==> $name: $status in $((SECONDS - t0)) s"
+    record "$name" "$status" $((SECONDS - t0)) "$limit"
+    report
+    return $rc
+}
+# the step's commands (`timeout` runs programs, not shell functions)
+check=("$python" -m capsnet.bench.gpu_check)
+common=(--work "$work" --threads "$threads" "${dry_flag[@]}")
+save_tail() {  # part-name log: the end of a step's output as a part of the report
+    "$python" -c 'import json, sys; print(json.dumps({"tail": open(sys.argv[1]).read()[-3000:]}))' "$2" \
+        > "$work/parts/$1.json" 2>/dev/null
+}
+
+# 1. install: each carried wheel whose module is missing here (--no-deps), then the project as a package tree
+install_project() {
+    local wheel module wanted=()
+    for wheel in "$repo"/.whl/*.whl; do
+        [ -e "$wheel" ] || continue
+        module=$(basename "$wheel" | cut -d- -f1 | tr '[:upper:]' '[:lower:]')
+        case $module in
+            grpcio_health_checking) module=grpc_health ;;
+            grpcio_reflection) module=grpc_reflection ;;
+        esac
+        "$python" -c "import $module" 2>/dev/null || wanted+=("$wheel")
+    done
+    if [ ${#wanted[@]} -gt 0 ]; then
+        echo "installing ${#wanted[@]} carried wheels: ${wanted[*]##*/}"
+        "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" \
+            "${wanted[@]}" || return 1
+    fi
+    mkdir -p "$work/pkg/capsnet"
+    ln -s "$repo"/capsnet/* "$work/pkg/capsnet/"
+    for sub in training export serving; do ln -s "$repo/$sub" "$work/pkg/capsnet/$sub"; done
+    # what the server, training and export import, from here (the checkout's bare capsnet/ would shadow the tree)
+    cd "$work" && "$python" -c "import capsnet.serving.server, capsnet.training.train, capsnet.export.exporter, aiohttp
+import torch; print('capsnet', capsnet.__file__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+}
+export PYTHONPATH="$work/pkg:$work/site${PYTHONPATH:+:$PYTHONPATH}"
+export python repo work
+export -f install_project
+step install 90 bash -c install_project || { report; exit 1; }
+step facts 40 "${check[@]}" facts "${common[@]}"
+step peak 60 "${check[@]}" peak "${common[@]}"
+
+# 2-3. train briefly on the GPU, export ONNX (the CUDA packages come after the timings: compiling loads every core)
+step train 120 "$python" -m capsnet train --data embedded --preset $preset --epochs 1 --device $device --threads "$threads" \
+    --seed 0 --out "$work/model.ckpt" --no-progress
+step export 150 "$python" -m capsnet export "$work/model.ckpt" --out "$work/model" --reconstruction
+step flops 30 "${check[@]}" flops "${common[@]}" --model "$work/model"
+
+# 4-5. in process: every GPU backend and precision, and the XifengGuo forward pass on the same device
+step inprocess 150 "${check[@]}" inprocess "${common[@]}" --model "$work/model" --specs "${specs_first[@]}"
+
+# 6. served: auto on the GPU, gRPC and REST
+step serve 150 "${check[@]}" serve "${common[@]}" --model "$work/model" --concurrency "${concurrency[@]}" --window "$window"
+
+# the CUDA AOTInductor fp32 package (bf16 and fp16 too would not fit the budget), then in process beside torch again
+step aoti_export 240 "$python" -m capsnet export "$work/model.ckpt" --out "$work/model-aoti" --reconstruction "${aoti_flags[@]}" \
+    > "$work/aoti_export.log" 2>&1
+aoti_rc=$?
+save_tail aoti_export "$work/aoti_export.log"
+[ $aoti_rc = 0 ] && step inprocess_aoti 90 "${check[@]}" inprocess "${common[@]}" --label aoti --model "$work/model-aoti" --specs "${specs_aoti[@]}"
+
+# the GPU tests, where pytest is there and time is left
+if (cd "$work" && "$python" -c "import pytest") 2>/dev/null; then
+    # on the CPU they skip, each with its reason
+    step tests 200 "$python" -m pytest -q -rs -p no:cacheprovider -m gpu --rootdir "$repo" -c "$repo/pyproject.toml" \
+        "$repo/tests/serving/test_serving_gpu_backends.py" > "$work/tests.log" 2>&1
+    save_tail tests "$work/tests.log"
+else
+    record tests "skipped: pytest is not installed" 0 0
+fi
+report
+echo "==> gpu_check done in $((SECONDS - began)) s: $out/gpu_check.md"
+rm -rf "$work"

@@ -1,0 +1,36 @@
+"""The GPU check's steps on the CPU, small: each writes its part, and the report says what ran, what did not, and
+what the targets compare (scripts/gpu_check.sh --cpu-dry-run walks the whole script; this runs in CI)."""
+
+from __future__ import annotations
+
+import json
+
+from capsnet.bench import gpu_check
+
+
+def test_the_steps_write_parts_and_the_report_tables_them(tiny_export, tmp_path):
+    work, out = tmp_path / "work", tmp_path / "out"
+    common = ["--work", str(work), "--cpu-dry-run", "--threads", "1"]
+    for step in (["facts"], ["peak"], ["flops", "--model", str(tiny_export)],
+                 ["inprocess", "--model", str(tiny_export), "--specs", "torch:fp32", "public:fp32", "torch:fp16",
+                  "--batches", "1", "4", "--seconds", "0.03", "--rounds", "1"]):
+        assert gpu_check.main([*step, *common]) == 0
+    (work / "steps.jsonl").write_text(json.dumps({"step": "serve", "status": "timed out", "seconds": 150,
+                                                  "limit": 150}) + "\n")
+    assert gpu_check.main(["report", "--work", str(work), "--out", str(out)]) == 0
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert summary["facts"]["dry_run"] and summary["peak"]["matmul_fp32_tflops"] > 0
+    assert summary["flops"]["flops_per_image"] > 0 and summary["flops"]["bytes_in_per_image"] == 4 * 28 * 28
+    inprocess = summary["inprocess"]
+    # fp16 needs a GPU: refused in its own line, the others timed
+    assert "torch:fp16" in inprocess["failed"] and "add --gpu N" in inprocess["failed"]["torch:fp16"]
+    assert {(row["backend"], row["batch_size"]) for row in inprocess["results"]} == {
+        ("torch:fp32", 1), ("torch:fp32", 4), ("public:fp32", 1), ("public:fp32", 4)}
+    assert inprocess["backends"]["torch:fp32"]["self_check"]["passed"]
+    analysis = summary["analysis"]["batch_4"]
+    assert analysis["best"] == "torch:fp32" and analysis["speedup_vs_public"] > 0
+    assert 0 < analysis["share_of_matmul_peak"]
+    markdown = (out / "gpu_check.md").read_text()
+    assert markdown.startswith("# GPU check — CPU DRY RUN")
+    assert "| serve | timed out | 150 | 150 |" in markdown and "| torch:fp32 |" in markdown
+    assert "torch:fp16: did not load: CapsNetError: --precision fp16 on the torch backend runs on a GPU" in markdown
