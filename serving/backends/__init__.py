@@ -39,9 +39,9 @@ class LoadedBackend:
 
 
 def gpu_host() -> bool:
-    """Whether an NVIDIA driver is loaded; only then is torch asked about CUDA, so that a server on a CPU host that
-    serves ONNX Runtime never imports torch."""
-    return os.path.exists("/proc/driver/nvidia/version")
+    """Whether an NVIDIA driver is there (its /proc entry, or in a container its device node); only then is torch
+    asked about CUDA, so that a server on a CPU host that serves ONNX Runtime never imports torch."""
+    return any(os.path.exists(path) for path in ("/proc/driver/nvidia/version", "/dev/nvidiactl"))
 
 
 def choose_backend(artifacts: ModelArtifacts, config: ServerConfig) -> tuple[str, str]:
