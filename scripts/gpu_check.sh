@@ -9,8 +9,9 @@
 #   bash scripts/gpu_check.sh OUT                 # on the GPU machine (budget: GPU_CHECK_BUDGET_S, default 320 s)
 #   bash scripts/gpu_check.sh --cpu-dry-run OUT   # every step on the CPU, small sizes: the script walked end to end
 #
-# Missing Python packages travel as wheels in the repository's ignored .whl/ folder and are installed with --no-deps
-# into a folder of their own; the project itself goes on PYTHONPATH as a package tree linked to this checkout.
+# Missing Python packages travel as pure-Python wheels in the repository's ignored .whl/ folder and are unpacked,
+# without their dependencies, into a folder of their own; the project itself goes on PYTHONPATH as a package tree
+# linked to this checkout.
 set -uo pipefail
 
 dry=0
@@ -97,11 +98,10 @@ install_project() {
         esac
         "$python" -c "import $module" 2>/dev/null || wanted+=("$wheel")
     done
-    if [ ${#wanted[@]} -gt 0 ]; then
-        echo "installing ${#wanted[@]} carried wheels: ${wanted[*]##*/}"
-        "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" \
-            "${wanted[@]}" || return 1
-    fi
+    for wheel in "${wanted[@]}"; do  # pure-Python wheels: unpacked is installed, and no pip is needed
+        echo "installing ${wheel##*/} (--no-deps)"
+        "$python" -m zipfile -e "$wheel" "$work/site" || return 1
+    done
     mkdir -p "$work/pkg/capsnet"
     ln -s "$repo"/capsnet/* "$work/pkg/capsnet/"
     for sub in training export serving; do ln -s "$repo/$sub" "$work/pkg/capsnet/$sub"; done
