@@ -22,6 +22,17 @@ def model_dir(random_tiny_checkpoint, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def int8_model_dir(trained_tiny_checkpoint, tmp_path_factory) -> Path:
+    """The trained tiny model exported with INT8, for the self-check and precision-gate tests. Its export gate is
+    opened wide: how many points INT8 loses depends on the host's int8 kernels, and these tests are the server's."""
+    from capsnet.export.exporter import export_model
+
+    out = tmp_path_factory.mktemp("self-check") / "model"
+    export_model(trained_tiny_checkpoint, out, int8=True, max_accuracy_drop=100.0)
+    return out
+
+
+@pytest.fixture(scope="session")
 def server(model_dir):
     running = ServerThread(server_config(model_dir))
     yield running

@@ -30,13 +30,6 @@ def near_ties_dir(random_tiny_checkpoint, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def trained_int8_dir(trained_tiny_checkpoint, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("trained-int8") / "model"
-    assert main(["export", str(trained_tiny_checkpoint), "--out", str(out), "--int8"]) == 0
-    return out
-
-
 def _serve_error(model_dir: Path, capsys) -> str:
     code = main(["serve", "--model", str(model_dir), "--precision", "int8", "--grpc-port", "0", "--http-port", "0",
                  "--metrics-port", "0"])
@@ -75,8 +68,8 @@ def test_a_model_with_near_ties_is_served_in_int8(near_ties_dir):
         served.stop()
 
 
-def test_a_damaged_int8_file_is_still_refused(trained_int8_dir, tmp_path, capsys):
-    _rewrite_int8_weights(trained_int8_dir, tmp_path / "model", lambda w: np.clip(w.astype(int) * 3, -127, 127))
+def test_a_damaged_int8_file_is_still_refused(int8_model_dir, tmp_path, capsys):
+    _rewrite_int8_weights(int8_model_dir, tmp_path / "model", lambda w: np.clip(w.astype(int) * 3, -127, 127))
     error = _serve_error(tmp_path / "model", capsys)
     assert "self-check failed: int8 against the FP32 reference on 128 images" in error
     assert "the precision gate: export measured" in error
@@ -103,14 +96,14 @@ def _int8_figures(model_dir: Path) -> tuple[float, float, float]:
 
 
 @pytest.mark.parametrize("percentile", [60, 90])
-def test_int8_weights_saturated_as_on_avx2_are_refused(trained_int8_dir, tmp_path, capsys, percentile):
+def test_int8_weights_saturated_as_on_avx2_are_refused(int8_model_dir, tmp_path, capsys, percentile):
     """AVX2 has no int8 dot product: VPMADDUBSW sums pairs of u8 x s8 products into int16, which saturates, so the
     largest products are clipped. Clipping the largest weights is the stand-in here (this CPU may not saturate). At the
     60th percentile it costs the trained tiny model about what saturation cost it on AVX2 (2 points); at the 90th
     nothing in accuracy and under 1% of the classes, which the former absolute rule (99%, 0.1) let through. The server
     refuses both, although export accepted the same model."""
-    _rewrite_int8_weights(trained_int8_dir, tmp_path / "model", _clip_largest(percentile))
-    exported, clipped = _int8_figures(trained_int8_dir), _int8_figures(tmp_path / "model")
+    _rewrite_int8_weights(int8_model_dir, tmp_path / "model", _clip_largest(percentile))
+    exported, clipped = _int8_figures(int8_model_dir), _int8_figures(tmp_path / "model")
     if percentile == 60:
         assert 100 * (exported[0] - clipped[0]) >= 0.5, (exported, clipped)  # a saturation-sized loss
     else:

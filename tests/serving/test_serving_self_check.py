@@ -22,15 +22,6 @@ from capsnet.v1 import capsnet_pb2_grpc
 from serving_helpers import ServerThread, metric, scrape, server_config
 
 
-@pytest.fixture(scope="module")
-def int8_model_dir(trained_tiny_checkpoint, tmp_path_factory) -> Path:
-    from capsnet.export.exporter import export_model
-
-    out = tmp_path_factory.mktemp("self-check") / "model"
-    export_model(trained_tiny_checkpoint, out, int8=True, max_accuracy_drop=100.0)  # the gate is not under test here
-    return out
-
-
 def _copy(model_dir: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "model"
     shutil.copytree(model_dir, copy)
