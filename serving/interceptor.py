@@ -1,6 +1,6 @@
 """Where gRPC meets the core: every RPC passes this interceptor, and only here are errors gRPC-shaped.
 
-- The transport-neutral errors of `serving/errors.py` become gRPC statuses, in one table (STATUS_CODES).
+- The transport-neutral errors of `serving/errors.py` become gRPC statuses, the code each kind carries.
   The status is set on the context and the handler returns; no abort exception is kept, so a refused
   request (and its message) is freed at once instead of living in an exception -> traceback -> frame cycle.
 - A request message that does not parse gets INVALID_ARGUMENT, logged at WARNING without a traceback
@@ -26,25 +26,11 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from capsnet.serving.errors import (
-    DeadlineExceeded, InferenceError, InvalidInput, ModelNotFound, QueueFull, ServerNotReady, ServingError,
-    past_deadline,
+    InvalidInput, ServerNotReady, ServingError, TooLarge, bounded_message, past_deadline,
 )
 from capsnet.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
-
-STATUS_CODES: dict[type[ServingError], grpc.StatusCode] = {
-    InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
-    ModelNotFound: grpc.StatusCode.NOT_FOUND,
-    ServerNotReady: grpc.StatusCode.UNAVAILABLE,
-    QueueFull: grpc.StatusCode.UNAVAILABLE,
-    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
-    InferenceError: grpc.StatusCode.INTERNAL,
-}
-# A status message travels in a header, percent-encoded beyond printable ASCII (up to 3 bytes per UTF-8 byte), and
-# gRPC refuses headers over 8-16 KiB: the client would get RESOURCE_EXHAUSTED instead of our status. Messages that
-# quote a client's values (a name, a shape) are cut to this many UTF-8 bytes.
-MAX_DETAILS_BYTES = 1500
 # short `api` label values of the services the server hosts; anything else is counted as "unknown"
 API_NAMES = {
     "capsnet.v1.CapsNetService": "capsnet",
@@ -89,11 +75,11 @@ class _Call:
         metrics.requests.labels(self.api, self.method, code.name).inc()
         metrics.request_duration.labels(self.api, self.method).observe(time.monotonic() - self.started)
 
-    def refuse(self, context, code: grpc.StatusCode, message: str) -> None:
-        """Answer with `code` (the handler returns right after)."""
-        self.code = code
-        context.set_code(code)
-        context.set_details(bounded_message(message))
+    def refuse(self, context, err: ServingError) -> None:
+        """Answer with the error's code and message (the handler returns right after)."""
+        self.code = grpc.StatusCode[err.grpc_code]
+        context.set_code(self.code)
+        context.set_details(bounded_message(err.message))
 
     def requests_in_flight(self) -> int:
         """A unary call is one request; a stream counts its requests from arrival to answer, so that an idle stream
@@ -155,8 +141,8 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             if isinstance(request, _Unparseable):
                 log.warning("unparseable %s request (%d bytes) from %s: answered INVALID_ARGUMENT",
                             call.method, request.size, context.peer())
-                call.refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
-                            f"the request ({request.size} bytes) is not a valid {call.method} message")
+                call.refuse(context, InvalidInput(f"the request ({request.size} bytes) is not a valid {call.method} "
+                                                  "message"))
                 return None
             return request
 
@@ -164,9 +150,8 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             size = response.ByteSize()
             if size <= limit:
                 return False
-            call.refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"the response ({size} bytes) exceeds the server's limit of {limit} bytes "
-                        "(--max-message-bytes); ask for fewer images or outputs per request")
+            call.refuse(context, TooLarge(f"the response ({size} bytes) exceeds the server's limit of {limit} bytes "
+                                          "(--max-message-bytes); ask for fewer images or outputs per request"))
             return True
 
         if inspect.isasyncgenfunction(behavior):
@@ -180,7 +165,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                             call.answered += 1
                             yield response
                 except ServingError as err:
-                    call.refuse(context, STATUS_CODES[type(err)], err.message)
+                    call.refuse(context, err)
                 except Exception:  # a server fault: gRPC answers UNKNOWN (and logs it) after we count the call
                     call.code = grpc.StatusCode.UNKNOWN
                     raise
@@ -202,7 +187,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                     response = await behavior(request, context)
                     return None if response is not None and too_large(response, context) else response
                 except ServingError as err:
-                    call.refuse(context, STATUS_CODES[type(err)], err.message)
+                    call.refuse(context, err)
                     return None
                 except Exception:  # as above
                     call.code = grpc.StatusCode.UNKNOWN
@@ -223,19 +208,8 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         task = asyncio.current_task()
         if hasattr(task, "uncancel"):  # Python 3.11+ counts cancellations; 3.10 needs nothing
             task.uncancel()
-        call.refuse(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        call.refuse(context, ServerNotReady("the server is shutting down"))
         return True
-
-
-def bounded_message(message: str) -> str:
-    """`message`, or its start and end around a note of what was cut, within MAX_DETAILS_BYTES."""
-    data = message.encode()
-    if len(data) <= MAX_DETAILS_BYTES:
-        return message
-    keep = MAX_DETAILS_BYTES - 100  # room for the note
-    head = data[:keep * 2 // 3].decode(errors="ignore")  # a character split at a cut is dropped
-    tail = data[-(keep // 3):].decode(errors="ignore")
-    return f"{head} [... {len(data) - len(head.encode()) - len(tail.encode())} bytes cut ...] {tail}"
 
 
 def _guarded(deserializer):

@@ -15,8 +15,8 @@ Routes (`{model}` is the served model's name; every model route also takes `/ver
 An inference request is a JSON object; with the `Inference-Header-Content-Length` header it is that many bytes of
 JSON followed by the input's raw little-endian bytes (`parameters.binary_data_size` on the input). Outputs asked with
 `parameters.binary_data: true` (or all, with the request's `binary_data_output: true`) are answered the same way,
-the others as JSON `data`. Errors are `{"error": message}` with the status of their kind (HTTP_STATUSES), counted in
-the same metrics as gRPC's calls, under api="kserve_http" and the gRPC code of the same kind.
+the others as JSON `data`. Errors are `{"error": message}` with the HTTP status their kind carries (`serving/errors.py`),
+counted in the same metrics as gRPC's calls, under api="kserve_http" and the kind's gRPC code.
 
 Bounds against hostile clients (docs/serving.md): a body over --max-message-bytes is refused from its
 Content-Length, and the bodies being read at once share a budget; a body must arrive within BODY_TIMEOUT_S and an
@@ -44,27 +44,15 @@ from aiohttp.http_exceptions import HttpProcessingError
 from capsnet.errors import CapsNetError
 from capsnet.serving import kserve
 from capsnet.serving.errors import (
-    DeadlineExceeded, InferenceError, InvalidInput, ModelNotFound, QueueFull, ServerNotReady, ServingError,
+    InvalidInput, MethodNotAllowed, NoSuchRoute, QueueFull, RequestTimeout, ServingError, TooLarge, UnsupportedEncoding,
+    bounded_message,
 )
-from capsnet.serving.interceptor import STATUS_CODES, bounded_message
 from capsnet.serving.metrics import Metrics
 from capsnet.serving.service import InferenceService
 
 log = logging.getLogger(__name__)
 
 API = "kserve_http"
-HTTP_STATUSES: dict[type[ServingError], int] = {
-    InvalidInput: 400,
-    ModelNotFound: 404,
-    ServerNotReady: 503,
-    QueueFull: 503,
-    DeadlineExceeded: 504,
-    InferenceError: 500,
-}
-# Errors of HTTP itself (no route, wrong method, body too slow, over the limit or in an encoding not taken) and the
-# gRPC code they are counted under.
-HTTP_ERROR_CODES = {404: "UNIMPLEMENTED", 405: "UNIMPLEMENTED", 408: "CANCELLED", 413: "RESOURCE_EXHAUSTED",
-                    415: "INVALID_ARGUMENT"}
 BINARY_HEADER = "Inference-Header-Content-Length"
 # JSON bodies larger than this are parsed, and JSON answers this large written, in a worker thread, as gRPC's typed
 # contents are converted: about 10 ms a megabyte that every other call on the event loop would wait for.
@@ -198,17 +186,18 @@ class KServeHTTP:
         errors are HTTP-shaped."""
         started = time.monotonic()
         rpc = self._rpc_of.get(handler, "unknown")
-        code = "OK"
+        code, headers = "OK", None
         try:  # counted once the answer is ready, before it is sent, as gRPC's interceptor counts a call
-            response = await handler(request)
+            try:
+                response = await handler(request)
+            except web.HTTPMethodNotAllowed as err:  # aiohttp's router
+                headers = {"Allow": err.headers["Allow"]}
+                raise MethodNotAllowed(f"{request.method} {request.path}: {err.reason}") from None
+            except web.HTTPNotFound as err:
+                raise NoSuchRoute(f"{request.method} {request.path}: {err.reason}") from None
         except ServingError as err:
-            code = STATUS_CODES[type(err)].name
-            response = _error(HTTP_STATUSES[type(err)], err.message)
-        except web.HTTPException as err:  # from aiohttp (no such route or method) or ours (body refused)
-            code = HTTP_ERROR_CODES.get(err.status, "INVALID_ARGUMENT")
-            allow = {"Allow": err.headers["Allow"]} if "Allow" in err.headers else None
-            response = _error(err.status, err.text if err.status in (408, 413, 415)
-                              else f"{request.method} {request.path}: {err.reason}", headers=allow)
+            code = err.grpc_code
+            response = _error(err.http_status, err.message, headers=headers)
         except asyncio.CancelledError:  # the client closed the connection
             code = "CANCELLED"
             raise
@@ -267,8 +256,8 @@ class KServeHTTP:
         the limit, and at once (503) when the bodies being read would take more than their budget."""
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding not in ("identity", *ENCODINGS):
-            raise web.HTTPUnsupportedMediaType(text=f"Content-Encoding {encoding[:40]!r} is not taken; send the body "
-                                                    f"as is, or as {' or '.join(ENCODINGS)}")
+            raise UnsupportedEncoding(f"Content-Encoding {encoding[:40]!r} is not taken; send the body as is, or as "
+                                      f"{' or '.join(ENCODINGS)}")
         if (request.content_length or 0) > self._max_body_bytes:
             raise self._too_large()
         reserved = self._max_body_bytes if request.content_length is None else request.content_length
@@ -279,8 +268,7 @@ class KServeHTTP:
         try:  # all of it, or HTTPRequestEntityTooLarge past client_max_size (a chunked body)
             body = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
         except asyncio.TimeoutError:  # not TimeoutError: Python 3.10's is another class
-            raise web.HTTPRequestTimeout(text=f"the request body did not arrive within {BODY_TIMEOUT_S:g} s of its "
-                                              "headers") from None
+            raise RequestTimeout(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s of its headers") from None
         except web.HTTPRequestEntityTooLarge:
             raise self._too_large() from None
         except web.RequestPayloadError as err:  # a malformed chunked body
@@ -294,11 +282,9 @@ class KServeHTTP:
             raise self._too_large()
         return inflated
 
-    def _too_large(self) -> web.HTTPRequestEntityTooLarge:
-        return web.HTTPRequestEntityTooLarge(
-            max_size=self._max_body_bytes, actual_size=0,  # only its text is answered (the middleware)
-            text=f"the request body exceeds the server's limit of {self._max_body_bytes} bytes (--max-message-bytes); "
-                 "send fewer images per request, or their data in binary")
+    def _too_large(self) -> TooLarge:
+        return TooLarge(f"the request body exceeds the server's limit of {self._max_body_bytes} bytes "
+                        "(--max-message-bytes); send fewer images per request, or their data in binary")
 
     async def _infer(self, request: web.Request, body: bytes, arrival: float) -> web.Response:
         service, spec = self._service, self._service.spec
