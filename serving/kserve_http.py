@@ -41,7 +41,6 @@ import numpy as np
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from capsnet.errors import CapsNetError
 from capsnet.serving import kserve
 from capsnet.serving.errors import (
     InvalidInput, MethodNotAllowed, NoSuchRoute, QueueFull, RequestTimeout, ServingError, TooLarge, UnsupportedEncoding,
@@ -505,18 +504,3 @@ def _describe(value) -> str:
 def _json_type(value) -> str:
     names = {dict: "an object", list: "a list", str: "a string", bool: "true or false", type(None): "null"}
     return names.get(type(value), "a number")
-
-
-def ssl_context(cert, key, client_ca) -> ssl.SSLContext:
-    """The server's TLS as gRPC's: its certificate and key; with client_ca, clients must present a certificate it
-    signed."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        context.load_cert_chain(cert, key)
-        if client_ca is not None:
-            context.load_verify_locations(client_ca)
-            context.verify_mode = ssl.CERT_REQUIRED
-    except (OSError, ssl.SSLError) as err:
-        raise CapsNetError(f"cannot use the TLS files {cert}, {key}{f', {client_ca}' if client_ca else ''} for "
-                           f"HTTPS: {err.strerror or err}") from None
-    return context

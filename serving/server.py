@@ -34,6 +34,7 @@ from capsnet.serving.images import max_encoded_bytes
 from capsnet.serving.interceptor import RequestInterceptor
 from capsnet.serving.metrics import Metrics
 from capsnet.serving.service import InferenceService, ModelSpec
+from capsnet.serving.tls import ServerTLS
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +111,10 @@ class CapsNetServer:
         self._stop_now = asyncio.Event()
 
     async def start(self, stopping: asyncio.Event | None = None) -> None:
-        """Load, listen, warm up, then SERVING unless `stopping` was set meanwhile (a signal during startup:
-        stop() follows). CapsNetError when the model, a port or a TLS file is unusable."""
+        """Check the TLS files, load, listen, warm up, then SERVING unless `stopping` was set meanwhile (a signal
+        during startup: stop() follows). CapsNetError when the model, a port or a TLS file is unusable."""
         config = self.config
+        tls = None if config.tls_cert is None else ServerTLS.load(config.tls_cert, config.tls_key, config.tls_client_ca)
         self.service = InferenceService.load(config, self.metrics)
         self.max_message_bytes = config.max_message_bytes or message_limit(self.service.spec, config.max_image_scale)
         least = least_message_limit(self.service.spec)
@@ -152,10 +154,10 @@ class CapsNetServer:
 
         address = _address(config.host, config.grpc_port)
         try:
-            if config.tls_cert is None:
+            if tls is None:
                 self.grpc_port = self._grpc.add_insecure_port(address)
             else:
-                self.grpc_port = self._grpc.add_secure_port(address, _server_credentials(config))
+                self.grpc_port = self._grpc.add_secure_port(address, tls.grpc_credentials())
         except RuntimeError as err:
             raise CapsNetError(f"cannot listen on {address}: {err}") from None
         await self._grpc.start()
@@ -169,10 +171,9 @@ class CapsNetServer:
         try:
             if config.http:
                 self._http = kserve_http.KServeHTTP(self.service, self.metrics, self.max_message_bytes)
-                tls = (None if config.tls_cert is None else
-                       kserve_http.ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca))
                 try:
-                    await self._http.start(config.host, config.http_port, tls, STOP_GRACE_S)
+                    await self._http.start(config.host, config.http_port, None if tls is None else tls.context,
+                                           STOP_GRACE_S)
                 except OSError as err:  # asyncio's strerror holds the address again: the errno's own text
                     raise CapsNetError(f"cannot listen on {_address(config.host, config.http_port)}: "
                                        f"{os.strerror(err.errno) if err.errno else err}") from None
@@ -227,18 +228,6 @@ class CapsNetServer:
 
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 in brackets
-
-
-def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
-    def read(path) -> bytes:
-        try:
-            return path.read_bytes()
-        except OSError as err:
-            raise CapsNetError(f"cannot read {path}: {err.strerror or err}") from None
-
-    client_ca = read(config.tls_client_ca) if config.tls_client_ca else None
-    return grpc.ssl_server_credentials([(read(config.tls_key), read(config.tls_cert))],
-                                       root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
 async def serve(config: ServerConfig) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import logging
 import shutil
 import ssl
 import subprocess
@@ -150,3 +151,33 @@ def test_client_commands_print_one_line_for_a_failed_handshake(server, pki):
     assert run.returncode == 2
     [line] = run.stderr.splitlines()
     assert line.startswith(f"capsnet health: error: {server.target}: UNAVAILABLE: ") and "handshake" in line.lower(), line
+
+
+def test_unusable_server_tls_files_are_one_line_errors_before_the_model_loads(model_dir, pki, tmp_path, capsys,
+                                                                              caplog):
+    """gRPC and HTTPS serve the same files, checked once with the client commands' messages."""
+    key, cert = pki["server"]
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+    encrypted = tmp_path / "encrypted.key"
+    openssl("pkey", "-in", str(key), "-aes256", "-passout", "pass:secret", "-out", str(encrypted))
+    cases = {
+        ("--tls-cert", str(not_pem), "--tls-key", str(key)):
+            f"--tls-cert {not_pem}, --tls-key {key}: not a PEM certificate and its unencrypted private key",
+        ("--tls-cert", str(cert), "--tls-key", str(pki["client"][0])):
+            f"--tls-cert {cert}, --tls-key {pki['client'][0]}: not a PEM certificate and its unencrypted private key "
+            "(KEY_VALUES_MISMATCH)",
+        ("--tls-cert", str(cert), "--tls-key", str(encrypted)):
+            f"--tls-cert {cert}, --tls-key {encrypted}: not a PEM certificate and its unencrypted private key",
+        ("--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", str(not_pem)):
+            f"--tls-client-ca {not_pem}: no PEM certificate in it",
+        ("--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", str(tmp_path)):
+            f"cannot read {tmp_path}: Is a directory",
+    }
+    for flags, message in cases.items():
+        with caplog.at_level(logging.INFO, logger="capsnet.serving"):
+            code = main(["serve", "--model", str(model_dir), "--grpc-port", "0", "--http-port", "0", "--metrics-port",
+                         "0", *flags])
+        err = capsys.readouterr().err
+        assert (code, err.splitlines()[-1:]) == (2, [f"capsnet serve: error: {message}"]), err
+        assert not [record for record in caplog.records if "loaded" in record.getMessage()], "the model was loaded"
