@@ -101,6 +101,11 @@ class InferenceError(ServingError):
     """The backend failed on the request's batch (a server fault, logged)."""
 
 
+class BackendUnusable(InferenceError):
+    """The backend can run no more batches (a lost GPU, device memory it cannot get back): a backend raises it from
+    run(); the batch's requests fail with it, and the server stops serving (health NOT_SERVING) until restarted."""
+
+
 # A status message travels in a header, percent-encoded beyond printable ASCII (up to 3 bytes per UTF-8 byte), and
 # gRPC refuses headers over 8-16 KiB: the client would get RESOURCE_EXHAUSTED instead of our status. Messages that
 # quote a client's values (a name, a shape) are cut to this many UTF-8 bytes, on either transport.

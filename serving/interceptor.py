@@ -11,8 +11,8 @@
   client gave up, UNKNOWN (gRPC's answer) when the handler failed unexpectedly. Calls gRPC ended before the
   handler ran are not counted: a request over the message limit, a client that cancelled and a deadline that
   passed while gRPC held the call all look the same from here.
-- The RPCs in flight are counted, health checks and reflection aside, so a shutdown can wait for them and the
-  in-flight gauge (which the Kubernetes HPA scales on) is load, not open health watches.
+- The RPCs in flight are counted in the lifecycle's InFlight, health checks and reflection aside, so a shutdown can
+  wait for them and the in-flight gauge (which the Kubernetes HPA scales on) is load, not open health watches.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 from capsnet.serving.errors import (
     InvalidInput, ServerNotReady, ServingError, TooLarge, bounded_message, past_deadline,
 )
+from capsnet.serving.lifecycle import InFlight, Tracked
 from capsnet.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -51,27 +52,36 @@ class _Unparseable:
         self.size = size
 
 
-class _Call:
+class _Call(Tracked):
     """One RPC's bookkeeping; counted when its handler ends."""
 
-    def __init__(self, interceptor: "RequestInterceptor", api: str, method: str):
+    __slots__ = ("interceptor", "api", "method", "task", "code", "streaming", "received", "answered",
+                 "ended_by_server")
+
+    def __init__(self, interceptor: "RequestInterceptor", api: str, method: str, streaming: bool):
+        super().__init__(0.0)
         self.interceptor, self.api, self.method = interceptor, api, method
-        self.started: float | None = None
         self.task: asyncio.Task | None = None  # the task running the handler, once it runs
         self.code: grpc.StatusCode | None = None  # set by our handling; None: read it from the context
-        self.streaming: bool = False  # requests arrive on a stream, each answered in turn (ClassifyStream)
+        self.streaming = streaming  # requests arrive on a stream, each answered in turn (ClassifyStream)
         self.received = self.answered = 0  # a stream's requests so far, and its answers
+        self.ended_by_server = False  # an open stream the shutdown ended
 
     def begin(self) -> None:
         self.started = time.monotonic()
         self.task = asyncio.current_task()
-        (self.interceptor.open_streams if self.api in _NOT_IN_FLIGHT else self.interceptor.active).add(self)
+        if self.api in _NOT_IN_FLIGHT:
+            self.interceptor.open_streams.add(self)
+        else:
+            self.interceptor.in_flight.add(self)
 
     def end(self, context) -> None:
         code = self.code or context.code() or grpc.StatusCode.OK
         metrics = self.interceptor.metrics
-        self.interceptor.active.discard(self)
-        self.interceptor.open_streams.discard(self)
+        if self.api in _NOT_IN_FLIGHT:
+            self.interceptor.open_streams.discard(self)
+        else:
+            self.interceptor.in_flight.remove(self)
         metrics.requests.labels(self.api, self.method, code.name).inc()
         metrics.request_duration.labels(self.api, self.method).observe(time.monotonic() - self.started)
 
@@ -94,26 +104,17 @@ class _Call:
 
 
 class RequestInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, metrics: Metrics, max_message_bytes: int):
+    def __init__(self, metrics: Metrics, max_message_bytes: int, in_flight: InFlight):
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
-        self.active: set[_Call] = set()  # RPCs (but health checks) whose handler is running
+        self.in_flight = in_flight  # RPCs (but health checks and reflection) whose handler is running
         self.open_streams: set[_Call] = set()  # health checks and reflection streams whose handler is running
-        self.ending_open_streams = False
-
-    def requests_in_flight(self) -> int:
-        """For the in-flight gauge, read at each scrape; scrapes run on other threads, so they read a copy of the set."""
-        return sum(call.requests_in_flight() for call in self.active.copy())
-
-    def busy_before(self, moment: float) -> bool:
-        """Whether an RPC that started before `moment` (time.monotonic()) is still running."""
-        return any(call.started < moment for call in self.active)
 
     async def end_open_streams(self, timeout: float) -> None:
         """Shutdown: end the health Watch and reflection streams (which last as long as their client wants) with
         UNAVAILABLE, so that gRPC's stop does not cancel them (it logs an ERROR traceback for each)."""
-        self.ending_open_streams = True
         for call in self.open_streams:
+            call.ended_by_server = True
             call.task.cancel()
         if tasks := {call.task for call in self.open_streams}:
             await asyncio.wait(tasks, timeout=timeout)
@@ -124,8 +125,8 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED; any name, so no name in the labels
             self.metrics.requests.labels("unknown", "unknown", grpc.StatusCode.UNIMPLEMENTED.name).inc()
             return None
-        call = _Call(self, API_NAMES.get(service, "unknown"), method)
-        call.streaming = handler.request_streaming and handler.response_streaming
+        call = _Call(self, API_NAMES.get(service, "unknown"), method,
+                     handler.request_streaming and handler.response_streaming)
         kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
         wrapped = self._wrap(getattr(handler, kind), call, handler.request_streaming)
         return handler._replace(request_deserializer=_guarded(handler.request_deserializer), **{kind: wrapped})
@@ -201,9 +202,10 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                     call.end(context)
         return wrapped
 
-    def _ended_by_shutdown(self, call: _Call, context) -> bool:
+    @staticmethod
+    def _ended_by_shutdown(call: _Call, context) -> bool:
         """Whether end_open_streams() cancelled this call; if so the call ends UNAVAILABLE, and its task goes on."""
-        if not (self.ending_open_streams and call in self.open_streams):
+        if not call.ended_by_server:
             return False
         task = asyncio.current_task()
         if hasattr(task, "uncancel"):  # Python 3.11+ counts cancellations; 3.10 needs nothing

@@ -46,7 +46,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._service = service
 
     async def ServerLive(self, request, context):
-        return pb.ServerLiveResponse(live=True)
+        return pb.ServerLiveResponse(live=self._service.lifecycle.live)
 
     async def ServerReady(self, request, context):
         return pb.ServerReadyResponse(ready=self._service.ready)

@@ -28,7 +28,6 @@ and goes on inflating a refused body's rest).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -42,6 +41,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from capsnet.serving import kserve
+from capsnet.serving.lifecycle import Tracked
 from capsnet.serving.errors import (
     InvalidInput, MethodNotAllowed, NoSuchRoute, QueueFull, RequestTimeout, ServingError, TooLarge, UnsupportedEncoding,
     bounded_message,
@@ -76,9 +76,6 @@ READ_BUFFER_BYTES = 64 * 1024
 JSON_FIELD_COMMAS = 1024
 # Content-Encoding of request bodies, and zlib's wbits for each: gzip's header, and zlib's (HTTP's "deflate").
 ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-# From a shutdown on, listening stops this long before the connections close: a request already on its way is
-# answered (503) on its connection rather than cut.
-LISTEN_STOP_S = 0.2
 
 
 class ClientErrorsAsOneLine(logging.Filter):
@@ -106,7 +103,6 @@ class KServeHTTP:
         self._service = service
         self._metrics = metrics
         self._max_body_bytes = max_body_bytes
-        self._started: dict[object, float] = {}  # inferences whose body is in -> time.monotonic() it arrived
         self._body_budget = max(BODY_BUDGET_BYTES, max_body_bytes)
         self._reading_bytes = 0  # declared sizes of the bodies being read
         # values a request's JSON may hold: a full batch of images
@@ -146,38 +142,21 @@ class KServeHTTP:
         try:
             await site.start()
         except OSError:
-            await self.stop()
+            await self.close()
             raise
         self.port = self._runner.addresses[0][1]
 
-    async def stop(self) -> None:
-        """Stop listening, then close the connections: requests still running get up to the shutdown timeout."""
+    async def stop_listening(self) -> None:
+        """Take no more connections; requests on those open are still answered (refused, by now)."""
+        if self._runner is not None:
+            for site in list(self._runner.sites):
+                await site.stop()
+
+    async def close(self) -> None:
+        """Close the connections: requests still running get up to the shutdown timeout, then are cancelled."""
         if self._runner is not None:
             runner, self._runner = self._runner, None
-            for site in list(runner.sites):
-                await site.stop()
-            if runner.server is not None:  # started: let requests already sent on open connections be answered
-                await asyncio.sleep(LISTEN_STOP_S)
             await runner.cleanup()
-
-    def busy_before(self, moment: float) -> bool:
-        """Whether an inference whose body arrived before `moment` (time.monotonic()) is still being handled. One
-        whose body is still arriving is not waited for: it arrives after the refusals began, and is refused."""
-        return any(started < moment for started in self._started.values())
-
-    def requests_in_flight(self) -> int:
-        """Inferences being handled (as gRPC's in-flight RPCs, health probes aside)."""
-        return len(self._started)
-
-    @contextlib.contextmanager
-    def _handling(self):
-        """An inference counted in flight (and waited for by a shutdown) from now on; yields its arrival time."""
-        key, arrival = object(), time.monotonic()
-        self._started[key] = arrival
-        try:
-            yield arrival
-        finally:
-            del self._started[key]
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
@@ -220,7 +199,7 @@ class KServeHTTP:
         return response
 
     async def _server_live(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        return web.Response(status=200 if self._service.lifecycle.live else 400)
 
     async def _server_ready(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self._service.ready else 400)
@@ -247,8 +226,13 @@ class KServeHTTP:
     async def _model_infer(self, request: web.Request) -> web.Response:
         self._check_model(request)
         body = await self._read_body(request)
-        with self._handling() as arrival:
-            return await self._infer(request, body, arrival)
+        tracked = Tracked(time.monotonic())  # in flight (and waited for by a drain) from its body's arrival
+        in_flight = self._service.lifecycle.in_flight
+        in_flight.add(tracked)
+        try:
+            return await self._infer(request, body, tracked.started)
+        finally:
+            in_flight.remove(tracked)
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The request's body, inflated; refused (413) from its declared size before a byte is read when that is over
