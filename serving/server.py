@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from capsnet.errors import CapsNetError
 from capsnet.kserve import reflection_pool
-from capsnet.serving import capsnet_api, kserve_grpc, kserve_http
+from capsnet.serving import capsnet_api, kserve, kserve_grpc, kserve_http
 from capsnet.serving.config import GRPC_INT_MAX, ServerConfig
 from capsnet.serving.images import max_encoded_bytes
 from capsnet.serving.interceptor import RequestInterceptor
@@ -155,17 +155,18 @@ class CapsNetServer:
             opened.push_async_callback(self.service.close)
             self.max_message_bytes = checked_message_limit(config, self.service.spec)
             self.metrics.inflight.set_function(self.lifecycle.in_flight.requests)
-            self._grpc = await self._listen_grpc(tls)
+            plane = kserve.DataPlane([self.service], self.lifecycle)
+            self._grpc = await self._listen_grpc(plane, tls)
             opened.push_async_callback(self._close_listeners)
             opened.callback(self._close_metrics, self._listen_metrics())
             if config.http:
-                self._http = await self._listen_http(tls)
+                self._http = await self._listen_http(plane, tls)
             await self.service.warmup()
             self._opened = opened.pop_all()
         if stopping is None or not stopping.is_set():
             await self.lifecycle.move(Phase.SERVING)
 
-    async def _listen_grpc(self, tls: ServerTLS | None) -> grpc.aio.Server:
+    async def _listen_grpc(self, plane: kserve.DataPlane, tls: ServerTLS | None) -> grpc.aio.Server:
         config = self.config
         self._interceptor = RequestInterceptor(self.metrics, self.max_message_bytes, self.lifecycle.in_flight)
         server = grpc.aio.server(
@@ -180,7 +181,7 @@ class CapsNetServer:
                      ("grpc.so_reuseport", 0)],
         )
         capsnet_api.add_to_server(server, self.service, config.max_image_scale)
-        kserve_grpc.add_to_server(server, self.service)
+        kserve_grpc.add_to_server(server, plane)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(  # kserve's `inference` files live in a pool of their own
             [capsnet_api.SERVICE_NAME, kserve_grpc.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server,
@@ -208,9 +209,9 @@ class CapsNetServer:
         self.metrics_port = metrics_http.server_port
         return metrics_http
 
-    async def _listen_http(self, tls: ServerTLS | None) -> kserve_http.KServeHTTP:
+    async def _listen_http(self, plane: kserve.DataPlane, tls: ServerTLS | None) -> kserve_http.KServeHTTP:
         config = self.config
-        http = kserve_http.KServeHTTP(self.service, self.metrics, self.max_message_bytes)
+        http = kserve_http.KServeHTTP(plane, self.metrics, self.max_message_bytes)
         try:
             await http.start(config.host, config.http_port, None if tls is None else tls.context, STOP_GRACE_S)
         except OSError as err:  # asyncio's strerror holds the address again: the errno's own text
