@@ -120,13 +120,19 @@ def test_mutual_tls(model_dir, pki, capsys, tmp_path):
         running.stop()
 
 
+def unusable_files(directory, key):
+    """A file with a certificate's markers and no certificate in them, and `key` encrypted with a password."""
+    not_pem = directory / "not.pem"
+    not_pem.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+    encrypted = directory / "encrypted.key"
+    openssl("pkey", "-in", str(key), "-aes256", "-passout", "pass:secret", "-out", str(encrypted))
+    return not_pem, encrypted
+
+
 def test_unusable_tls_files_are_one_line_errors_before_any_connection(pki, tmp_path):
     """gRPC would say only "Failed to create security handshaker", after lines of its own core log."""
     client_key, client_cert = pki["client"]
-    not_pem = tmp_path / "not.pem"
-    not_pem.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
-    encrypted = tmp_path / "encrypted.key"
-    openssl("pkey", "-in", str(client_key), "-aes256", "-passout", "pass:secret", "-out", str(encrypted))
+    not_pem, encrypted = unusable_files(tmp_path, client_key)
     cases = {
         ("--tls-ca", str(not_pem)): f"--tls-ca {not_pem}: no PEM certificate in it",
         ("--tls-ca", str(tmp_path)): f"cannot read {tmp_path}: Is a directory",
@@ -157,10 +163,7 @@ def test_unusable_server_tls_files_are_one_line_errors_before_the_model_loads(mo
                                                                               caplog):
     """gRPC and HTTPS serve the same files, checked once with the client commands' messages."""
     key, cert = pki["server"]
-    not_pem = tmp_path / "not.pem"
-    not_pem.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
-    encrypted = tmp_path / "encrypted.key"
-    openssl("pkey", "-in", str(key), "-aes256", "-passout", "pass:secret", "-out", str(encrypted))
+    not_pem, encrypted = unusable_files(tmp_path, key)
     cases = {
         ("--tls-cert", str(not_pem), "--tls-key", str(key)):
             f"--tls-cert {not_pem}, --tls-key {key}: not a PEM certificate and its unencrypted private key",
