@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="longest run")
     parser.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
     args = parser.parse_args(argv)
-    servers = [Server("baseline", args.baseline.resolve(), args.baseline_python or args.baseline / ".venv/bin/python"),
-               Server("candidate", args.candidate.resolve(), args.candidate_python or args.candidate / ".venv/bin/python")]
+    trees = [("baseline", args.baseline, args.baseline_python), ("candidate", args.candidate, args.candidate_python)]
+    servers = [Server(label, tree.resolve(), python or tree / ".venv/bin/python") for label, tree, python in trees]
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="capsnet-ab-") as scratch:
@@ -250,11 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         f"CPU: {cpu_kind()}, {os.cpu_count()} cores. Load average (1, 5, 15 min) before → after: "
         f"{', '.join(f'{x:.2f}' for x in load_before)} → {', '.join(f'{x:.2f}' for x in load_after)}; "
         "each run's own is in the JSON.", "",
-        f"The {args.preset} model in FP32 (each tree's own export of the same seeded weights), onnxruntime backend, server "
-        f"defaults; tritonclient.grpc.aio, 1 image per request; {args.rounds} rounds, each running both servers in "
-        f"turn (order alternating), each run at most {args.requests} requests or {args.seconds:g} s after 50 warm-up "
-        "requests. Compute and queue wait are the means of the server's own histograms over the run; what remains of "
-        "the mean latency is the request path (gRPC, decoding, checks, batcher hand-off, encoding) and the client.", "",
+        f"The {args.preset} model in FP32 (each tree's own export of the same seeded weights), onnxruntime backend, "
+        f"server defaults; tritonclient.grpc.aio, 1 image per request; {args.rounds} rounds, each running both "
+        f"servers in turn (order alternating), each run at most {args.requests} requests or {args.seconds:g} s after "
+        "50 warm-up requests. Compute and queue wait are the means of the server's own histograms over the run; "
+        "what remains of the mean latency is the request path (gRPC, decoding, checks, batcher hand-off, encoding) "
+        "and the client.", "",
         *summary_table(servers, runs, args.concurrency), "",
         "Paired within each round:", "",
         *paired_lines(servers, runs, args.concurrency), "",

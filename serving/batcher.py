@@ -57,7 +57,7 @@ class BatchOutput:
 class Batcher:
     def __init__(self, backend: Backend, config: BatcherConfig, metrics: Metrics,
                  on_unusable: Callable[[str], Awaitable[None]] | None = None):
-        """`on_unusable(reason)` is awaited when the backend raises BackendUnusable (after the batch's requests fail)."""
+        """`on_unusable(reason)` is awaited when the backend raises BackendUnusable, after the batch's requests fail."""
         self.backend = backend
         self.config = config
         self.metrics = metrics

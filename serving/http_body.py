@@ -51,7 +51,8 @@ class BodyReader:
         try:  # all of it, or HTTPRequestEntityTooLarge past the application's client_max_size (a chunked body)
             body = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
         except asyncio.TimeoutError:  # not TimeoutError: Python 3.10's is another class
-            raise RequestTimeout(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s of its headers") from None
+            raise RequestTimeout(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s of its "
+                                 "headers") from None
         except web.HTTPRequestEntityTooLarge:
             raise self._too_large() from None
         except web.RequestPayloadError as err:  # a malformed chunked body

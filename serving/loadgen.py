@@ -2,8 +2,8 @@
 
 Each of `concurrency` clients sends a Classify (or, with --api kserve, a KServe ModelInfer; with --api tritonclient,
 the same through tritonclient's asyncio gRPC client; with --api kserve-http, the same over HTTP/REST with binary data,
-to the server's REST port) request, waits for the answer, sends the next; a run stops after `max_requests` requests or `max_seconds`,
-whichever comes first. The in-process baseline calls the backend the server would use, at a given
+to the server's REST port) request, waits for the answer, sends the next; a run stops after `max_requests` requests
+or `max_seconds`, whichever comes first. The in-process baseline calls the backend the server would use, at a given
 batch size, with no gRPC, queue or batcher: what the network and the server add is the difference.
 
     capsnet serve --model DIR --grpc-port 8001 &
@@ -182,7 +182,8 @@ async def _http_model_infer(target: str, credentials, batches: list[np.ndarray],
 
 # api -> (LoadResult name, its requests and how to send one, over a connection to the target)
 APIS = {"capsnet": ("grpc", _classify), "kserve": ("grpc-kserve", _model_infer),
-        "tritonclient": ("grpc-kserve-tritonclient", _tritonclient_infer), "kserve-http": ("http-kserve", _http_model_infer)}
+        "tritonclient": ("grpc-kserve-tritonclient", _tritonclient_infer),
+        "kserve-http": ("http-kserve", _http_model_infer)}
 
 
 async def run_load(target: str, images: np.ndarray, *, concurrency: int, batch_size: int = 1,
