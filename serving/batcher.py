@@ -14,13 +14,14 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from capsnet.serving.backends.base import Backend
-from capsnet.serving.errors import DeadlineExceeded, InferenceError, QueueFull, past_deadline
+from capsnet.serving.errors import BackendUnusable, DeadlineExceeded, InferenceError, QueueFull, past_deadline
 from capsnet.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -54,10 +55,13 @@ class BatchOutput:
 
 
 class Batcher:
-    def __init__(self, backend: Backend, config: BatcherConfig, metrics: Metrics):
+    def __init__(self, backend: Backend, config: BatcherConfig, metrics: Metrics,
+                 on_unusable: Callable[[str], Awaitable[None]] | None = None):
+        """`on_unusable(reason)` is awaited when the backend raises BackendUnusable, after the batch's requests fail."""
         self.backend = backend
         self.config = config
         self.metrics = metrics
+        self._on_unusable = on_unusable
         self._queue: collections.deque[_Request] = collections.deque()
         self._queued_images = 0  # images of the queue not yet handed to a batch
         self._wakeup = asyncio.Event()
@@ -172,10 +176,13 @@ class Batcher:
         except Exception as err:  # the batch's requests fail; the scheduler, and the server, carry on
             log.exception("backend %s failed on a batch of %d", self.backend.name, len(images))
             message = f"the {self.backend.name} backend failed: {err}"
+            kind = BackendUnusable if isinstance(err, BackendUnusable) else InferenceError
             for request, _, _ in parts:
                 self._remove(request)  # the rest of a split request is not run either
                 if not request.future.done():
-                    request.future.set_exception(InferenceError(message))
+                    request.future.set_exception(kind(message))
+            if kind is BackendUnusable and self._on_unusable is not None:
+                await self._on_unusable(message)
             return
         self.metrics.compute.observe(elapsed)
         self.metrics.batch_size.observe(len(images))

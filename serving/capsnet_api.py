@@ -14,7 +14,8 @@ from google.protobuf.duration_pb2 import Duration
 
 from capsnet.serving.errors import InvalidInput, ServerNotReady
 from capsnet.serving.images import decode_images
-from capsnet.serving.service import SHUTTING_DOWN, InferenceResult, InferenceService
+from capsnet.serving.lifecycle import SHUTTING_DOWN
+from capsnet.serving.service import InferenceResult, InferenceService
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc as pb_grpc
 
@@ -57,7 +58,7 @@ class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
 
         async def end_at_shutdown() -> None:
             # An open stream would otherwise hold the shutdown for its whole grace period.
-            await self.service.refusing.wait()
+            await self.service.lifecycle.refusing.wait()
             end_after_answered(ServerNotReady(SHUTTING_DOWN))
 
         helpers = [asyncio.create_task(read()), asyncio.create_task(end_at_shutdown())]

@@ -247,29 +247,9 @@ def check_client_args(args: argparse.Namespace) -> None:
     # grpc core aborts the whole process on a certificate without its key; a key alone would be silently ignored.
     if (args.tls_cert is None) != (args.tls_key is None):
         raise CapsNetError("--tls-cert and --tls-key go together")
-    check_tls_files(args.tls_ca, args.tls_cert, args.tls_key)
+    from capsnet.serving.tls import check_client_files
 
-
-def check_tls_files(ca: str | None, cert: str | None, key: str | None) -> None:
-    """Parse the PEM files with Python's OpenSSL first: for a file with no certificate in it, or a key that does not
-    match, gRPC says only "Failed to create security handshaker" (and the client commands quiet gRPC's own log)."""
-    import ssl
-
-    def load(what: str, paths: tuple[str, ...], into) -> None:
-        try:
-            into(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
-        except ssl.SSLError as err:  # its reason names a mismatch; otherwise it is only "PEM lib"
-            raise CapsNetError(what + (f" ({err.reason})" if err.reason else "")) from None
-        except OSError as err:  # OpenSSL does not say which file
-            unreadable = next((path for path in paths if not os.access(path, os.R_OK) or os.path.isdir(path)), paths[0])
-            raise CapsNetError(f"cannot read {unreadable}: {err.strerror}") from None
-
-    if ca:
-        load(f"--tls-ca {ca}: no PEM certificate in it", (ca,), lambda context: context.load_verify_locations(cafile=ca))
-    if cert:
-        # password b"": an encrypted key fails here instead of OpenSSL asking for its password on the terminal
-        load(f"--tls-cert {cert}, --tls-key {key}: not a PEM certificate and its unencrypted private key", (cert, key),
-             lambda context: context.load_cert_chain(cert, key, password=b""))
+    check_client_files(args.tls_ca, args.tls_cert, args.tls_key)
 
 
 def reconstruction_paths(target: str, count: int) -> list[str]:

@@ -1,6 +1,6 @@
 """Where gRPC meets the core: every RPC passes this interceptor, and only here are errors gRPC-shaped.
 
-- The transport-neutral errors of `serving/errors.py` become gRPC statuses, in one table (STATUS_CODES).
+- The transport-neutral errors of `serving/errors.py` become gRPC statuses, the code each kind carries.
   The status is set on the context and the handler returns; no abort exception is kept, so a refused
   request (and its message) is freed at once instead of living in an exception -> traceback -> frame cycle.
 - A request message that does not parse gets INVALID_ARGUMENT, logged at WARNING without a traceback
@@ -11,8 +11,8 @@
   client gave up, UNKNOWN (gRPC's answer) when the handler failed unexpectedly. Calls gRPC ended before the
   handler ran are not counted: a request over the message limit, a client that cancelled and a deadline that
   passed while gRPC held the call all look the same from here.
-- The RPCs in flight are counted, health checks and reflection aside, so a shutdown can wait for them and the
-  in-flight gauge (which the Kubernetes HPA scales on) is load, not open health watches.
+- The RPCs in flight are counted in the lifecycle's InFlight, health checks and reflection aside, so a shutdown can
+  wait for them and the in-flight gauge (which the Kubernetes HPA scales on) is load, not open health watches.
 """
 
 from __future__ import annotations
@@ -26,25 +26,12 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from capsnet.serving.errors import (
-    DeadlineExceeded, InferenceError, InvalidInput, ModelNotFound, QueueFull, ServerNotReady, ServingError,
-    past_deadline,
+    InvalidInput, ServerNotReady, ServingError, TooLarge, bounded_message, past_deadline,
 )
+from capsnet.serving.lifecycle import InFlight, Tracked
 from capsnet.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
-
-STATUS_CODES: dict[type[ServingError], grpc.StatusCode] = {
-    InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
-    ModelNotFound: grpc.StatusCode.NOT_FOUND,
-    ServerNotReady: grpc.StatusCode.UNAVAILABLE,
-    QueueFull: grpc.StatusCode.UNAVAILABLE,
-    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
-    InferenceError: grpc.StatusCode.INTERNAL,
-}
-# A status message travels in a header, percent-encoded beyond printable ASCII (up to 3 bytes per UTF-8 byte), and
-# gRPC refuses headers over 8-16 KiB: the client would get RESOURCE_EXHAUSTED instead of our status. Messages that
-# quote a client's values (a name, a shape) are cut to this many UTF-8 bytes.
-MAX_DETAILS_BYTES = 1500
 # short `api` label values of the services the server hosts; anything else is counted as "unknown"
 API_NAMES = {
     "capsnet.v1.CapsNetService": "capsnet",
@@ -65,35 +52,44 @@ class _Unparseable:
         self.size = size
 
 
-class _Call:
+class _Call(Tracked):
     """One RPC's bookkeeping; counted when its handler ends."""
 
-    def __init__(self, interceptor: "RequestInterceptor", api: str, method: str):
+    __slots__ = ("interceptor", "api", "method", "task", "code", "streaming", "received", "answered",
+                 "ended_by_server")
+
+    def __init__(self, interceptor: "RequestInterceptor", api: str, method: str, streaming: bool):
+        super().__init__(0.0)
         self.interceptor, self.api, self.method = interceptor, api, method
-        self.started: float | None = None
         self.task: asyncio.Task | None = None  # the task running the handler, once it runs
         self.code: grpc.StatusCode | None = None  # set by our handling; None: read it from the context
-        self.streaming: bool = False  # requests arrive on a stream, each answered in turn (ClassifyStream)
+        self.streaming = streaming  # requests arrive on a stream, each answered in turn (ClassifyStream)
         self.received = self.answered = 0  # a stream's requests so far, and its answers
+        self.ended_by_server = False  # an open stream the shutdown ended
 
     def begin(self) -> None:
         self.started = time.monotonic()
         self.task = asyncio.current_task()
-        (self.interceptor.open_streams if self.api in _NOT_IN_FLIGHT else self.interceptor.active).add(self)
+        if self.api in _NOT_IN_FLIGHT:
+            self.interceptor.open_streams.add(self)
+        else:
+            self.interceptor.in_flight.add(self)
 
     def end(self, context) -> None:
         code = self.code or context.code() or grpc.StatusCode.OK
         metrics = self.interceptor.metrics
-        self.interceptor.active.discard(self)
-        self.interceptor.open_streams.discard(self)
+        if self.api in _NOT_IN_FLIGHT:
+            self.interceptor.open_streams.discard(self)
+        else:
+            self.interceptor.in_flight.remove(self)
         metrics.requests.labels(self.api, self.method, code.name).inc()
         metrics.request_duration.labels(self.api, self.method).observe(time.monotonic() - self.started)
 
-    def refuse(self, context, code: grpc.StatusCode, message: str) -> None:
-        """Answer with `code` (the handler returns right after)."""
-        self.code = code
-        context.set_code(code)
-        context.set_details(bounded_message(message))
+    def refuse(self, context, err: ServingError) -> None:
+        """Answer with the error's code and message (the handler returns right after)."""
+        self.code = grpc.StatusCode[err.grpc_code]
+        context.set_code(self.code)
+        context.set_details(bounded_message(err.message))
 
     def requests_in_flight(self) -> int:
         """A unary call is one request; a stream counts its requests from arrival to answer, so that an idle stream
@@ -108,26 +104,17 @@ class _Call:
 
 
 class RequestInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, metrics: Metrics, max_message_bytes: int):
+    def __init__(self, metrics: Metrics, max_message_bytes: int, in_flight: InFlight):
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
-        self.active: set[_Call] = set()  # RPCs (but health checks) whose handler is running
+        self.in_flight = in_flight  # RPCs (but health checks and reflection) whose handler is running
         self.open_streams: set[_Call] = set()  # health checks and reflection streams whose handler is running
-        self.ending_open_streams = False
-
-    def requests_in_flight(self) -> int:
-        """For the in-flight gauge, read at each scrape; scrapes run on other threads, so they read a copy of the set."""
-        return sum(call.requests_in_flight() for call in self.active.copy())
-
-    def busy_before(self, moment: float) -> bool:
-        """Whether an RPC that started before `moment` (time.monotonic()) is still running."""
-        return any(call.started < moment for call in self.active)
 
     async def end_open_streams(self, timeout: float) -> None:
         """Shutdown: end the health Watch and reflection streams (which last as long as their client wants) with
         UNAVAILABLE, so that gRPC's stop does not cancel them (it logs an ERROR traceback for each)."""
-        self.ending_open_streams = True
         for call in self.open_streams:
+            call.ended_by_server = True
             call.task.cancel()
         if tasks := {call.task for call in self.open_streams}:
             await asyncio.wait(tasks, timeout=timeout)
@@ -138,8 +125,8 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED; any name, so no name in the labels
             self.metrics.requests.labels("unknown", "unknown", grpc.StatusCode.UNIMPLEMENTED.name).inc()
             return None
-        call = _Call(self, API_NAMES.get(service, "unknown"), method)
-        call.streaming = handler.request_streaming and handler.response_streaming
+        call = _Call(self, API_NAMES.get(service, "unknown"), method,
+                     handler.request_streaming and handler.response_streaming)
         kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
         wrapped = self._wrap(getattr(handler, kind), call, handler.request_streaming)
         return handler._replace(request_deserializer=_guarded(handler.request_deserializer), **{kind: wrapped})
@@ -155,8 +142,8 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             if isinstance(request, _Unparseable):
                 log.warning("unparseable %s request (%d bytes) from %s: answered INVALID_ARGUMENT",
                             call.method, request.size, context.peer())
-                call.refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
-                            f"the request ({request.size} bytes) is not a valid {call.method} message")
+                call.refuse(context, InvalidInput(f"the request ({request.size} bytes) is not a valid {call.method} "
+                                                  "message"))
                 return None
             return request
 
@@ -164,9 +151,8 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             size = response.ByteSize()
             if size <= limit:
                 return False
-            call.refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"the response ({size} bytes) exceeds the server's limit of {limit} bytes "
-                        "(--max-message-bytes); ask for fewer images or outputs per request")
+            call.refuse(context, TooLarge(f"the response ({size} bytes) exceeds the server's limit of {limit} bytes "
+                                          "(--max-message-bytes); ask for fewer images or outputs per request"))
             return True
 
         if inspect.isasyncgenfunction(behavior):
@@ -180,7 +166,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                             call.answered += 1
                             yield response
                 except ServingError as err:
-                    call.refuse(context, STATUS_CODES[type(err)], err.message)
+                    call.refuse(context, err)
                 except Exception:  # a server fault: gRPC answers UNKNOWN (and logs it) after we count the call
                     call.code = grpc.StatusCode.UNKNOWN
                     raise
@@ -202,7 +188,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                     response = await behavior(request, context)
                     return None if response is not None and too_large(response, context) else response
                 except ServingError as err:
-                    call.refuse(context, STATUS_CODES[type(err)], err.message)
+                    call.refuse(context, err)
                     return None
                 except Exception:  # as above
                     call.code = grpc.StatusCode.UNKNOWN
@@ -216,26 +202,16 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                     call.end(context)
         return wrapped
 
-    def _ended_by_shutdown(self, call: _Call, context) -> bool:
+    @staticmethod
+    def _ended_by_shutdown(call: _Call, context) -> bool:
         """Whether end_open_streams() cancelled this call; if so the call ends UNAVAILABLE, and its task goes on."""
-        if not (self.ending_open_streams and call in self.open_streams):
+        if not call.ended_by_server:
             return False
         task = asyncio.current_task()
         if hasattr(task, "uncancel"):  # Python 3.11+ counts cancellations; 3.10 needs nothing
             task.uncancel()
-        call.refuse(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        call.refuse(context, ServerNotReady("the server is shutting down"))
         return True
-
-
-def bounded_message(message: str) -> str:
-    """`message`, or its start and end around a note of what was cut, within MAX_DETAILS_BYTES."""
-    data = message.encode()
-    if len(data) <= MAX_DETAILS_BYTES:
-        return message
-    keep = MAX_DETAILS_BYTES - 100  # room for the note
-    head = data[:keep * 2 // 3].decode(errors="ignore")  # a character split at a cut is dropped
-    tail = data[-(keep // 3):].decode(errors="ignore")
-    return f"{head} [... {len(data) - len(head.encode()) - len(tail.encode())} bytes cut ...] {tail}"
 
 
 def _guarded(deserializer):

@@ -1,9 +1,16 @@
-"""The KServe v2 / Open Inference Protocol, whatever carries it: what a request must hold, and what is answered.
+"""The KServe v2 / Open Inference Protocol, whatever carries it: what a request must hold, the one path it takes, and
+what is answered.
 
-Both transports use these, gRPC (`serving/kserve_grpc.py`) and HTTP/REST (`serving/kserve_http.py`), so a request
-is judged alike, with the same messages naming the same fields, however it came. They raise the transport-neutral
-errors of `serving/errors.py`. Metadata and Triton's model config are built here as plain data (the protocol's
-JSON form), which gRPC turns into its messages and REST sends as it is.
+Both transports, gRPC (`serving/kserve_grpc.py`) and HTTP/REST (`serving/kserve_http.py`), hand the data plane a
+transport-neutral InferRequest: the model it is for, when it arrived, its deadline, and a Decoder that reads the
+transport's message step by step. The data plane runs the one sequence (as KServe's DataPlane does):
+
+    model -> arrival -> tensor headers -> input -> its data's form -> batch size -> outputs -> data -> infer
+
+so a request is judged alike, with the same messages naming the same fields, however it came; each transport only
+decodes its message and encodes the neutral InferResponse. Errors are those of `serving/errors.py`. Metadata and
+Triton's model config are built here as plain data (the protocol's JSON form), which gRPC turns into its messages
+and REST sends as it is.
 """
 
 from __future__ import annotations
@@ -11,11 +18,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from capsnet import __version__
 from capsnet.serving.errors import InvalidInput, ModelNotFound
+from capsnet.serving.lifecycle import Lifecycle
 from capsnet.serving.service import InferenceService, ModelSpec
 
 SERVER_NAME = "capsnet-serve"
@@ -61,14 +70,6 @@ def model_config(service: InferenceService) -> dict:
     }
 
 
-def check_model(spec: ModelSpec, name: str, version: str, name_field: str, version_field: str) -> None:
-    if name != spec.name:
-        raise ModelNotFound(f"{name_field}: unknown model {name!r}; this server serves {spec.name!r}")
-    if version not in ("", spec.version):
-        raise ModelNotFound(f"{version_field}: model {spec.name!r} has no version {version!r}; "
-                            f"expected '' or {spec.version!r}")
-
-
 def refuse_parameters(parameters: Mapping, field: str, *, output: bool, data_where: str) -> None:
     """Refuse the tensor parameters this server cannot honour; ignore the others (binary_data_size, ...) as Triton
     does. `data_where`: where an input's data goes instead of shared memory."""
@@ -79,6 +80,71 @@ def refuse_parameters(parameters: Mapping, field: str, *, output: bool, data_whe
     if output and CLASSIFICATION_PARAMETER in parameters:
         raise InvalidInput(f"{field}.parameters: the classification extension is not supported by this server, got "
                            f"{CLASSIFICATION_PARAMETER!r}; ask for 'probabilities' and take the top classes from them")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """The model a request is for, and the fields its transport took the name and version from (for messages)."""
+    name: str
+    version: str = ""  # "": the version served
+    name_field: str = "model_name"
+    version_field: str = "model_version"
+
+
+@dataclass(frozen=True)
+class InferInput:
+    """An input tensor's header as a request declares it (its data stays with the Decoder)."""
+    name: str
+    datatype: str
+    shape: list[int]
+    parameters: Mapping
+
+
+class RequestedOutput(NamedTuple):
+    """An output a request asks for."""
+    name: str
+    parameters: Mapping
+
+
+@dataclass(frozen=True)
+class InferHeader:
+    """What a request declares besides its data."""
+    inputs: list[InferInput]
+    outputs: list[RequestedOutput]
+    id: str | None  # None: the request has none (REST leaves it out of the answer then)
+
+
+class Decoder(Protocol):
+    """A transport's reading of its infer message, in the path's order; each step raises InvalidInput naming the
+    transport's own fields, and only what a step needs is read (a refused batch size costs no data decoding)."""
+
+    data_where: str  # where a request puts its input's data, for messages
+
+    async def header(self, spec: ModelSpec) -> InferHeader:
+        """The request's tensors and outputs as declared."""
+
+    def check_data(self, tensor: InputTensor) -> None:
+        """The input's data is given once, in a form the transport takes (not yet read)."""
+
+    async def values(self, tensor: InputTensor) -> np.ndarray:
+        """The input's flat values, of the tensor's dtype and count."""
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    """An inference request, whatever carried it."""
+    model: ModelRef
+    decoder: Decoder
+    arrival: float  # time.monotonic() it reached the server
+    deadline: float | None = None  # time.monotonic() its caller gives up at
+
+
+@dataclass(frozen=True)
+class InferResponse:
+    model_name: str
+    model_version: str
+    id: str | None
+    outputs: dict[str, np.ndarray]  # name -> (N, ...) float32, in the requested order
 
 
 @dataclass(frozen=True)
@@ -93,12 +159,12 @@ class InputTensor:
         return INPUT_DATATYPES[self.datatype][0]
 
 
-def check_input(spec: ModelSpec, names: list[str], name: str, datatype: str, shape: list[int]) -> InputTensor:
-    """The one input's header (`names`: every input's name), from the name to the shape; its parameters and
-    contents are the transport's to check."""
-    if len(names) != 1:
-        got = ", ".join(map(repr, names)) or "none"
+def check_input(spec: ModelSpec, inputs: list[InferInput]) -> InputTensor:
+    """The one input's header, from the name to the shape."""
+    if len(inputs) != 1:
+        got = ", ".join(repr(tensor.name) for tensor in inputs) or "none"
         raise InvalidInput(f"inputs: expected exactly 1 input named {spec.input_name!r}, got {got}")
+    name, datatype, shape = inputs[0].name, inputs[0].datatype, inputs[0].shape
     if name != spec.input_name:
         raise InvalidInput(f"inputs[0].name: expected {spec.input_name!r}, got {name!r}")
     if datatype not in INPUT_DATATYPES:
@@ -134,9 +200,8 @@ def images_from_values(values: np.ndarray, tensor: InputTensor) -> np.ndarray:
     return images.astype(np.float32, copy=False)
 
 
-def requested_outputs(spec: ModelSpec, outputs: list[tuple[str, Mapping]]) -> list[str]:
-    """Names of the outputs to answer, in request order (`outputs`: each requested output's name and parameters);
-    all the model serves when none are named."""
+def requested_outputs(spec: ModelSpec, outputs: list[RequestedOutput]) -> list[str]:
+    """Names of the outputs to answer, in request order; all the model serves when none are named."""
     if not outputs:
         return list(spec.output_names)
     names = []
@@ -149,3 +214,47 @@ def requested_outputs(spec: ModelSpec, outputs: list[tuple[str, Mapping]]) -> li
         refuse_parameters(parameters, field, output=True, data_where="")
         names.append(name)
     return names
+
+
+class DataPlane:
+    """The protocol's operations on the models this server serves, for both transports."""
+
+    def __init__(self, models: list[InferenceService], lifecycle: Lifecycle):
+        self._models = {model.spec.name: model for model in models}
+        self.lifecycle = lifecycle
+
+    @property
+    def live(self) -> bool:
+        return self.lifecycle.live
+
+    @property
+    def ready(self) -> bool:
+        return self.lifecycle.ready
+
+    def model(self, ref: ModelRef) -> InferenceService:
+        """The model `ref` names; ModelNotFound naming the field at fault."""
+        model = self._models.get(ref.name)
+        if model is None:
+            raise ModelNotFound(f"{ref.name_field}: unknown model {ref.name!r}; this server serves "
+                                f"{', '.join(map(repr, self._models))}")
+        if ref.version not in ("", model.spec.version):
+            raise ModelNotFound(f"{ref.version_field}: model {model.spec.name!r} has no version {ref.version!r}; "
+                                f"expected '' or {model.spec.version!r}")
+        return model
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        model = self.model(request.model)
+        spec, decoder = model.spec, request.decoder
+        model.check_arrival(request.arrival)
+        header = await decoder.header(spec)
+        tensor = check_input(spec, header.inputs)
+        refuse_parameters(header.inputs[0].parameters, "inputs[0]", output=False, data_where=decoder.data_where)
+        decoder.check_data(tensor)
+        model.check_batch_size(tensor.shape[0], "inputs[0].shape[0]")
+        names = requested_outputs(spec, header.outputs)
+        images = images_from_values(await decoder.values(tensor), tensor)
+        result = await model.infer(images, field="inputs[0]", reconstruction="reconstruction" in names,
+                                   deadline=request.deadline, arrival=request.arrival)
+        arrays = {"probabilities": result.probabilities, "poses": result.poses,
+                  "reconstruction": result.reconstruction}
+        return InferResponse(spec.name, spec.version, header.id, {name: arrays[name] for name in names})

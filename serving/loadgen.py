@@ -1,8 +1,9 @@
 """Closed-loop load on a running server, and the same images through the backend in-process.
 
-Each of `concurrency` clients sends a Classify (or, with --api kserve, a KServe ModelInfer; with --api kserve-http,
-the same over HTTP/REST with binary data, to the server's REST port) request, waits for the answer, sends the next; a run stops after `max_requests` requests or `max_seconds`,
-whichever comes first. The in-process baseline calls the backend the server would use, at a given
+Each of `concurrency` clients sends a Classify (or, with --api kserve, a KServe ModelInfer; with --api tritonclient,
+the same through tritonclient's asyncio gRPC client; with --api kserve-http, the same over HTTP/REST with binary data,
+to the server's REST port) request, waits for the answer, sends the next; a run stops after `max_requests` requests
+or `max_seconds`, whichever comes first. The in-process baseline calls the backend the server would use, at a given
 batch size, with no gRPC, queue or batcher: what the network and the server add is the difference.
 
     capsnet serve --model DIR --grpc-port 8001 &
@@ -118,6 +119,34 @@ async def _model_infer(target: str, credentials, batches: list[np.ndarray], mode
         yield requests, _grpc_send(kserve_pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer)
 
 
+@contextlib.asynccontextmanager
+async def _tritonclient_infer(target: str, credentials, batches: list[np.ndarray], model_name: str, input_name: str):
+    """KServe v2 over gRPC as Triton's own tools send it: tritonclient's asyncio client, raw FP32 inputs, every output.
+    tritonclient is a dev extra, imported only here."""
+    import tritonclient.grpc.aio as triton
+    from tritonclient.utils import InferenceServerException
+
+    _check_kserve_names(model_name, input_name)
+    if credentials is not None:
+        raise ValueError("tritonclient load is plain gRPC")
+    requests = []
+    for batch in batches:
+        tensor = triton.InferInput(input_name, list(batch.shape), "FP32")
+        tensor.set_data_from_numpy(np.ascontiguousarray(batch, dtype=np.float32))
+        requests.append([tensor])
+    client = triton.InferenceServerClient(target)
+    try:
+        async def send(inputs) -> None:
+            try:
+                await client.infer(model_name, inputs, client_timeout=30)
+            except InferenceServerException as err:
+                raise _Failed(str(err.status())) from None
+
+        yield requests, send
+    finally:
+        await client.close()
+
+
 def rest_infer_request(batch: np.ndarray, input_name: str) -> tuple[bytes, dict[str, str]]:
     """A KServe REST infer body and its headers, as tritonclient.http sends them: the JSON, then the batch's raw FP32
     bytes (Triton's binary data extension), every output asked back in binary."""
@@ -153,6 +182,7 @@ async def _http_model_infer(target: str, credentials, batches: list[np.ndarray],
 
 # api -> (LoadResult name, its requests and how to send one, over a connection to the target)
 APIS = {"capsnet": ("grpc", _classify), "kserve": ("grpc-kserve", _model_infer),
+        "tritonclient": ("grpc-kserve-tritonclient", _tritonclient_infer),
         "kserve-http": ("http-kserve", _http_model_infer)}
 
 
@@ -161,7 +191,7 @@ async def run_load(target: str, images: np.ndarray, *, concurrency: int, batch_s
                    api: str = "capsnet", model_name: str = "", input_name: str = "",
                    credentials: grpc.ChannelCredentials | None = None) -> LoadResult:
     """Closed-loop load from `concurrency` clients sharing one channel (REST: one session), through `api` (a key of
-    APIS); "kserve" and "kserve-http" address the model by `model_name` and `input_name`."""
+    APIS); the KServe ones address the model by `model_name` and `input_name`."""
     if api not in APIS:
         raise ValueError(f"api must be one of {', '.join(APIS)}, got {api!r}")
     name, transport = APIS[api]
@@ -238,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="onnxruntime", help="in-process backend (default onnxruntime)")
     parser.add_argument("--threads", type=int, default=0, help="in-process backend threads (0: one per core)")
     parser.add_argument("--api", choices=APIS, default="capsnet",
-                        help="capsnet (Classify), kserve (ModelInfer) or kserve-http (ModelInfer over REST, at --rest)")
+                        help="capsnet (Classify), kserve (ModelInfer), tritonclient (ModelInfer through tritonclient's "
+                             "asyncio client) or kserve-http (ModelInfer over REST, at --rest)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--batch-size", type=int, default=1, help="images per request")
     parser.add_argument("--requests", type=int, default=2000, help="most requests per run")

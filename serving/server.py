@@ -1,14 +1,16 @@
 """The server: our API, KServe v2, health and reflection over gRPC on one port; KServe v2 over HTTP/REST on a second
-(`serving/kserve_http.py`); Prometheus on a third.
+(`serving/kserve_http.py`); Prometheus on a third. Its phase is the lifecycle's (`serving/lifecycle.py`), which gRPC
+health follows.
 
-Startup: load and check the model, listen with health NOT_SERVING, warm up, then SERVING.
-Shutdown (SIGTERM/SIGINT), the pattern of Kubernetes' preStop delay: health NOT_SERVING at once, yet
-requests are still served for the drain window, so load balancers stop sending first; then requests
-that arrive get UNAVAILABLE while those that arrived before finish (up to the grace period), and only
-when none is left do gRPC and HTTP stop. gRPC cancels calls it holds when it stops, so stopping it while
-calls still arrive would answer them CANCELLED; the server's own refusal keeps taking them meanwhile.
-Open health Watch and reflection streams are ended with UNAVAILABLE just before; our API's open streams end
-once their requests in progress are answered. A second signal skips the waits.
+Startup, through one exit stack (a failing step undoes the steps before it, in reverse): check the TLS files, load
+and check the model, listen with health NOT_SERVING, warm up, then SERVING.
+Shutdown (SIGTERM/SIGINT), the pattern of Kubernetes' preStop delay: DRAINING, health NOT_SERVING at once, yet
+requests are still served for the drain window, so load balancers stop sending first; then requests that arrive get
+UNAVAILABLE while those that arrived before finish (up to the grace period; the drain waits on an event set when the
+last of them ends). gRPC cancels calls it holds when it stops, so stopping it while calls still arrive would answer
+them CANCELLED: the server goes on refusing until no call has arrived for SETTLE_S. Then open health Watch and
+reflection streams end UNAVAILABLE (our API's open streams end once their requests in progress are answered), and
+gRPC, HTTP and the model close, through the startup's exit stack. A second signal skips the waits.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -28,12 +31,19 @@ from grpc_reflection.v1alpha import reflection
 
 from capsnet.errors import CapsNetError
 from capsnet.kserve import reflection_pool
-from capsnet.serving import capsnet_api, kserve_grpc, kserve_http
+from capsnet.serving import capsnet_api, kserve, kserve_grpc, kserve_http
 from capsnet.serving.config import GRPC_INT_MAX, ServerConfig
 from capsnet.serving.images import max_encoded_bytes
 from capsnet.serving.interceptor import RequestInterceptor
+from capsnet.serving.lifecycle import Lifecycle, Phase
 from capsnet.serving.metrics import Metrics
 from capsnet.serving.service import InferenceService, ModelSpec
+from capsnet.serving.tls import ServerTLS
+
+try:  # what grpc.aio raises when it cannot send an answer: see _CallEndedFirst
+    from grpc._cython.cygrpc import ExecuteBatchError
+except ImportError:  # gone from grpcio: the filter matches nothing, and its test fails
+    ExecuteBatchError = None
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +54,8 @@ HEALTH_SERVICES = ("", capsnet_api.SERVICE_NAME, kserve_grpc.SERVICE_NAME)
 # Per image, besides its pixels: protobuf framing and the fields around them. Per message: the rest.
 IMAGE_OVERHEAD_BYTES = 1024
 MESSAGE_OVERHEAD_BYTES = 64 * 1024
-# During shutdown, after the last request that arrived before the refusals has ended, gRPC is stopped
-# this much later: time for the event loop to take (and refuse) the calls gRPC still holds.
+# During shutdown, once the requests that arrived before the refusals have ended, gRPC is stopped when no call has
+# arrived for this long: the event loop has taken (and refused) the calls gRPC held.
 SETTLE_S = 0.1
 # Then what is left are quick calls (refusals, metadata), and health Watch and reflection streams (which clients
 # keep open, e.g. gRPC's client-side health checking) while they end: gRPC cancels them after this, not after the
@@ -56,21 +66,30 @@ STOP_GRACE_S = 1.0
 class _CallEndedFirst(logging.Filter):
     """gRPC logs an ERROR with a traceback when an answer cannot be sent because the client cancelled (or its
     deadline passed, or it disconnected) a moment before: a race inside gRPC, which ignores the same failure once it
-    has seen the cancellation. A client giving up is ordinary traffic: one WARNING line instead."""
-
-    PREFIX = "ExecuteBatchError raised in core by servicer method"
+    has seen the cancellation. A client giving up is ordinary traffic: one WARNING line instead. The record is
+    known by its exception (ExecuteBatchError), not by its wording; the method is the gRPC path it names."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        if text.startswith(self.PREFIX):
+        error = record.exc_info[1] if record.exc_info else None
+        if ExecuteBatchError is not None and isinstance(error, ExecuteBatchError):
+            method = RPC_PATH.search(record.getMessage())
             record.msg = "could not answer %s: the call had ended first (cancelled, past its deadline or disconnected)"
-            record.args = (text[len(self.PREFIX):].strip(" []"),)
+            record.args = (method[0] if method else "a call",)
             record.levelno, record.levelname = logging.WARNING, "WARNING"
             record.exc_info = record.exc_text = None
         return True
 
 
 GRPC_CORE_LOG = logging.getLogger("grpc._cython.cygrpc")
+RPC_PATH = re.compile(r"/[\w.]+/\w+")  # /package.Service/Method
+
+
+def quiet_client_errors() -> None:
+    """Clients' mistakes that gRPC and aiohttp log as tracebacks become one line; once per process (loggers are)."""
+    for logger, filter_type in [(GRPC_CORE_LOG, _CallEndedFirst),
+                                (kserve_http.AIOHTTP_SERVER_LOG, kserve_http.ClientErrorsAsOneLine)]:
+        if not any(isinstance(installed, filter_type) for installed in logger.filters):
+            logger.addFilter(filter_type())
 
 
 def message_limit(spec: ModelSpec, max_image_scale: int) -> int:
@@ -92,10 +111,26 @@ def _float32_image_bytes(spec: ModelSpec) -> int:
     return 4 * max(math.prod(spec.input_shape), output_values)
 
 
+def checked_message_limit(config: ServerConfig, spec: ModelSpec) -> int:
+    """--max-message-bytes, or the limit derived from the model; CapsNetError when it cannot serve."""
+    limit = config.max_message_bytes or message_limit(spec, config.max_image_scale)
+    least = least_message_limit(spec)
+    if limit < least:  # only a given limit can be this small
+        raise CapsNetError(f"--max-message-bytes {limit} cannot hold one float32 image of this model or its answer; "
+                           f"it must be at least {least}")
+    if limit > GRPC_INT_MAX:  # only a derived limit gets here: config checks a given one
+        raise CapsNetError(f"the message limit derived from --max-batch-size {spec.max_batch_size} and "
+                           f"--max-image-scale {config.max_image_scale} is {limit} bytes, over gRPC's limit of "
+                           f"{GRPC_INT_MAX}: lower them, or set --max-message-bytes")
+    return limit
+
+
 class CapsNetServer:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.metrics = Metrics(config.max_batch_size)
+        self.lifecycle = Lifecycle()
+        self.lifecycle.on_change(self._follow_phase)
         self.service: InferenceService | None = None
         self.max_message_bytes: int | None = None  # config's, or derived from the model at start()
         self.grpc_port: int | None = None  # bound ports, known after start() (the config may say 0)
@@ -105,33 +140,36 @@ class CapsNetServer:
         self._http: kserve_http.KServeHTTP | None = None
         self._interceptor: RequestInterceptor | None = None
         self._health = health.aio.HealthServicer()
-        self._metrics_http = None
-        self._served = False  # whether health ever said SERVING
-        self._stop_now = asyncio.Event()
+        self._opened = contextlib.AsyncExitStack()  # what start() opened, closed by stop() in reverse
+        self._grpc_grace: float | None = None  # how long gRPC's stop lets calls finish; None: cancelled at once
+        self._cut_short = asyncio.Event()  # stop_now(): the waits of stop() end
 
     async def start(self, stopping: asyncio.Event | None = None) -> None:
         """Load, listen, warm up, then SERVING unless `stopping` was set meanwhile (a signal during startup:
-        stop() follows). CapsNetError when the model, a port or a TLS file is unusable."""
+        stop() follows). CapsNetError when the model, a port or a TLS file is unusable; what was opened is closed."""
         config = self.config
-        self.service = InferenceService.load(config, self.metrics)
-        self._watch_device(asyncio.get_running_loop())
-        self.max_message_bytes = config.max_message_bytes or message_limit(self.service.spec, config.max_image_scale)
-        least = least_message_limit(self.service.spec)
-        if self.max_message_bytes < least:  # only a given limit can be this small
-            raise CapsNetError(f"--max-message-bytes {self.max_message_bytes} cannot hold one float32 image of this "
-                               f"model or its answer; it must be at least {least}")
-        if self.max_message_bytes > GRPC_INT_MAX:  # only a derived limit gets here: config checks a given one
-            raise CapsNetError(f"the message limit derived from --max-batch-size {self.service.spec.max_batch_size} and "
-                               f"--max-image-scale {config.max_image_scale} is {self.max_message_bytes} bytes, over "
-                               f"gRPC's limit of {GRPC_INT_MAX}: lower them, or set --max-message-bytes")
-        self._interceptor = RequestInterceptor(self.metrics, self.max_message_bytes)
-        self.metrics.inflight.set_function(self._requests_in_flight)
-        # Clients' mistakes logged by gRPC and aiohttp as tracebacks become one line; once per process (loggers are).
-        quieted = [(GRPC_CORE_LOG, _CallEndedFirst), (kserve_http.AIOHTTP_SERVER_LOG, kserve_http.ClientErrorsAsOneLine)]
-        for logger, filter_type in quieted:
-            if not any(isinstance(f, filter_type) for f in logger.filters):
-                logger.addFilter(filter_type())
-        self._grpc = grpc.aio.server(
+        quiet_client_errors()
+        tls = None if config.tls_cert is None else ServerTLS.load(config.tls_cert, config.tls_key, config.tls_client_ca)
+        async with contextlib.AsyncExitStack() as opened:
+            self.service = InferenceService.load(config, self.metrics, self.lifecycle)
+            opened.push_async_callback(self.service.close)
+            self.max_message_bytes = checked_message_limit(config, self.service.spec)
+            self.metrics.inflight.set_function(self.lifecycle.in_flight.requests)
+            plane = kserve.DataPlane([self.service], self.lifecycle)
+            self._grpc = await self._listen_grpc(plane, tls)
+            opened.push_async_callback(self._close_listeners)
+            opened.callback(self._close_metrics, self._listen_metrics())
+            if config.http:
+                self._http = await self._listen_http(plane, tls)
+            await self.service.warmup()
+            self._opened = opened.pop_all()
+        if stopping is None or not stopping.is_set():
+            await self.lifecycle.move(Phase.SERVING)
+
+    async def _listen_grpc(self, plane: kserve.DataPlane, tls: ServerTLS | None) -> grpc.aio.Server:
+        config = self.config
+        self._interceptor = RequestInterceptor(self.metrics, self.max_message_bytes, self.lifecycle.in_flight)
+        server = grpc.aio.server(
             interceptors=[self._interceptor],
             options=[("grpc.max_receive_message_length", self.max_message_bytes),
                      ("grpc.max_send_message_length", self.max_message_bytes),
@@ -142,120 +180,103 @@ class CapsNetServer:
                      # A port already taken is an error, not silently shared with another server.
                      ("grpc.so_reuseport", 0)],
         )
-        capsnet_api.add_to_server(self._grpc, self.service, config.max_image_scale)
-        kserve_grpc.add_to_server(self._grpc, self.service)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        capsnet_api.add_to_server(server, self.service, config.max_image_scale)
+        kserve_grpc.add_to_server(server, plane)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(  # kserve's `inference` files live in a pool of their own
-            [capsnet_api.SERVICE_NAME, kserve_grpc.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._grpc,
+            [capsnet_api.SERVICE_NAME, kserve_grpc.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server,
             pool=reflection_pool())
         for name in HEALTH_SERVICES:
             await self._health.set(name, NOT_SERVING)
-
         address = _address(config.host, config.grpc_port)
         try:
-            if config.tls_cert is None:
-                self.grpc_port = self._grpc.add_insecure_port(address)
+            if tls is None:
+                self.grpc_port = server.add_insecure_port(address)
             else:
-                self.grpc_port = self._grpc.add_secure_port(address, _server_credentials(config))
+                self.grpc_port = server.add_secure_port(address, tls.grpc_credentials())
         except RuntimeError as err:
             raise CapsNetError(f"cannot listen on {address}: {err}") from None
-        await self._grpc.start()
+        await server.start()
+        return server
+
+    def _listen_metrics(self):
+        config = self.config
         try:
-            self._metrics_http = self.metrics.serve_http(config.host, config.metrics_port)
+            metrics_http = self.metrics.serve_http(config.host, config.metrics_port)
         except OSError as err:
-            await self._grpc.stop(None)
-            raise CapsNetError(f"cannot listen on {_address(config.host, config.metrics_port)}: {err.strerror or err}") from None
-        self.metrics_port = self._metrics_http.server_port
+            raise CapsNetError(f"cannot listen on {_address(config.host, config.metrics_port)}: "
+                               f"{err.strerror or err}") from None
+        self.metrics_port = metrics_http.server_port
+        return metrics_http
 
+    async def _listen_http(self, plane: kserve.DataPlane, tls: ServerTLS | None) -> kserve_http.KServeHTTP:
+        config = self.config
+        http = kserve_http.KServeHTTP(plane, self.metrics, self.max_message_bytes)
         try:
-            if config.http:
-                self._http = kserve_http.KServeHTTP(self.service, self.metrics, self.max_message_bytes)
-                tls = (None if config.tls_cert is None else
-                       kserve_http.ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca))
-                try:
-                    await self._http.start(config.host, config.http_port, tls, STOP_GRACE_S)
-                except OSError as err:  # asyncio's strerror holds the address again: the errno's own text
-                    raise CapsNetError(f"cannot listen on {_address(config.host, config.http_port)}: "
-                                       f"{os.strerror(err.errno) if err.errno else err}") from None
-                self.http_port = self._http.port
-            await self.service.warmup()
-        except BaseException:  # the one-line error, not gRPC's traceback about a server left running at exit
-            await self._grpc.stop(None)
-            if self._http is not None:
-                await self._http.stop()
-            self._metrics_http.shutdown()
-            raise
-        if stopping is not None and stopping.is_set():
-            return
-        for name in HEALTH_SERVICES:
-            await self._health.set(name, SERVING)
-        self._served = True
+            await http.start(config.host, config.http_port, None if tls is None else tls.context, STOP_GRACE_S)
+        except OSError as err:  # asyncio's strerror holds the address again: the errno's own text
+            raise CapsNetError(f"cannot listen on {_address(config.host, config.http_port)}: "
+                               f"{os.strerror(err.errno) if err.errno else err}") from None
+        self.http_port = http.port
+        return http
 
-    # --- A GPU backend's device failure (CUDA out of memory, a lost device) ---------------------------------------
-    # The backend fails that batch (INTERNAL / HTTP 500, through the batcher) and reports here from its worker
-    # thread: readiness and every health service turn NOT_SERVING, so that load balancers and Kubernetes stop sending
-    # and restart the server; later batches fail at once (serving/backends/base.py: DeviceBackend).
-    def _watch_device(self, loop: asyncio.AbstractEventLoop) -> None:
-        backend = self.service.backend
-        if hasattr(backend, "on_device_failure"):
-            backend.on_device_failure = lambda reason: loop.call_soon_threadsafe(self._device_failed, reason)
+    async def _close_listeners(self) -> None:
+        """gRPC, and REST once it listens, together: the shutdown's last step takes STOP_GRACE_S, not twice that."""
+        await asyncio.gather(self._grpc.stop(self._grpc_grace), *([self._http.close()] if self._http else []))
 
-    def _device_failed(self, reason: str) -> None:
-        log.error("the %s backend's device failed (%s): health NOT_SERVING; restart the server", self.service.backend.name,
-                  reason)
-        self.service.ready = False
-        for name in HEALTH_SERVICES:
-            asyncio.ensure_future(self._health.set(name, NOT_SERVING))
+    @staticmethod
+    def _close_metrics(metrics_http) -> None:
+        metrics_http.shutdown()
+        metrics_http.server_close()
+
+    async def _follow_phase(self, phase: Phase) -> None:
+        """gRPC health follows the phase: SERVING only while serving."""
+        if phase is Phase.SERVING or phase is Phase.FAILED:
+            for name in HEALTH_SERVICES:
+                await self._health.set(name, SERVING if phase is Phase.SERVING else NOT_SERVING)
+        elif phase is Phase.DRAINING:
+            await self._health.enter_graceful_shutdown()  # NOT_SERVING, for good
 
     async def stop(self) -> None:
         """Drain (see the module's docstring); requests still running after the grace period are cancelled.
         stop_now() meanwhile cuts the waits short: every call still running is cancelled at once."""
-        await self._health.enter_graceful_shutdown()
-        self.service.ready = False
-        if self._served:  # balancers that saw SERVING may still send for a moment
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop_now.wait(), self.config.drain_window_s)
-        refusing_since = self.service.refuse_new_requests()
-        deadline = refusing_since + self.config.grace_period_s
-        while self._busy_before(refusing_since) and time.monotonic() < deadline and not self._stop_now.is_set():
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(SETTLE_S)
-        await self._interceptor.end_open_streams(STOP_GRACE_S)
-        grace = None if self._stop_now.is_set() else min(STOP_GRACE_S, max(0.0, deadline - time.monotonic()))
+        config, lifecycle = self.config, self.lifecycle
+        served = lifecycle.phase is Phase.SERVING
+        await lifecycle.move(Phase.DRAINING)
+        if served:  # balancers that saw SERVING may still send for a moment
+            await self._until(time.monotonic() + config.drain_window_s)
+        refusing_from = lifecycle.refuse_new()
+        deadline = refusing_from + config.grace_period_s
+        await self._until(deadline, lifecycle.in_flight.drained(refusing_from))
         if self._http is not None:
-            await self._http.stop()
-        await self._grpc.stop(grace)
-        await self.service.close()
-        self._metrics_http.shutdown()
-        self._metrics_http.server_close()
+            await self._http.stop_listening()
+        await self._until(max(deadline, time.monotonic() + SETTLE_S), lifecycle.in_flight.quiet(SETTLE_S))
+        await self._interceptor.end_open_streams(STOP_GRACE_S)
+        if not self._cut_short.is_set():
+            self._grpc_grace = min(STOP_GRACE_S, max(0.0, deadline - time.monotonic()))
+        await self._opened.aclose()
+        await lifecycle.move(Phase.STOPPED)
 
-    def _busy_before(self, moment: float) -> bool:
-        """Whether a request (gRPC or HTTP) that began before `moment` is still running."""
-        return self._interceptor.busy_before(moment) or (self._http is not None and self._http.busy_before(moment))
-
-    def _requests_in_flight(self) -> int:
-        return self._interceptor.requests_in_flight() + (0 if self._http is None else self._http.requests_in_flight())
+    async def _until(self, deadline: float, awaitable=None) -> None:
+        """Wait for `awaitable` (None: for nothing) until `deadline` (time.monotonic()), or until stop_now()."""
+        waits = {asyncio.ensure_future(self._cut_short.wait())}
+        if awaitable is not None:
+            waits.add(asyncio.ensure_future(awaitable))
+        try:
+            await asyncio.wait(waits, timeout=max(0.0, deadline - time.monotonic()),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     def stop_now(self) -> None:
         """During stop(): give up draining (an operator's second signal)."""
         log.warning("stopping at once: requests still in flight are cancelled")
-        self._stop_now.set()
+        self._cut_short.set()
 
 
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 in brackets
-
-
-def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
-    def read(path) -> bytes:
-        try:
-            return path.read_bytes()
-        except OSError as err:
-            raise CapsNetError(f"cannot read {path}: {err.strerror or err}") from None
-
-    client_ca = read(config.tls_client_ca) if config.tls_client_ca else None
-    return grpc.ssl_server_credentials([(read(config.tls_key), read(config.tls_cert))],
-                                       root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
 async def serve(config: ServerConfig) -> int:

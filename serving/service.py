@@ -1,8 +1,9 @@
-"""The one request path both APIs share (docs/artifacts.md): validate images, infer through the batcher.
+"""One served model and the request path every API takes to it (docs/artifacts.md): check that the request may be
+served, validate its images, infer them through the model's batcher.
 
 Servicers stay thin: they parse their protocol's message into a float32 (N, C, H, W) array and
-`await infer`, which validates it. Errors are the transport-neutral ones of `serving/errors.py`;
-the gRPC layer maps them to status codes.
+`await infer`, which validates it. Errors are the transport-neutral ones of `serving/errors.py`. Whether a request
+may be served is the server's phase (`serving/lifecycle.py`), which the model reads.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from capsnet.serving.backends import load_backend
 from capsnet.serving.backends.base import Backend
 from capsnet.serving.batcher import Batcher, BatcherConfig
 from capsnet.serving.config import ServerConfig
-from capsnet.serving.errors import InvalidInput, ServerNotReady
+from capsnet.serving.errors import InvalidInput
+from capsnet.serving.lifecycle import Lifecycle
 from capsnet.serving.metrics import Metrics
 from capsnet.serving.self_check import SelfCheck
 
@@ -68,24 +70,21 @@ def _startup_step(what: str, max_batch_size: int):
                            "a smaller one needs less memory)") from None
 
 
-SHUTTING_DOWN = "the server is shutting down; retry on another replica"
-
-
 class InferenceService:
-    def __init__(self, spec: ModelSpec, backend: Backend, batcher: Batcher):
+    """One model as served: its description, backend and batcher; it serves while the server's lifecycle allows."""
+
+    def __init__(self, spec: ModelSpec, backend: Backend, batcher: Batcher, lifecycle: Lifecycle):
         self.spec = spec
         self.backend = backend
         self.batcher = batcher
-        self.ready = False  # what readiness checks report: warmed up and not shutting down
-        self._warmed_up = False
-        self._refusing_since: float | None = None  # time.monotonic() from which new requests are refused
-        self.refusing = asyncio.Event()  # set with _refusing_since: open streams end once idle
+        self.lifecycle = lifecycle
 
     @classmethod
-    def load(cls, config: ServerConfig, metrics: Metrics) -> "InferenceService":
+    def load(cls, config: ServerConfig, metrics: Metrics, lifecycle: Lifecycle) -> "InferenceService":
         """Model directory -> backend -> service; CapsNetError if the directory or backend is unusable.
 
-        Called inside the server's event loop (the batcher's scheduler is a task of it).
+        Called inside the server's event loop (the batcher's scheduler is a task of it). A backend that becomes
+        unusable (errors.BackendUnusable) fails the lifecycle.
         """
         artifacts = load_artifacts(config.model_dir)
         with _startup_step("loading the backend", config.max_batch_size):
@@ -103,11 +102,11 @@ class InferenceService:
             choice=loaded.why,
         )
         batcher = Batcher(backend, BatcherConfig(config.max_batch_size, config.max_queue_delay_us / 1e6,
-                                                 config.max_queue_size), metrics)
+                                                 config.max_queue_size), metrics, on_unusable=lifecycle.fail)
         metrics.model_info.labels(spec.name, spec.version, spec.backend, spec.precision,
                                   str(spec.routing.get("iterations", ""))).set(1)
         metrics.record_self_check(loaded.check)
-        return cls(spec, backend, batcher)
+        return cls(spec, backend, batcher, lifecycle)
 
     async def warmup(self) -> None:
         """Run the batch sizes dynamic batching makes most: powers of two up to the max, and the max."""
@@ -117,20 +116,14 @@ class InferenceService:
         with _startup_step(f"warming up batch sizes {sizes}", limit):
             await asyncio.to_thread(self.backend.warmup, sizes, self.spec.input_shape)
         log.info("warmed up batch sizes %s in %.2f s", sizes, time.monotonic() - started)
-        self._warmed_up = self.ready = True
 
-    def refuse_new_requests(self) -> float:
-        """Shutting down: requests that arrive from now on (the time.monotonic() returned) are refused; those
-        that arrived before are answered."""
-        self.ready = False
-        self._refusing_since = time.monotonic()
-        self.refusing.set()
-        return self._refusing_since
+    @property
+    def ready(self) -> bool:
+        """What this model's readiness checks report (one model is served: the server's readiness)."""
+        return self.lifecycle.ready
 
     async def close(self) -> None:
-        """Refuse new requests, finish the queued ones."""
-        if self._refusing_since is None:
-            self.refuse_new_requests()
+        """Finish the queued requests, then free the backend."""
         await self.batcher.drain()
         self.backend.close()
 
@@ -167,11 +160,8 @@ class InferenceService:
         return images
 
     def check_arrival(self, arrival: float) -> None:
-        """ServerNotReady for a request that arrived (time.monotonic()) while warming up or shutting down."""
-        if self._refusing_since is not None and arrival >= self._refusing_since:
-            raise ServerNotReady(SHUTTING_DOWN)
-        if not self._warmed_up:
-            raise ServerNotReady("the model is not ready (warming up); retry shortly")
+        """ServerNotReady for a request that arrived (time.monotonic()) when it cannot be served."""
+        self.lifecycle.check_arrival(arrival)
 
     async def infer(self, images: np.ndarray, *, field: str = "images", reconstruction: bool = False,
                     deadline: float | None = None, arrival: float | None = None) -> InferenceResult:

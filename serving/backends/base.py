@@ -7,6 +7,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from capsnet.serving.errors import BackendUnusable
+
 
 class Backend(ABC):
     name: str  # "onnxruntime" | "tensorrt" | "torch"
@@ -30,23 +32,19 @@ class Backend(ABC):
             self.run(np.zeros((batch_size, *input_shape), dtype=np.float32))
 
 
-class DeviceFailure(RuntimeError):
+class DeviceFailure(BackendUnusable):
     """The accelerator failed under a batch (CUDA out of memory, a lost device, an illegal address): the batch's
-    requests fail with INTERNAL (HTTP 500), and the server stops reporting SERVING, since the batches after it may
-    fail alike until it is restarted."""
+    requests fail with INTERNAL (HTTP 500), and the server stops reporting SERVING (the lifecycle's FAILED phase),
+    since the batches after it may fail alike until it is restarted."""
 
 
 class DeviceBackend(Backend):
-    """A backend on a device that can fail at run time: its failures become DeviceFailure, reported once to the
-    listener the server sets (`on_device_failure`, called from the batcher's worker thread), and every later batch
+    """A backend on a device that can fail at run time: its failures become DeviceFailure, and every later batch
     fails at once with the same reason instead of touching the broken device again."""
 
-    on_device_failure = None  # Callable[[str], None], set by the server
     failed: str | None = None  # why the device failed, once it has
 
     def device_failure(self, err: BaseException) -> DeviceFailure:
         if self.failed is None:
             self.failed = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"
-            if self.on_device_failure is not None:
-                self.on_device_failure(self.failed)
         return DeviceFailure(f"{self.description}: {self.failed}")

@@ -82,13 +82,13 @@ def test_infer_typed_answers_typed_subset_in_request_order(kserve_stub, run_onnx
 def test_large_typed_contents_are_converted_off_the_event_loop(kserve_stub, monkeypatch, count, on_the_event_loop):
     """Converting thousands of typed values holds the thread that does it: not the loop every RPC shares."""
     threads = []
-    convert = kserve_grpc._input_images
+    convert = kserve_grpc._input_values
 
     def recording(*args):
         threads.append(threading.current_thread().name)
         return convert(*args)
 
-    monkeypatch.setattr(kserve_grpc, "_input_images", recording)
+    monkeypatch.setattr(kserve_grpc, "_input_values", recording)
     kserve_stub.ModelInfer(infer_request(images(count, seed=4), raw=False, outputs=("probabilities",)), timeout=30)
     assert len(threads) == 1 and (threads[0] == "kserve-test-server") is on_the_event_loop, threads
 

@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from capsnet import __version__
-from capsnet.serving.service import SHUTTING_DOWN
+from capsnet.serving.lifecycle import SHUTTING_DOWN
 from kserve_messages import MAX_BATCH_SIZE, images
 from serving_helpers import ServeProcess, ServerThread, metric, scrape, server_config, wait_until
 

@@ -1,6 +1,6 @@
-"""The REST endpoint's bounds against hostile or broken clients (serving/kserve_http.py), each against a real server
-on loopback: compressed bodies inflated and bounded, the budget of bodies read at once, clients that leave mid-upload
-or never read their answers."""
+"""The REST endpoint's bounds against hostile or broken clients (serving/kserve_http.py, serving/http_body.py), each
+against a real server on loopback: compressed bodies inflated and bounded, the budget of bodies read at once,
+clients that leave mid-upload or never read their answers."""
 
 import contextlib
 import gzip
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from capsnet.serving import kserve_http
+from capsnet.serving import http_body, kserve_http
 from kserve_messages import MAX_BATCH_SIZE, images
 from serving_helpers import ServerThread, metric, scrape, server_config, wait_until
 
@@ -88,7 +88,7 @@ def test_a_body_inflating_past_the_limit_is_413(kserve_rest, port, run_onnx, enc
 def test_bodies_read_at_once_share_a_budget(kserve_model_dir, monkeypatch, run_onnx):
     """The budget is at least one body of the limit: here exactly that, so a second body arriving while a first of the
     limit's size is read is refused at once, and taken once the first is gone."""
-    monkeypatch.setattr(kserve_http, "BODY_BUDGET_BYTES", 0)
+    monkeypatch.setattr(http_body, "BODY_BUDGET_BYTES", 0)
     running = ServerThread(server_config(kserve_model_dir, backend="onnxruntime", max_batch_size=MAX_BATCH_SIZE))
     try:
         port, limit = running.server.http_port, running.server.max_message_bytes

@@ -28,7 +28,7 @@ from PIL import Image
 from capsnet.cli import main
 from capsnet.serving.client import image_message
 from capsnet.serving.server import CapsNetServer
-from capsnet.serving.service import SHUTTING_DOWN
+from capsnet.serving.lifecycle import SHUTTING_DOWN
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
 from serving_helpers import ServeProcess, metric, scrape, server_config, wait_until

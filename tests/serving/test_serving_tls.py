@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import logging
 import shutil
 import ssl
 import subprocess
@@ -119,13 +120,19 @@ def test_mutual_tls(model_dir, pki, capsys, tmp_path):
         running.stop()
 
 
+def unusable_files(directory, key):
+    """A file with a certificate's markers and no certificate in them, and `key` encrypted with a password."""
+    not_pem = directory / "not.pem"
+    not_pem.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+    encrypted = directory / "encrypted.key"
+    openssl("pkey", "-in", str(key), "-aes256", "-passout", "pass:secret", "-out", str(encrypted))
+    return not_pem, encrypted
+
+
 def test_unusable_tls_files_are_one_line_errors_before_any_connection(pki, tmp_path):
     """gRPC would say only "Failed to create security handshaker", after lines of its own core log."""
     client_key, client_cert = pki["client"]
-    not_pem = tmp_path / "not.pem"
-    not_pem.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
-    encrypted = tmp_path / "encrypted.key"
-    openssl("pkey", "-in", str(client_key), "-aes256", "-passout", "pass:secret", "-out", str(encrypted))
+    not_pem, encrypted = unusable_files(tmp_path, client_key)
     cases = {
         ("--tls-ca", str(not_pem)): f"--tls-ca {not_pem}: no PEM certificate in it",
         ("--tls-ca", str(tmp_path)): f"cannot read {tmp_path}: Is a directory",
@@ -150,3 +157,30 @@ def test_client_commands_print_one_line_for_a_failed_handshake(server, pki):
     assert run.returncode == 2
     [line] = run.stderr.splitlines()
     assert line.startswith(f"capsnet health: error: {server.target}: UNAVAILABLE: ") and "handshake" in line.lower(), line
+
+
+def test_unusable_server_tls_files_are_one_line_errors_before_the_model_loads(model_dir, pki, tmp_path, capsys,
+                                                                              caplog):
+    """gRPC and HTTPS serve the same files, checked once with the client commands' messages."""
+    key, cert = pki["server"]
+    not_pem, encrypted = unusable_files(tmp_path, key)
+    cases = {
+        ("--tls-cert", str(not_pem), "--tls-key", str(key)):
+            f"--tls-cert {not_pem}, --tls-key {key}: not a PEM certificate and its unencrypted private key",
+        ("--tls-cert", str(cert), "--tls-key", str(pki["client"][0])):
+            f"--tls-cert {cert}, --tls-key {pki['client'][0]}: not a PEM certificate and its unencrypted private key "
+            "(KEY_VALUES_MISMATCH)",
+        ("--tls-cert", str(cert), "--tls-key", str(encrypted)):
+            f"--tls-cert {cert}, --tls-key {encrypted}: not a PEM certificate and its unencrypted private key",
+        ("--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", str(not_pem)):
+            f"--tls-client-ca {not_pem}: no PEM certificate in it",
+        ("--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", str(tmp_path)):
+            f"cannot read {tmp_path}: Is a directory",
+    }
+    for flags, message in cases.items():
+        with caplog.at_level(logging.INFO, logger="capsnet.serving"):
+            code = main(["serve", "--model", str(model_dir), "--grpc-port", "0", "--http-port", "0", "--metrics-port",
+                         "0", *flags])
+        err = capsys.readouterr().err
+        assert (code, err.splitlines()[-1:]) == (2, [f"capsnet serve: error: {message}"]), err
+        assert not [record for record in caplog.records if "loaded" in record.getMessage()], "the model was loaded"

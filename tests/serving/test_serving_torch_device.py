@@ -99,10 +99,11 @@ def test_a_device_failure_fails_its_batch_and_turns_health_not_serving(model_dir
                 stub.Classify(request, timeout=30)
             assert failed.value.code() == grpc.StatusCode.INTERNAL
             assert "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" in failed.value.details()
-            hook.remove()  # the device stays failed: the next batch fails at once, without touching it
+            hook.remove()  # the device stays failed: later requests are refused, so clients retry elsewhere
             with pytest.raises(grpc.RpcError) as again:
                 stub.Classify(request, timeout=30)
-            assert again.value.code() == grpc.StatusCode.INTERNAL
+            assert again.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "OutOfMemoryError: CUDA out of memory" in again.value.details()
         assert isinstance(backend.failed, str) and _health(served.target) == "NOT_SERVING"
         assert _rest_ready(served.server.http_port) == 400
         body = json.dumps({"inputs": [{"name": "images", "datatype": "FP32", "shape": [1, 1, 28, 28],
@@ -118,15 +119,13 @@ def test_a_device_failure_fails_its_batch_and_turns_health_not_serving(model_dir
 
 def test_a_failed_device_raises_device_failure_at_once(model_dir):
     backend = TorchBackend(load_artifacts(model_dir), "fp32", 1)
-    reasons = []
-    backend.on_device_failure = reasons.append
     hook = backend.model.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA oom")))
     with pytest.raises(DeviceFailure, match="OutOfMemoryError: CUDA oom"):
         backend.run(np.zeros((1, 1, 28, 28), np.float32))
     hook.remove()
     with pytest.raises(DeviceFailure, match="OutOfMemoryError: CUDA oom"):
         backend.run(np.zeros((1, 1, 28, 28), np.float32))
-    assert reasons == ["OutOfMemoryError: CUDA oom"]  # reported once
+    assert backend.failed == "OutOfMemoryError: CUDA oom"
     plain_error = TorchBackend(load_artifacts(model_dir), "fp32", 1)
     with pytest.raises(RuntimeError):  # a caller's mistake (a wrong shape) is no device failure
         plain_error.run(np.zeros((1, 3, 28, 28), np.float32))

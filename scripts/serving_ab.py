@@ -1,0 +1,276 @@
+"""Same-run A/B of two capsnet-serve source trees: KServe v2 gRPC latency and throughput of the paper model.
+
+Each tree serves the `paper` preset (or --preset's; random weights seeded with 0: CapsNet's cost does not depend on
+them) exported in FP32 by its own exporter, from its own Python environment, on the onnxruntime backend with the
+server's defaults.
+Both servers run side by side and take turns under the same closed-loop load from tritonclient's asyncio gRPC client
+(1 image per request): round after round, the order alternating, so that other work on the machine slows both alike.
+Around each run the server's own histograms are read, which splits a request's latency into the backend's compute,
+the batch queue, and the rest: the request path (gRPC, decoding, checks, batcher hand-off, encoding) and the client.
+
+    git worktree add /tmp/base d907b92 && (cd /tmp/base && bash scripts/setup-env.sh)
+    .venv/bin/python scripts/serving_ab.py --baseline /tmp/base --out docs/benchmarks/serving-ab
+
+writes OUT.json (every run) and OUT.md (the command, the machine, the table). Needs the dev extra (tritonclient).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from capsnet.serving.loadgen import random_images, run_load
+
+REPO = Path(__file__).resolve().parents[1]
+READY_LINE = re.compile(r"ready: .* grpcs?://[^:]+:(\d+) metrics http://[^:]+:(\d+)/metrics")
+# Run in each tree's own environment: a seeded, untrained checkpoint of a preset (the API both trees share).
+CHECKPOINT = """
+import sys, torch
+from capsnet.training.checkpoint import Checkpoint, create_model, save_checkpoint
+from capsnet.training.config import preset
+from capsnet.training.data import DIGIT_NAMES
+torch.manual_seed(0)
+config = preset(sys.argv[2])
+save_checkpoint(Checkpoint(config=config, state_dict=create_model(config).state_dict(),
+                           class_names=list(DIGIT_NAMES)), sys.argv[1])
+"""
+# The server's histograms that split a request's latency: (sum, count) of each.
+HISTOGRAMS = ("capsnet_compute_seconds", "capsnet_queue_wait_seconds")
+STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Server:
+    label: str
+    tree: Path
+    python: Path
+    process: subprocess.Popen | None = None
+    target: str = ""
+    metrics_url: str = ""
+    model: dict = field(default_factory=dict)  # model.json of its export
+    commit: str = ""
+    lines: list[str] = field(default_factory=list)
+
+    def run(self, *args: str, timeout: float = 900) -> None:
+        result = subprocess.run([str(self.python), *args], cwd=self.tree, capture_output=True, text=True,
+                                timeout=timeout)
+        if result.returncode != 0:
+            raise SystemExit(f"{self.label}: {' '.join(args[:3])} failed:\n{result.stderr[-3000:]}")
+
+    def export(self, directory: Path, preset: str) -> Path:
+        """The preset's model exported in FP32 by this tree, from its own checkpoint format."""
+        checkpoint, out = directory / f"{self.label}.ckpt", directory / self.label
+        self.run("-c", CHECKPOINT, str(checkpoint), preset)
+        self.run("-m", "capsnet", "export", str(checkpoint), "--out", str(out), "--data", "embedded")
+        self.model = json.loads((out / "model.json").read_text())
+        return out
+
+    def start(self, model_dir: Path) -> None:
+        serve = [str(self.python), "-m", "capsnet", "serve", "--model", str(model_dir), "--backend", "onnxruntime",
+                 "--precision", "fp32", "--grpc-port", "0", "--metrics-port", "0"]
+        help_text = subprocess.run([*serve[:4], "--help"], cwd=self.tree, capture_output=True, text=True).stdout
+        if "--http-port" in help_text:  # a tree that serves REST: any free port, not 8000
+            serve += ["--http-port", "0"]
+        self.process = subprocess.Popen(serve, cwd=self.tree, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        text=True)
+        threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True).start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline and self.process.poll() is None:
+            if match := next(filter(None, map(READY_LINE.search, self.lines)), None):
+                self.target = f"127.0.0.1:{match[1]}"
+                self.metrics_url = f"http://127.0.0.1:{match[2]}/metrics"
+                return
+            time.sleep(0.1)
+        raise SystemExit(f"{self.label}: capsnet serve did not become ready (exit {self.process.poll()})")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+    def histograms(self) -> dict[str, tuple[float, float]]:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        samples = {sample.name: sample.value for family in text_string_to_metric_families(text)
+                   for sample in family.samples if not sample.labels}  # _sum and _count; _bucket has `le`
+        return {name: (samples.get(f"{name}_sum", 0.0), samples.get(f"{name}_count", 0.0)) for name in HISTOGRAMS}
+
+
+def git_commit(tree: Path) -> str:
+    result = subprocess.run(["git", "-C", str(tree), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    return result.stdout.strip() or "unknown"
+
+
+def cpu_kind() -> str:
+    """The CPU's model name and its vector extensions, as /proc/cpuinfo lists them."""
+    model, flags = platform.machine(), []
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            if key.strip() == "flags":
+                flags = [flag for flag in value.split() if re.match(r"avx|amx|.*vnni", flag)]
+                break
+    return f"{model} ({', '.join(flags) or 'no AVX'})"
+
+
+def mean_ms(before: dict, after: dict, name: str) -> float:
+    (sum_before, count_before), (sum_after, count_after) = before[name], after[name]
+    count = count_after - count_before
+    return (sum_after - sum_before) / count * 1e3 if count else float("nan")
+
+
+def measure(servers: list[Server], args) -> list[dict]:
+    images = random_images(256, tuple(servers[0].model["input"]["shape"]))
+    runs = []
+    for round_index in range(args.rounds):
+        order = servers if round_index % 2 == 0 else servers[::-1]
+        for server in order:
+            for concurrency in args.concurrency:
+                before, load = server.histograms(), os.getloadavg()[0]
+                result = asyncio.run(run_load(
+                    server.target, images, concurrency=concurrency, max_requests=args.requests,
+                    max_seconds=args.seconds, warmup_requests=50, api="tritonclient",
+                    model_name=server.model["name"], input_name=server.model["input"]["name"]))
+                after = server.histograms()
+                row = {"round": round_index, "server": server.label, **result.summary(),
+                       "mean_ms": statistics.fmean(result.latencies_s) * 1e3 if result.latencies_s else float("nan"),
+                       "compute_ms": mean_ms(before, after, "capsnet_compute_seconds"),
+                       "queue_wait_ms": mean_ms(before, after, "capsnet_queue_wait_seconds"),
+                       "load_average_1min": load}
+                runs.append(row)
+                print(f"round {round_index} {server.label:>9} c={concurrency:<3} p50 {row['p50_ms']:6.2f} ms "
+                      f"p99 {row['p99_ms']:6.2f} ms {row['images_per_s']:7.1f} images/s  compute "
+                      f"{row['compute_ms']:6.2f} ms  queue {row['queue_wait_ms']:5.2f} ms  load {load:.1f}  "
+                      f"errors {row['errors'] or 0}", flush=True)
+    return runs
+
+
+def summary_table(servers: list[Server], runs: list[dict], concurrency: list[int]) -> list[str]:
+    """Per server and concurrency, medians over the rounds: the p50 (and its range), p99, images/s (and range), and
+    the mean latency split into the backend's compute, the queue wait and the rest (request path and client)."""
+    lines = ["| server | concurrency | p50 ms: median (range) | p99 ms | images/s: median (range) | mean ms | "
+             "backend compute ms | queue wait ms | mean − compute − queue ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for server in servers:
+        for c in concurrency:
+            rows = [row for row in runs if row["server"] == server.label and row["concurrency"] == c]
+            p50 = [row["p50_ms"] for row in rows]
+            ips = [row["images_per_s"] for row in rows]
+            median = {key: statistics.median(row[key] for row in rows)
+                      for key in ("p99_ms", "mean_ms", "compute_ms", "queue_wait_ms")}
+            lines.append(f"| {server.label} ({server.commit}) | {c} | {statistics.median(p50):.2f} "
+                         f"({min(p50):.2f}–{max(p50):.2f}) | {median['p99_ms']:.2f} | {statistics.median(ips):.1f} "
+                         f"({min(ips):.1f}–{max(ips):.1f}) | {median['mean_ms']:.2f} | {median['compute_ms']:.2f} | "
+                         f"{median['queue_wait_ms']:.2f} | "
+                         f"{statistics.median(rest(row) for row in rows):.2f} |")
+    return lines
+
+
+def rest(row: dict) -> float:
+    """A run's mean latency less the backend's compute and the queue wait: the request path and the client."""
+    return row["mean_ms"] - row["compute_ms"] - row["queue_wait_ms"]
+
+
+def paired_lines(servers: list[Server], runs: list[dict], concurrency: list[int]) -> list[str]:
+    """Candidate minus baseline within each round (the two ran minutes apart at most)."""
+    base, cand = servers[0].label, servers[1].label
+    lines = []
+    for c in concurrency:
+        pairs = {}
+        for row in runs:
+            if row["concurrency"] == c:
+                pairs.setdefault(row["round"], {})[row["server"]] = row
+        p50 = [pair[cand]["p50_ms"] - pair[base]["p50_ms"] for pair in pairs.values()]
+        path = [rest(pair[cand]) - rest(pair[base]) for pair in pairs.values()]
+        lines.append(f"- concurrency {c}: {cand} − {base} p50 per round: "
+                     f"{', '.join(f'{d:+.2f}' for d in p50)} ms (median {statistics.median(p50):+.2f}); "
+                     f"mean less compute and queue: {', '.join(f'{d:+.2f}' for d in path)} ms "
+                     f"(median {statistics.median(path):+.2f})")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", type=Path, required=True, metavar="TREE", help="source tree of the baseline")
+    parser.add_argument("--baseline-python", type=Path, metavar="PYTHON",
+                        help="its environment's python (default TREE/.venv/bin/python)")
+    parser.add_argument("--candidate", type=Path, default=REPO, metavar="TREE", help="default: this repository")
+    parser.add_argument("--candidate-python", type=Path, metavar="PYTHON",
+                        help="default TREE/.venv/bin/python")
+    parser.add_argument("--preset", default="paper",
+                        help="the model (default paper; tiny: the request path dominates, not the compute)")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds; each runs both servers, in alternating order")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--requests", type=int, default=1000, help="most requests per run")
+    parser.add_argument("--seconds", type=float, default=20.0, help="longest run")
+    parser.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
+    args = parser.parse_args(argv)
+    trees = [("baseline", args.baseline, args.baseline_python), ("candidate", args.candidate, args.candidate_python)]
+    servers = [Server(label, tree.resolve(), python or tree / ".venv/bin/python") for label, tree, python in trees]
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="capsnet-ab-") as scratch:
+        try:
+            for server in servers:
+                server.commit = git_commit(server.tree)
+                print(f"{server.label}: {server.tree} at {server.commit}: exporting and starting", flush=True)
+                server.start(server.export(Path(scratch), args.preset))
+            runs = measure(servers, args)
+        finally:
+            for server in servers:
+                server.stop()
+    load_after = os.getloadavg()
+    command = " ".join(shlex.quote(part) for part in [Path(sys.executable).name, *sys.argv])
+    report = [
+        f"# KServe gRPC A/B: {servers[0].commit} vs {servers[1].commit}", "",
+        f"Measured {started} by:", "", "```", command, "```", "",
+        f"CPU: {cpu_kind()}, {os.cpu_count()} cores. Load average (1, 5, 15 min) before → after: "
+        f"{', '.join(f'{x:.2f}' for x in load_before)} → {', '.join(f'{x:.2f}' for x in load_after)}; "
+        "each run's own is in the JSON.", "",
+        f"The {args.preset} model in FP32 (each tree's own export of the same seeded weights), onnxruntime backend, "
+        f"server defaults; tritonclient.grpc.aio, 1 image per request; {args.rounds} rounds, each running both "
+        f"servers in turn (order alternating), each run at most {args.requests} requests or {args.seconds:g} s after "
+        "50 warm-up requests. Compute and queue wait are the means of the server's own histograms over the run; "
+        "what remains of the mean latency is the request path (gRPC, decoding, checks, batcher hand-off, encoding) "
+        "and the client.", "",
+        *summary_table(servers, runs, args.concurrency), "",
+        "Paired within each round:", "",
+        *paired_lines(servers, runs, args.concurrency), "",
+    ]
+    print("\n".join(report))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".md").write_text("\n".join(report))
+        args.out.with_suffix(".json").write_text(json.dumps({
+            "command": command, "started": started, "cpu": cpu_kind(), "cores": os.cpu_count(),
+            "load_average_before": load_before, "load_average_after": load_after,
+            "servers": {server.label: {"tree": str(server.tree), "commit": server.commit} for server in servers},
+            "runs": runs}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
