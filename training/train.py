@@ -20,7 +20,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -287,10 +287,11 @@ def train(options: TrainOptions) -> Checkpoint:
     use_transparent_huge_pages()
     context = distributed.context_from_environment()
     device = distributed.resolve_device(options.device, context)
+    threads = None
     if device.type == "cpu" and (options.threads or context.local_world_size > 1):
         # The processes on one machine share its cores.
-        torch.set_num_threads(options.threads or max(1, (os.cpu_count() or 1) // context.local_world_size))
-    with distributed.process_group(context, device):
+        threads = options.threads or max(1, (os.cpu_count() or 1) // context.local_world_size)
+    with torch_threads(threads), distributed.process_group(context, device):
         # the ranks check together: a mistake on any of them stops every one, with one line from rank 0
         with distributed.errors_reported_once(context):
             options, config, dataset, resumed, progress = prepare_run(options, context, device)
@@ -299,6 +300,21 @@ def train(options: TrainOptions) -> Checkpoint:
                 distributed.check_same_on_every_rank(context, "data or checkpoints",
                                                      run_fingerprint(dataset, resumed, progress))
         return run_epochs(options, config, dataset, resumed, progress, context, device)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """torch's CPU threads set to `count` (None: left as they are) for the run, and given back after it: the
+    setting is the process's, and a caller that trains in its own process (a test, a script) keeps its own."""
+    if count is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def prepare_run(options: TrainOptions, context: DistributedContext, device: torch.device,
