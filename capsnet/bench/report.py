@@ -172,7 +172,8 @@ def _inprocess_section(results: dict) -> list[str]:
         f"{schedule['seconds']:g} timed seconds per cell in all, after a warm-up. Images/s is the batch size over "
         "the median call time (robust to other load on the machine); latency is per call.",
         "",
-        table(["backend", "batch", "images/s", *(["of ceiling"] if ceiling else []), "p50 ms", "p99 ms", "calls"], rows),
+        table(["backend", "batch", "images/s", *(["of ceiling"] if ceiling else []), "p50 ms", "p99 ms", "calls"],
+              rows),
     ]
 
 

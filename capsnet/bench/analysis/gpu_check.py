@@ -466,7 +466,8 @@ STEPS = {"facts": facts, "peak": peak, "inprocess": inprocess, "serve": serve, "
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m capsnet.bench.analysis.gpu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m capsnet.bench.analysis.gpu_check",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("step", choices=(*STEPS, "report", "load"))
     parser.add_argument("--work", help="the check's working folder (parts/ and steps.jsonl)")
     parser.add_argument("--out", help="report: the folder the JSON and markdown go to")

@@ -16,13 +16,13 @@ def sections(results: dict) -> dict[str, list[str]]:
     found = {
         "backends": [
             "",
-            "`pytorch-public` is not our model: it is `capsnet/bench/analysis/public_reference.py`, a re-implementation "
-            "of how the most-used public PyTorch CapsNet (XifengGuo/CapsNet-Pytorch) computes a forward pass, run "
-            "eagerly: PrimaryCaps as one convolution; W as a (J, I, D, P) parameter, (10, 1152, 16, 8) in the paper "
-            "model; û by a broadcast `torch.matmul` of W with u[:, None, :, :, None]; logits (B, 10, 1152) with a "
-            "softmax over the classes in every iteration; sums over û as elementwise products then sums; the masked "
-            "decoder. It is loaded with our weights (capsules grouped as ours, its one deviation), so it computes the "
-            "same outputs.",
+            "`pytorch-public` is not our model: it is `capsnet/bench/analysis/public_reference.py`, a "
+            "re-implementation of how the most-used public PyTorch CapsNet (XifengGuo/CapsNet-Pytorch) computes a "
+            "forward pass, run eagerly: PrimaryCaps as one convolution; W as a (J, I, D, P) parameter, (10, 1152, 16, "
+            "8) in the paper model; û by a broadcast `torch.matmul` of W with u[:, None, :, :, None]; logits (B, 10, "
+            "1152) with a softmax over the classes in every iteration; sums over û as elementwise products then sums; "
+            "the masked decoder. It is loaded with our weights (capsules grouped as ours, its one deviation), so it "
+            "computes the same outputs.",
         ],
         "limit": _limit_section(results),
         "targets": ["## Targets", "", table(["target", "measured", "met", "short by", "what bounds it"], [
