@@ -2,10 +2,11 @@
 
     python deploy/loadtest.py --server 127.0.0.1:8001 --concurrency 16 --duration 20
 
-`--concurrency` clients each send Classify requests (`--batch` images of the model's input shape, uint8 pixels)
-back to back over one shared HTTP/2 channel for `--duration` seconds after `--warmup` seconds that are not
-counted. Prints one JSON object: requests, errors by gRPC code, requests and images per second, latency
-percentiles in milliseconds. Every call has a deadline, so the run ends within duration + warmup + 30 s.
+`--concurrency` clients each send Classify requests (`--batch` images of the model's input shape, uint8 pixels,
+poses left out of the answers) back to back over one shared HTTP/2 channel for `--duration` seconds after
+`--warmup` seconds that are not counted, through the project's load generator (capsnet.serving.loadgen). Prints one
+JSON object: requests, errors by gRPC code, requests and images per second, latency percentiles in milliseconds.
+Every call has a deadline, so the run ends within duration + warmup + 30 s.
 """
 
 from __future__ import annotations
@@ -15,58 +16,34 @@ import asyncio
 import json
 import math
 import sys
-import time
-from collections import Counter
 
 import grpc
 import numpy as np
 
+from capsnet.serving.loadgen import run_load
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc as pb_grpc
 
 CALL_TIMEOUT_S = 30.0
 
 
-async def run(server: str, concurrency: int, duration: float, warmup: float, batch: int) -> dict:
-    async with grpc.aio.insecure_channel(server) as channel:
-        stub = pb_grpc.CapsNetServiceStub(channel)
-        info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=CALL_TIMEOUT_S)
-        shape = list(info.input_shape)  # [C, H, W]
-        rng = np.random.default_rng(0)
-        request = pb.ClassifyRequest(exclude_poses=True, images=[
-            pb.Image(tensor=pb.Tensor(dtype=pb.DATA_TYPE_UINT8, shape=shape,
-                                      data=rng.integers(0, 256, size=shape, dtype=np.uint8).tobytes()))
-            for _ in range(batch)])
+def model_info(server: str) -> pb.ModelInfo:
+    with grpc.insecure_channel(server) as channel:
+        return pb_grpc.CapsNetServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=CALL_TIMEOUT_S)
 
-        start = time.monotonic()
-        measure_from, stop_at = start + warmup, start + warmup + duration
-        latencies: list[float] = []
-        codes: Counter[str] = Counter()
 
-        async def client() -> None:
-            while (sent := time.monotonic()) < stop_at:
-                try:
-                    await stub.Classify(request, timeout=CALL_TIMEOUT_S)
-                    code = "OK"
-                except grpc.aio.AioRpcError as err:
-                    code = err.code().name
-                if sent >= measure_from:
-                    codes[code] += 1
-                    if code == "OK":
-                        latencies.append(time.monotonic() - sent)
-
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        elapsed = time.monotonic() - measure_from
-
-    ok = codes.pop("OK", 0)
-    ms = np.array(latencies) * 1000
+def run(server: str, concurrency: int, duration: float, warmup: float, batch: int) -> dict:
+    info = model_info(server)
+    images = np.random.default_rng(0).integers(0, 256, size=(batch, *info.input_shape), dtype=np.uint8)
+    result = asyncio.run(run_load(server, images, concurrency=concurrency, batch_size=batch, max_requests=sys.maxsize,
+                                  max_seconds=duration, warmup_requests=0, warmup_seconds=warmup, exclude_poses=True))
+    summary = result.summary()
     return {
         "server": server, "model": f"{info.name}:{info.version}", "backend": info.backend,
-        "concurrency": concurrency, "batch": batch, "seconds": round(elapsed, 2),
-        "requests": ok, "errors": dict(codes),
-        "requests_per_s": round(ok / elapsed, 1), "images_per_s": round(ok * batch / elapsed, 1),
-        "latency_ms": {p: round(float(np.percentile(ms, int(p[1:]))), 2) if ok else None
-                       for p in ("p50", "p90", "p99")},
+        "concurrency": concurrency, "batch": batch, "seconds": round(result.elapsed_s, 2),
+        "requests": summary["requests"], "errors": summary["errors"],
+        "requests_per_s": round(summary["requests_per_s"], 1), "images_per_s": round(summary["images_per_s"], 1),
+        "latency_ms": {f"p{q}": round(result.percentile_ms(q), 2) if result.latencies_s else None for q in (50, 90, 99)},
     }
 
 
@@ -83,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             or not (0 <= args.warmup < math.inf)):
         parser.error("--concurrency and --batch must be >= 1, --duration a finite number > 0, --warmup finite and >= 0")
     try:
-        result = asyncio.run(run(args.server, args.concurrency, args.duration, args.warmup, args.batch))
+        result = run(args.server, args.concurrency, args.duration, args.warmup, args.batch)
     except grpc.RpcError as err:  # the first call (GetModelInfo) failed: nothing to measure
         print(f"loadtest: {args.server}: {err.code().name}: {err.details()}", file=sys.stderr)
         return 2

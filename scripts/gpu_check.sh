@@ -48,7 +48,7 @@ echo "==> gpu_check: $([ $dry = 1 ] && echo 'CPU dry run' || echo GPU), budget $
 
 # --- steps: each under `timeout`, recorded in steps.jsonl; the report is rewritten after every one ----------------
 report() {
-    (cd "$work" && timeout 60 "$python" -m capsnet.bench.gpu_check report --work "$work" --out "$out") \
+    (cd "$work" && timeout 60 "$python" -m capsnet.bench.analysis.gpu_check report --work "$work" --out "$out") \
         || echo "==> report failed"
 }
 record() {  # step status seconds limit
@@ -79,7 +79,7 @@ step() {  # name limit command...: runs in $work (so the checkout's bare capsnet
     return $rc
 }
 # the step's commands (`timeout` runs programs, not shell functions)
-check=("$python" -m capsnet.bench.gpu_check)
+check=("$python" -m capsnet.bench.analysis.gpu_check)
 common=(--work "$work" --threads "$threads" "${dry_flag[@]}")
 save_tail() {  # part-name log: the end of a step's output as a part of the report
     "$python" -c 'import json, sys; print(json.dumps({"tail": open(sys.argv[1]).read()[-3000:]}))' "$2" \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Command 1 of the README: set up, get a model, serve it.
-#   1. scripts/setup-env.sh: creates .venv (or uses $CAPSNET_VENV) and installs capsnet-serve into it;
+#   1. scripts/setup-env.sh: creates .venv (or uses $CAPSNET_VENV) and installs capsnet-serve into it, with the
+#      bench and visualize extras the README's benchmark and pictures use (EXTRAS= for none);
 #   2. deploy/prepare-model.sh: if the model folder has no exported model, trains the `paper` preset briefly on
 #      the embedded MNIST digits (progress bar) and exports it to ONNX; a re-run reuses the model;
 #   3. writes a few sample digit PNGs, prints how to send a request, and runs `capsnet serve` in the
@@ -31,6 +32,7 @@ while [ $# -gt 0 ]; do
 done
 model_dir=${model_dir%/}
 
+EXTRAS=${EXTRAS-bench,visualize}
 # shellcheck source=scripts/setup-env.sh
 source "$quickstart_repo/scripts/setup-env.sh"   # puts the environment's bin/ first on PATH
 

@@ -6,6 +6,9 @@ to the server's REST port) request, waits for the answer, sends the next; a run 
 or `max_seconds`, whichever comes first. The in-process baseline calls the backend the server would use, at a given
 batch size, with no gRPC, queue or batcher: what the network and the server add is the difference.
 
+The project's one closed-loop load generator: `capsnet bench`, the GPU check, deploy/loadtest.py (a deployment's load
+test), scripts/serving_ab.py and scripts/measure_serving_limits.py (refused and drained load) all drive run_load.
+
     capsnet serve --model DIR --grpc-port 8001 &
     python -m capsnet.serving.loadgen --server 127.0.0.1:8001 --model DIR --concurrency 1 16
     python -m capsnet.serving.loadgen --server 127.0.0.1:8001 --api kserve-http --rest 127.0.0.1:8000
@@ -94,11 +97,13 @@ def _grpc_send(rpc):
 
 
 @contextlib.asynccontextmanager
-async def _classify(target: str, credentials, batches: list[np.ndarray], model_name: str, input_name: str):
-    """Our API: a ClassifyRequest per batch, and how to send one with the Classify RPC."""
+async def _classify(target: str, credentials, batches: list[np.ndarray], model_name: str, input_name: str,
+                    exclude_poses: bool = False):
+    """Our API: a ClassifyRequest per batch (uint8 images as uint8 tensors, float ones as FP32), and how to send one
+    with the Classify RPC."""
     async with _grpc_channel(target, credentials) as channel:
-        yield ([pb.ClassifyRequest(images=[image_message(image) for image in batch]) for batch in batches],
-               _grpc_send(pb_grpc.CapsNetServiceStub(channel).Classify))
+        yield ([pb.ClassifyRequest(images=[image_message(image) for image in batch], exclude_poses=exclude_poses)
+                for batch in batches], _grpc_send(pb_grpc.CapsNetServiceStub(channel).Classify))
 
 
 def _check_kserve_names(model_name: str, input_name: str) -> None:
@@ -172,10 +177,14 @@ async def _http_model_infer(target: str, credentials, batches: list[np.ndarray],
                                      timeout=aiohttp.ClientTimeout(total=30)) as session:
         async def send(request) -> None:
             body, headers = request
-            async with session.post(url, data=body, headers=headers) as response:
-                await response.read()
-                if response.status != 200:
-                    raise _Failed(str(response.status))
+            try:
+                async with session.post(url, data=body, headers=headers) as response:
+                    await response.read()
+            # the server closed the connection (mid-upload of a body over its limit, or stopping) or did not answer
+            except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+                raise _Failed(type(err).__name__) from None
+            if response.status != 200:
+                raise _Failed(str(response.status))
 
         yield requests, send
 
@@ -188,38 +197,52 @@ APIS = {"capsnet": ("grpc", _classify), "kserve": ("grpc-kserve", _model_infer),
 
 async def run_load(target: str, images: np.ndarray, *, concurrency: int, batch_size: int = 1,
                    max_requests: int = 1000, max_seconds: float = 30.0, warmup_requests: int = 20,
-                   api: str = "capsnet", model_name: str = "", input_name: str = "",
+                   warmup_seconds: float = 0.0, stop_on_error: bool = False, api: str = "capsnet",
+                   model_name: str = "", input_name: str = "", exclude_poses: bool = False,
                    credentials: grpc.ChannelCredentials | None = None) -> LoadResult:
     """Closed-loop load from `concurrency` clients sharing one channel (REST: one session), through `api` (a key of
-    APIS); the KServe ones address the model by `model_name` and `input_name`."""
+    APIS); the KServe ones address the model by `model_name` and `input_name`, Classify leaves the poses out of its
+    answers with `exclude_poses`.
+
+    First `warmup_requests` one at a time, then the clients for `warmup_seconds` (not counted) and `max_seconds`
+    (counted, up to `max_requests` requests). With `stop_on_error` a client stops at its first failed request, as a
+    client of a server that drains goes to another replica."""
     if api not in APIS:
         raise ValueError(f"api must be one of {', '.join(APIS)}, got {api!r}")
+    if exclude_poses and api != "capsnet":
+        raise ValueError("exclude_poses is Classify's (api capsnet)")
     name, transport = APIS[api]
     batches = [images[start:start + batch_size] for start in range(0, len(images) - batch_size + 1, batch_size)]
-    async with transport(target, credentials, batches, model_name, input_name) as (requests, send):
+    options = {"exclude_poses": exclude_poses} if exclude_poses else {}
+    async with transport(target, credentials, batches, model_name, input_name, **options) as (requests, send):
         for index in range(warmup_requests):
             await send(requests[index % len(requests)])
         latencies: list[float] = []
         errors: collections.Counter = collections.Counter()
-        issued = 0
-        started = time.perf_counter()
-        stop_at = started + max_seconds
+        issued = counted = 0
+        measure_from = time.perf_counter() + warmup_seconds
+        stop_at = measure_from + max_seconds
 
         async def client() -> None:
-            nonlocal issued
-            while issued < max_requests and time.perf_counter() < stop_at:
+            nonlocal issued, counted
+            while counted < max_requests and (sent := time.perf_counter()) < stop_at:
                 request = requests[issued % len(requests)]
                 issued += 1
-                sent = time.perf_counter()
+                measured = sent >= measure_from
+                counted += measured
                 try:
                     await send(request)
-                    latencies.append(time.perf_counter() - sent)
                 except _Failed as err:
-                    errors[err.code] += 1
+                    errors[err.code] += measured
+                    if stop_on_error:
+                        return
+                else:
+                    if measured:
+                        latencies.append(time.perf_counter() - sent)
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started
-    return LoadResult(name, concurrency, batch_size, elapsed, latencies, dict(errors))
+        elapsed = time.perf_counter() - measure_from
+    return LoadResult(name, concurrency, batch_size, elapsed, latencies, dict(+errors))
 
 
 async def burst(target: str, request: pb.ClassifyRequest, calls: int,

@@ -269,9 +269,9 @@ def code_defaults(subcommand: str, parser: argparse.ArgumentParser) -> dict[str,
     if subcommand == "serve":
         from capsnet.serving.config import ServerConfig
         return ServerConfig.defaults()
-    from capsnet.training import train
-    applied = {"lr": train.DEFAULT_LR["capsnet"], "lr_decay": train.DEFAULT_LR_DECAY, "warmup": train.DEFAULT_WARMUP,
-               "val_fraction": train.DEFAULT_VAL_FRACTION, **train.RUN_DEFAULTS}
+    from capsnet.training.resume import SETTINGS, ByArch
+    applied = {name: setting.default.of("capsnet") if isinstance(setting.default, ByArch) else setting.default
+               for name, setting in SETTINGS.items()}
     return {a.dest: a.default if a.default is not None else applied.get(a.dest) for a in parser._actions}
 
 

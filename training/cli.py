@@ -15,6 +15,7 @@ DEVICE_HELP = "auto (CUDA if present, else CPU), cpu, cuda or cuda:N"
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from capsnet.training.config import ARCHITECTURES
+    from capsnet.training.resume import LR_SCHEDULES, default, default_help
 
     train = subparsers.add_parser(
         "train",
@@ -24,45 +25,44 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "and the last at <out stem>.last.ckpt. "
                     "Under torchrun every process runs this command (DistributedDataParallel).",
     )
-    train.add_argument("--data", default="embedded", metavar="embedded|DIR", help=DATA_HELP)
+    # Defaults and what a resume keeps come from resume.SETTINGS; a flag a resume keeps is None when left out.
+    train.add_argument("--data", default=default("data"), metavar="embedded|DIR", help=DATA_HELP)
     train.add_argument("--val-fraction", type=float, metavar="F",
                        help="share of the training images held out (per class, with a fixed seed) as the validation "
-                            "split that chooses the best epoch; the test split is only reported (default 0.1, or "
-                            "the resumed checkpoint's; 0: no validation split and no selection, --out is the last "
-                            "epoch)")
+                            "split that chooses the best epoch; the test split is only reported "
+                            f"({default_help('val_fraction')}; 0: no validation split and no selection, --out is the "
+                            "last epoch)")
     train.add_argument("--preset", metavar="paper|tiny|em|em-tiny",
                        help="model size: paper (Sabour et al., 8.2M parameters) or tiny, em or em-tiny for "
-                            "--arch em; default paper (em for --arch em), or the resumed checkpoint's")
-    train.add_argument("--epochs", type=int, default=10, metavar="N",
-                       help="total epochs, counting resumed ones (default 10)")
-    train.add_argument("--batch-size", type=int, default=64, metavar="B",
-                       help="global batch size, split across torchrun processes (default 64)")
-    train.add_argument("--lr", type=float,
-                       help="Adam learning rate (default 0.001; 0.01 for --arch em; with --resume the checkpoint's)")
-    train.add_argument("--lr-schedule", choices=("exponential", "linear"),
+                            f"--arch em ({default_help('preset')})")
+    train.add_argument("--epochs", type=int, default=default("epochs"), metavar="N",
+                       help=f"total epochs, counting resumed ones ({default_help('epochs')})")
+    train.add_argument("--batch-size", type=int, default=default("batch_size"), metavar="B",
+                       help=f"global batch size, split across torchrun processes ({default_help('batch_size')})")
+    train.add_argument("--lr", type=float, help=f"Adam learning rate ({default_help('lr')})")
+    train.add_argument("--lr-schedule", choices=LR_SCHEDULES,
                        help="exponential: the rate times --lr-decay after every epoch; linear: per step, a warmup "
-                            "over --warmup of the steps, then down to 0 at the last step of --epochs (default: "
-                            "linear for --arch em, else exponential; with --resume the checkpoint's)")
+                            "over --warmup of the steps, then down to 0 at the last step of --epochs "
+                            f"({default_help('lr_schedule')})")
     train.add_argument("--lr-decay", type=float, metavar="FACTOR",
-                       help="exponential schedule: learning-rate factor per epoch (default 0.9)")
+                       help=f"exponential schedule: learning-rate factor per epoch ({default_help('lr_decay')})")
     train.add_argument("--warmup", type=float, metavar="SHARE",
-                       help="linear schedule: share of all steps over which the rate rises to --lr (default 0.1)")
-    # --max-shift, --hflip, --erase, --seed left out: with --resume the checkpoint's, else the defaults below
+                       help=f"linear schedule: share of all steps over which the rate rises to --lr "
+                            f"({default_help('warmup')})")
     train.add_argument("--max-shift", type=int, metavar="PIXELS",
                        help="random shift augmentation in pixels: a random crop of the image zero-padded by PIXELS "
-                            "(default 2; with --resume, the checkpoint's)")
+                            f"({default_help('max_shift')})")
     train.add_argument("--hflip", action="store_true", default=None,
                        help="also mirror each training image left-right with probability 1/2 (for clothes such as "
-                            "Fashion-MNIST; not for digits)")
+                            f"Fashion-MNIST; not for digits) ({default_help('hflip')})")
     train.add_argument("--erase", type=float, metavar="P",
                        help="random erasing (Zhong et al. 2020): with probability P set a random rectangle of 2-40%% "
-                            "of each training image, aspect ratio 0.3-3.3, to 0 (default 0: off; with --resume, the "
-                            "checkpoint's)")
+                            f"of each training image, aspect ratio 0.3-3.3, to 0; 0 is off ({default_help('erase')})")
     train.add_argument("--seed", type=int, metavar="N",
-                       help="seed for weights, shuffling and augmentation (default 0; with --resume, the checkpoint's)")
+                       help=f"seed for weights, shuffling and augmentation ({default_help('seed')})")
     # a string, not a Path, which would drop the trailing / that TrainOptions refuses
-    train.add_argument("--out", default="model.ckpt", metavar="CKPT",
-                       help="best checkpoint (default model.ckpt)")
+    train.add_argument("--out", default=default("out"), metavar="CKPT",
+                       help=f"best checkpoint ({default_help('out')})")
     train.add_argument("--resume", nargs="?", const="", metavar="CKPT",
                        help="continue a run from CKPT (default: <out stem>.last.ckpt) up to --epochs")
     train.add_argument("--checkpoint-every", type=int, metavar="STEPS",
@@ -84,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="standardise inputs with the training split's per-channel mean/std "
                             "(default: mean 0, std 1)")
     execution = train.add_argument_group("execution")
-    execution.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
+    execution.add_argument("--device", default=default("device"), metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
     execution.add_argument("--amp", action="store_true",
                            help="mixed precision: fp16 on CUDA; bf16 on a CPU with native bf16 (AVX512_BF16 or AMX), "
                            "else fp32 with a note")

@@ -20,7 +20,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -42,61 +42,48 @@ from capsnet.training.distributed import DistributedContext
 from capsnet.training.evaluate import check_dataset_fits, evaluate
 from capsnet.training.loss import capsnet_loss
 from capsnet.training.model import count_parameters
+from capsnet.training.resume import (LR_SCHEDULES, MODEL_FLAGS, EpochProgress, batch_plan, check_linear_schedule_steps,
+                                     check_resumable, default, learning_rate_options, run_options)
 
 
-# TrainOptions fields that set the CapsNetConfig field of the same name
-MODEL_FLAGS = ("arch", "routing", "routing_iterations", "squash_constant", "reconstruction_weight",
-               "detach_agreement")
 DYNAMIC_ROUTING_FLAGS = ("routing", "squash_constant", "detach_agreement")
-# EM routing's activations move through a small inverse temperature λ, so it learns at 10× the rate
-# (0.01, as public EM implementations train; at 0.001 a small EM model barely learns in an epoch).
-DEFAULT_LR = {"capsnet": 1e-3, "em": 1e-2, "cnn-baseline": 1e-3}
-LR_SCHEDULES = ("exponential", "linear")
-# EM's 3-epoch runs on the embedded digits averaged 96.1% with the rate falling to 0 per step against 94.3% with the
-# best per-epoch decay tried (five seeds each, docs/experiments); the other models keep the schedule their figures
-# were measured with.
-DEFAULT_LR_SCHEDULE = {"capsnet": "exponential", "em": "linear", "cnn-baseline": "exponential"}
-DEFAULT_LR_DECAY = 0.9
-DEFAULT_WARMUP = 0.1
 SEED_LIMIT = 2**63  # torch.manual_seed and numpy's SeedSequence both take 0 .. 2**63 - 1
-DEFAULT_VAL_FRACTION = 0.1
 
 
 @dataclass
 class TrainOptions:
-    data: str = "embedded"
-    out: Path = Path("model.ckpt")
-    # model: None keeps the preset's value (or, with --resume, the checkpoint's)
-    preset: str | None = None  # `paper` for a new run
-    arch: str | None = None  # `capsnet` for a new run
+    """A run's settings; None: not given, so the resumed checkpoint's or the default (resume.SETTINGS)."""
+    data: str = default("data")
+    out: Path = Path(default("out"))
+    # model: None keeps the preset's (or, with --resume, the checkpoint's)
+    preset: str | None = None
+    arch: str | None = None
     routing: str | None = None
     routing_iterations: int | None = None
     squash_constant: float | None = None
     reconstruction_weight: float | None = None
     detach_agreement: bool | None = None
-    normalize: bool = False  # standardise inputs with the training split's per-channel mean/std
-    # share of the training images held out to choose the best epoch; 0: none; None: the resumed
-    # checkpoint's (0 for one from before the split), else DEFAULT_VAL_FRACTION
-    val_fraction: float | None = None
+    normalize: bool = default("normalize")  # standardise inputs with the training split's per-channel mean/std
+    val_fraction: float | None = None  # share of the training images held out to choose the best epoch; 0: none
     # optimisation
-    epochs: int = 10
-    batch_size: int = 64
-    lr: float | None = None  # Adam's rate; None: DEFAULT_LR of the architecture (with --resume: the checkpoint's)
-    lr_schedule: str | None = None  # None: DEFAULT_LR_SCHEDULE of the architecture (with --resume: the checkpoint's)
-    lr_decay: float | None = None  # exponential: multiplies the learning rate after every epoch (DEFAULT_LR_DECAY)
-    warmup: float | None = None  # linear: share of the steps the rate rises over (DEFAULT_WARMUP)
-    # the batches and their draws; None: with --resume the checkpoint's, else RUN_DEFAULTS
+    epochs: int = default("epochs")
+    batch_size: int = default("batch_size")
+    lr: float | None = None
+    lr_schedule: str | None = None
+    lr_decay: float | None = None  # exponential: multiplies the learning rate after every epoch
+    warmup: float | None = None  # linear: share of the steps the rate rises over
+    # the batches and their draws
     max_shift: int | None = None
     hflip: bool | None = None  # random left-right mirror (clothes, not digits)
     erase: float | None = None  # probability of random erasing per image
     seed: int | None = None
     # execution
-    device: str = "auto"
-    amp: bool = False  # fp16 autocast + gradient scaling on CUDA, bf16 autocast on a CPU with native bf16
-    compile: bool = False
-    threads: int | None = None
+    device: str = default("device")
+    amp: bool = default("amp")  # fp16 autocast + gradient scaling on CUDA, bf16 autocast on a CPU with native bf16
+    compile: bool = default("compile")
+    threads: int | None = default("threads")
     resume: Path | None = None
-    checkpoint_every: int | None = None  # also write the last checkpoint every N steps inside an epoch
+    checkpoint_every: int | None = default("checkpoint_every")  # also write the last checkpoint every N steps
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -139,33 +126,12 @@ def last_checkpoint_path(out: Path) -> Path:
     return out.with_name(f"{out.stem}.last.ckpt")
 
 
-# The settings that fix an epoch's batches and shifts; a run resumed mid-epoch must keep them.
-BATCH_PLAN_FLAGS = {"batch_size": "--batch-size", "seed": "--seed", "max_shift": "--max-shift", "hflip": "--hflip",
-                    "erase": "--erase", "world_size": "processes", "train_images": "training images"}
-# Of those, the ones a run keeps from start to end (a resume at an epoch's end may change the batch size, the
-# processes or the folder), with their defaults for a new run.
-RUN_DEFAULTS = {"seed": 0, "max_shift": 2, "hflip": False, "erase": 0.0}
-# what checkpoints from before a flag existed trained with
-BATCH_PLAN_BEFORE_FLAG = {"hflip": False, "erase": 0.0}
-
-
-@dataclass
-class EpochProgress:
-    """How far into an epoch a run got, with its running totals over all ranks (for a mid-epoch --resume)."""
-    step: int = 0  # batches done
-    loss_sum: float = 0.0
-    correct: float = 0.0
-    images: float = 0.0
-    seconds: float = 0.0
-
-
 def model_config(options: TrainOptions, dataset: Dataset, base: CapsNetConfig | None) -> CapsNetConfig:
     """The preset sized for the data, with the model flags applied; `base` (a resumed model) replaces the preset."""
     channels, height, width = dataset.image_shape
     if options.preset is not None or base is None:
-        default_preset = "em" if options.arch == "em" else "paper"
-        base = preset(options.preset or default_preset, in_channels=channels, height=height, width=width,
-                      num_classes=len(dataset.class_names))
+        base = preset(options.preset or default("preset").of(options.arch), in_channels=channels, height=height,
+                      width=width, num_classes=len(dataset.class_names))
         if options.arch in ("capsnet", "em") and options.arch != base.arch:
             raise CapsNetError(f"--preset {options.preset} is a {base.arch} preset; --arch {options.arch} takes "
                                f"{'em or em-tiny' if options.arch == 'em' else 'paper or tiny'}")
@@ -191,60 +157,6 @@ def epoch_batches(num_images: int, batch_size: int, context: DistributedContext,
     sampler.set_epoch(epoch)
     indices = np.fromiter(sampler, dtype=np.int64)
     return np.array_split(indices, range(batch_size, len(indices), batch_size))
-
-
-def run_options(options: TrainOptions, resumed: Checkpoint | None) -> TrainOptions:
-    """`options` with --seed, --max-shift, --hflip and --erase filled in: given, the resumed run's, or RUN_DEFAULTS.
-    A resumed run keeps them: its batches and draws derive from them and the epoch, and its checkpoints say that
-    the whole run used them."""
-    recorded = {**BATCH_PLAN_BEFORE_FLAG, **resumed.metrics} if resumed is not None else {}
-    values = {name: recorded.get(name, default) if getattr(options, name) is None else getattr(options, name)
-              for name, default in RUN_DEFAULTS.items()}
-    changes = [f"{BATCH_PLAN_FLAGS[name]} {value} (checkpoint: {recorded[name]})"
-               for name, value in values.items() if name in recorded and recorded[name] != value]
-    if changes and resumed.epoch_progress is None:  # mid-epoch, check_resumable names every batch setting changed
-        raise CapsNetError(f"--resume continues the checkpoint's shuffling and augmentation: {', '.join(changes)}")
-    return replace(options, **values)
-
-
-def learning_rate_options(options: TrainOptions, arch: str, resumed: Checkpoint | None) -> TrainOptions:
-    """`options` with the learning rate, the schedule and its setting filled in: given, the resumed run's, or the
-    architecture's default. A resumed run keeps its rate and schedule; a linear one also its length, since the rate
-    reaches 0 at its last step."""
-    recorded = resumed.metrics if resumed is not None else {}
-    # the rate travels in the optimizer state, which a resume loads over any other
-    lr = options.lr if options.lr is not None else recorded.get("initial_lr", DEFAULT_LR[arch])
-    if resumed is not None and recorded.get("initial_lr", lr) != lr:
-        raise CapsNetError(f"--resume continues the checkpoint's learning rate: --lr {lr} "
-                           f"(checkpoint: {recorded['initial_lr']})")
-    # checkpoints from before --lr-schedule decayed exponentially
-    recorded_schedule = recorded.get("lr_schedule", "exponential") if resumed is not None else None
-    schedule = options.lr_schedule or recorded_schedule or DEFAULT_LR_SCHEDULE[arch]
-    if recorded_schedule not in (None, schedule):
-        raise CapsNetError(f"--resume continues the checkpoint's learning-rate schedule: --lr-schedule {schedule} "
-                           f"(checkpoint: {recorded_schedule})")
-    if schedule == "exponential":
-        if options.warmup is not None:
-            raise CapsNetError("--warmup belongs to --lr-schedule linear; the exponential schedule has none")
-        setting, value, default = "lr_decay", options.lr_decay, DEFAULT_LR_DECAY
-    else:
-        if options.lr_decay is not None:
-            raise CapsNetError("--lr-decay belongs to --lr-schedule exponential; the linear schedule falls to 0 "
-                               "at the last step of --epochs")
-        setting, value, default = "warmup", options.warmup, DEFAULT_WARMUP
-        planned = recorded.get("epochs", options.epochs)
-        if resumed is not None and planned != options.epochs:
-            if resumed.epoch >= planned:
-                raise CapsNetError(f"{options.resume} has finished its linear learning-rate schedule (the rate "
-                                   f"fell to 0 in epoch {planned}); a longer run is a new one with a larger --epochs")
-            raise CapsNetError(f"{options.resume} follows a linear learning-rate schedule that ends after epoch "
-                               f"{planned}; resume it with --epochs {planned}")
-    if value is None:
-        value = recorded.get(setting, default)
-    elif resumed is not None and recorded.get(setting, value) != value:
-        raise CapsNetError(f"--resume continues the checkpoint's learning-rate schedule: "
-                           f"--{setting.replace('_', '-')} {value} (checkpoint: {recorded[setting]})")
-    return replace(options, lr=lr, lr_schedule=schedule, **{setting: value})
 
 
 def learning_rate_scheduler(optimizer: torch.optim.Optimizer, options: TrainOptions,
@@ -375,10 +287,11 @@ def train(options: TrainOptions) -> Checkpoint:
     use_transparent_huge_pages()
     context = distributed.context_from_environment()
     device = distributed.resolve_device(options.device, context)
+    threads = None
     if device.type == "cpu" and (options.threads or context.local_world_size > 1):
         # The processes on one machine share its cores.
-        torch.set_num_threads(options.threads or max(1, (os.cpu_count() or 1) // context.local_world_size))
-    with distributed.process_group(context, device):
+        threads = options.threads or max(1, (os.cpu_count() or 1) // context.local_world_size)
+    with torch_threads(threads), distributed.process_group(context, device):
         # the ranks check together: a mistake on any of them stops every one, with one line from rank 0
         with distributed.errors_reported_once(context):
             options, config, dataset, resumed, progress = prepare_run(options, context, device)
@@ -387,6 +300,21 @@ def train(options: TrainOptions) -> Checkpoint:
                 distributed.check_same_on_every_rank(context, "data or checkpoints",
                                                      run_fingerprint(dataset, resumed, progress))
         return run_epochs(options, config, dataset, resumed, progress, context, device)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """torch's CPU threads set to `count` (None: left as they are) for the run, and given back after it: the
+    setting is the process's, and a caller that trains in its own process (a test, a script) keeps its own."""
+    if count is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def prepare_run(options: TrainOptions, context: DistributedContext, device: torch.device,
@@ -403,9 +331,6 @@ def prepare_run(options: TrainOptions, context: DistributedContext, device: torc
     prepare_output(options.out, context)
     resumed = load_checkpoint(options.resume) if options.resume is not None else None
     options = run_options(options, resumed)
-    if options.val_fraction is None:
-        # checkpoints from before the validation split trained on every training image
-        options.val_fraction = resumed.metrics.get("validation_fraction", 0.0) if resumed else DEFAULT_VAL_FRACTION
     dataset = load_dataset(options.data, options.val_fraction)
     if options.max_shift >= min(dataset.image_shape[1:]):
         raise CapsNetError(f"--max-shift {options.max_shift} is not smaller than the {dataset.image_shape[1]}x"
@@ -417,8 +342,10 @@ def prepare_run(options: TrainOptions, context: DistributedContext, device: torc
         # the model keeps its classes, each by its name: not clothes for digits, nor only some digits
         check_dataset_fits(resumed.config, dataset, f"checkpoint {options.resume}", tuple(resumed.class_names),
                            every_class=True)
-        progress = check_resumable(resumed, config, options, batch_plan(options, context, dataset))
-        check_linear_schedule_steps(resumed, options, progress, context, dataset)
+        plan = batch_plan(options, context.world_size, len(dataset.train))
+        progress = check_resumable(resumed, config, options, plan)
+        check_linear_schedule_steps(resumed, options, progress, plan,
+                                    epoch_steps(len(dataset.train), options.batch_size, context))
     check_dataset_fits(config, dataset, "the model")
     return options, config, dataset, resumed, progress
 
@@ -440,68 +367,6 @@ def run_fingerprint(dataset: Dataset, resumed: Checkpoint | None, progress: Epoc
             "images' content hash": pixels.hexdigest(),
             "resumed epoch and step": f"{resumed.epoch if resumed else 0}, {progress.step}",
             "resumed weights' hash": weights.hexdigest()}
-
-
-def batch_plan(options: TrainOptions, context: DistributedContext, dataset: Dataset) -> dict[str, int]:
-    """The values of BATCH_PLAN_FLAGS for this run."""
-    return {"batch_size": options.batch_size, "seed": options.seed, "max_shift": options.max_shift,
-            "hflip": options.hflip, "erase": options.erase, "world_size": context.world_size,
-            "train_images": len(dataset.train)}
-
-
-def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOptions,
-                    plan: dict[str, int]) -> EpochProgress:
-    """Resuming continues the same model; flags given again must agree with the checkpoint.
-    Returns how far into its next epoch the checkpoint got (nothing at an epoch's end)."""
-    recorded = resumed.config.to_dict()
-    changed = {name: value for name, value in config.to_dict().items() if recorded[name] != value}
-    if changed:
-        listed = ", ".join(f"{name}={value!r} (checkpoint: {recorded[name]!r})" for name, value in changed.items())
-        raise CapsNetError(f"--resume continues the checkpoint's model; these flags change it: {listed}")
-    if resumed.optimizer_state is None or resumed.scheduler_state is None:
-        raise CapsNetError(f"{options.resume} holds no optimizer state to resume from")
-    recorded_fraction = resumed.metrics.get("validation_fraction", 0.0)
-    if recorded_fraction != options.val_fraction:
-        raise CapsNetError(f"--resume continues the checkpoint's training images: --val-fraction "
-                           f"{options.val_fraction} (checkpoint: {recorded_fraction})")
-    if resumed.epoch >= options.epochs:
-        raise CapsNetError(f"{options.resume} has already trained {resumed.epoch} epochs; pass --epochs above that")
-    if resumed.epoch_progress is None:
-        return EpochProgress()
-    try:
-        fields = dict(resumed.epoch_progress)
-        recorded_plan = {**BATCH_PLAN_BEFORE_FLAG, **fields.pop("batch_plan")}
-        planned = {name: recorded_plan[name] for name in plan}
-        progress = EpochProgress(**fields)
-    except (KeyError, TypeError):
-        raise CapsNetError(f"checkpoint {options.resume} is damaged: its progress into epoch {resumed.epoch + 1} "
-                           "is incomplete") from None
-    plan_changes = [f"{BATCH_PLAN_FLAGS[name]} {value} (checkpoint: {planned[name]})"
-                    for name, value in plan.items() if planned[name] != value]
-    if plan_changes:
-        raise CapsNetError(f"{options.resume} stopped {progress.step} steps into epoch {resumed.epoch + 1}; "
-                           f"continuing that epoch needs its batches: {', '.join(plan_changes)}")
-    return progress
-
-
-def check_linear_schedule_steps(resumed: Checkpoint, options: TrainOptions, progress: EpochProgress,
-                                context: DistributedContext, dataset: Dataset) -> None:
-    """A linear schedule is laid out in steps (--epochs times the steps of an epoch), and the resumed scheduler
-    continues at its step count. Another number of steps an epoch (--batch-size, the training set, the processes)
-    would put that count on a schedule of another length: the rate would jump, or sit at 0 for the epochs left."""
-    done = (resumed.scheduler_state or {}).get("last_epoch")
-    if options.lr_schedule != "linear" or not isinstance(done, int) or not resumed.epoch:
-        return  # nothing to compare (a damaged state is reported when it is loaded)
-    steps = epoch_steps(len(dataset.train), options.batch_size, context)
-    if done == resumed.epoch * steps + progress.step:
-        return
-    recorded = resumed.metrics
-    changes = [f"{BATCH_PLAN_FLAGS[name]} {value} (checkpoint: {recorded[name]})"
-               for name, value in (("batch_size", options.batch_size), ("train_images", len(dataset.train)),
-                                   ("world_size", context.world_size)) if recorded.get(name, value) != value]
-    raise CapsNetError(f"{options.resume} follows a linear learning-rate schedule of "
-                       f"{(done - progress.step) // resumed.epoch} steps an epoch; this run takes {steps}"
-                       f"{': ' + ', '.join(changes) if changes else ''}")
 
 
 def epoch_steps(num_images: int, batch_size: int, context: DistributedContext) -> int:
@@ -549,7 +414,7 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
         "seed": options.seed, "device": device.type, "world_size": context.world_size, "amp": options.amp,
         "compile": options.compile,
     }
-    plan = batch_plan(options, context, dataset)
+    plan = batch_plan(options, context.world_size, len(dataset.train))
 
     def snapshot(epochs_done: int, metrics: dict, partial: EpochProgress | None = None) -> Checkpoint:
         return Checkpoint(

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from capsnet.training.cli import CHECKPOINT_DATA_HELP, DEVICE_HELP
 
+INSTALL = "pip install 'capsnet-serve[visualize]'"
+
 PERTURBATION_STEP = 0.05
 PERTURBATION_STEPS = 11  # -0.25 ... +0.25
 PERTURBED_DIGITS = 3
@@ -60,6 +62,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_visualize(args: argparse.Namespace) -> int:
     from capsnet.errors import CapsNetError
 
+    try:
+        import matplotlib  # noqa: F401 - what draws the pictures: the visualize extra, not in the serving image
+    except ImportError:
+        raise CapsNetError(f"the pictures are drawn with matplotlib: {INSTALL}") from None
     if not args.out:  # `--out "$UNSET"`: the pictures would land in the working directory unasked
         raise CapsNetError("--out needs a folder for the pictures, got an empty path")
     out = Path(args.out)

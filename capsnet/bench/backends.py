@@ -1,4 +1,5 @@
-"""The backends `capsnet bench` times in-process: the server's own, plus the public PyTorch CapsNet baseline.
+"""The backends `capsnet bench` times in-process: the server's own, plus the public PyTorch CapsNet baseline (the
+analysis', capsnet/bench/analysis/public_reference.py).
 
 Each loads from an export directory (docs/artifacts.md) through the server's backend factory and
 becomes a function images (N, C, H, W) float32 -> probabilities (N, J). Heavy imports stay inside
@@ -12,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from capsnet.errors import CapsNetError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -27,7 +27,7 @@ SERVER_BACKENDS = {
     "tensorrt-fp16": ("tensorrt", "fp16"),
     "tensorrt-int8": ("tensorrt", "int8"),
 }
-PUBLIC_REFERENCE = "pytorch-public"  # public_reference.py: the most-used public PyTorch CapsNet's formulation
+PUBLIC_REFERENCE = "pytorch-public"  # analysis/public_reference.py: the most-used public PyTorch CapsNet's formulation
 BACKEND_NAMES = ("pytorch", "pytorch-bf16", PUBLIC_REFERENCE, "onnxruntime-fp32", "onnxruntime-int8",
                  "tensorrt-fp32", "tensorrt-fp16", "tensorrt-int8")  # the order of tables and plots
 
@@ -41,8 +41,10 @@ def load_backend(name: str, model_dir: str, threads: int, max_batch_size: int) -
     from capsnet.serving.artifacts import load_artifacts
 
     artifacts = load_artifacts(model_dir)
-    if name == PUBLIC_REFERENCE:
-        return _public_reference(artifacts.checkpoint, threads)
+    if name == PUBLIC_REFERENCE:  # the analysis' (the bench extra); a run without it never asks for it
+        from capsnet.bench.analysis.public_reference import load_reference_backend
+
+        return load_reference_backend(artifacts.checkpoint, threads)
     server_backend, precision = SERVER_BACKENDS[name]
     if server_backend == "onnxruntime" and precision not in artifacts.onnx:
         raise BackendUnavailable(f"{model_dir} has no {precision} ONNX model (export with --{precision})")
@@ -64,22 +66,3 @@ def load_backend(name: str, model_dir: str, threads: int, max_batch_size: int) -
                           max_batch_size=max_batch_size)
     backend = create_backend(server_backend, precision, artifacts, config)
     return (lambda images: backend.run(images)["probabilities"]), backend.description
-
-
-def _public_reference(checkpoint_path: Path, threads: int):
-    import torch
-
-    from capsnet.bench.public_reference import SOURCE, PublicCapsNet
-    from capsnet.training.checkpoint import load_checkpoint
-
-    torch.set_num_threads(threads)
-    try:
-        model = PublicCapsNet(load_checkpoint(checkpoint_path).build_model())
-    except CapsNetError as err:  # a routing variant the public code does not have
-        raise BackendUnavailable(str(err)) from None
-
-    def infer(images: np.ndarray) -> np.ndarray:
-        with torch.inference_mode():
-            return model(torch.from_numpy(images))[0].numpy()
-
-    return infer, f"{SOURCE}'s formulation, eager PyTorch (capsnet/bench/public_reference.py) on CPU, {threads} threads"

@@ -1,4 +1,5 @@
-"""`capsnet bench`: every backend side by side, the CPU's limit and end-to-end gRPC, in one run."""
+"""`capsnet bench`: every backend side by side and end-to-end gRPC in one run, with the analysis (the CPU's limit,
+ONNX Runtime's profile, the public reference, the targets and plots) where the bench extra is installed."""
 
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ def register(subparsers) -> None:
 
     parser = subparsers.add_parser(
         "bench", help="benchmark the backends, the CPU's limit and gRPC serving",
-        description="Measure every backend in-process (interleaved), the machine's fp32 peak and the model's "
-                    "FLOPs, and `capsnet serve` end to end over gRPC; write results.json, README.md and PNG plots.")
+        description="Measure every backend in-process (interleaved) and `capsnet serve` end to end over gRPC; "
+                    "write results.json and README.md. With the bench extra (pip install 'capsnet-serve[bench]') "
+                    "also the machine's fp32 peak and the model's FLOPs (its ceiling), ONNX Runtime's profile, the "
+                    "public PyTorch CapsNet as a backend, the targets and PNG plots.")
     parser.add_argument("model", type=Path, metavar="MODEL",
                         help="a checkpoint (exported first, with INT8) or an export directory (capsnet export)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR",
@@ -56,19 +59,22 @@ def register(subparsers) -> None:
                         help=f"interleaved rounds the in-process seconds are split into (default {_show('rounds')})")
     parser.add_argument("--grpc-seconds", type=float, help=f"timed seconds per gRPC point (default {_show('grpc_seconds')})")
     parser.add_argument("--peak-seconds", type=float,
-                        help=f"timed seconds per peak microbenchmark (default {_show('peak_seconds')})")
+                        help="timed seconds per peak microbenchmark, with the bench extra "
+                             f"(default {_show('peak_seconds')})")
     parser.add_argument("--accuracy-images", type=int,
                         help=f"evaluation images for each backend's accuracy (default {_show('accuracy_images')}; 0: all)")
     parser.add_argument("--profile-runs", type=int,
-                        help=f"runs profiled by ONNX Runtime's profiler (default {_show('profile_runs')})")
+                        help="runs profiled by ONNX Runtime's profiler, with the bench extra "
+                             f"(default {_show('profile_runs')})")
     parser.add_argument("--data", default="embedded", help="images for timing and accuracy: embedded or an IDX directory")
     parser.set_defaults(handler=run_bench_command)
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    from capsnet.bench.analysis import missing
     from capsnet.bench.machine import cores
     from capsnet.bench.report import check_out_dir, verdict
-    from capsnet.bench.suite import BenchOptions, run_bench
+    from capsnet.bench.suite import Analysis, BenchOptions, run_bench
 
     settings = {name: getattr(args, name) if getattr(args, name) is not None else values[args.quick]
                 for name, values in DEFAULTS.items()}
@@ -91,6 +97,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
         command=shlex.join(["capsnet", *sys.argv[1:]]),
         **settings,
     )
+    if why := missing():
+        print(f"capsnet bench: measuring throughput and latency only: {why}", file=sys.stderr)
+        analysis = Analysis(why)
+    else:
+        from capsnet.bench.analysis.suite import BenchAnalysis
+
+        analysis = BenchAnalysis(options)
     # SIGTERM (`timeout`, a job scheduler, `kill`) unwinds like Ctrl-C: the server and the workers are stopped and
     # the temporary export removed; the default action would end this process alone and leave them running.
     # Ctrl-C raises KeyboardInterrupt wherever it lands: Python's own handler would let asyncio.run() turn it into
@@ -98,7 +111,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     previous = {signum: signal.signal(signum, handler)
                 for signum, handler in ((signal.SIGTERM, _terminate), (signal.SIGINT, _interrupt))}
     try:
-        results = run_bench(options)
+        results = run_bench(options, analysis)
     except Terminated:
         print(f"capsnet bench: terminated by SIGTERM; {options.out} was left as it was", file=sys.stderr)
         return 128 + signal.SIGTERM

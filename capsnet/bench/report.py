@@ -1,21 +1,23 @@
-"""Benchmark results to files: results.json, a Markdown README with every table, and PNG plots."""
+"""Benchmark results to files: results.json and a Markdown README with every table (and the analysis' plots)."""
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from capsnet.bench.backends import BACKEND_NAMES
-from capsnet.bench.ortprofile import CONV_OP_TYPES
 from capsnet.errors import CapsNetError
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from capsnet.bench.suite import Analysis
 
-PLOTS = {"inprocess": "inprocess.png", "grpc": "grpc.png"}
+# Where the analysis' sections go among the measurements' own (inprocess, grpc): after the backends' table, then
+# these in order.
+SECTIONS = ("limit", "inprocess", "profile", "grpc", "targets")
 NOTES = "analysis.md"  # hand-written notes on the results, linked when present beside them
 TITLE = "# capsnet-serve benchmarks"  # README.md's first line
 QUICK_VERDICT = "not judged: --quick"  # fractions of a second of timing prove nothing either way
@@ -56,8 +58,8 @@ def _starts_with(path: Path, text: str) -> bool:
         return False
 
 
-def write_report(results: dict, out_dir: Path) -> list[Path]:
-    """Write results.json, README.md and the plots into `out_dir`; return the paths written.
+def write_report(results: dict, out_dir: Path, analysis: Analysis) -> list[Path]:
+    """Write results.json, README.md and the analysis' plots into `out_dir`; return the paths written.
 
     Every file is written into a hidden folder in `out_dir` first and moved into place only when all are complete,
     so a failure or Ctrl-C meanwhile leaves the previous report whole, never a new results.json beside an old
@@ -67,8 +69,9 @@ def write_report(results: dict, out_dir: Path) -> list[Path]:
         out_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".capsnet-bench-", dir=out_dir))
         (staging / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-        plots = _plot(results, staging)
-        (staging / "README.md").write_text(markdown(results, [p.name for p in plots], (out_dir / NOTES).is_file()))
+        plots = analysis.plots(results, staging)
+        readme = markdown(results, [p.name for p in plots], (out_dir / NOTES).is_file(), analysis.sections(results))
+        (staging / "README.md").write_text(readme)
         written = [out_dir / name for name in ("results.json", "README.md", *(p.name for p in plots))]
         for path in written:
             os.replace(staging / path.name, path)
@@ -80,7 +83,8 @@ def write_report(results: dict, out_dir: Path) -> list[Path]:
     return written
 
 
-def markdown(results: dict, plot_files: list[str], has_notes: bool) -> str:
+def markdown(results: dict, plot_files: list[str], has_notes: bool, sections: dict[str, list[str]]) -> str:
+    """README.md: the measurements' tables, with the analysis' `sections` (by SECTIONS) where it ran."""
     machine, inproc = results["machine"], results["inprocess"]
     lines = [
         TITLE,
@@ -94,7 +98,7 @@ def markdown(results: dict, plot_files: list[str], has_notes: bool) -> str:
         "",
         "## Machine",
         "",
-        _table(["CPU", "cores", "threads used", "load average before → after (1, 5, 15 min)",
+        table(["CPU", "cores", "threads used", "load average before → after (1, 5, 15 min)",
                 "CPU during the run: busy / idle / stolen", "int8/fp32 ISA", "GPU"], [[
             f"{machine['cpu_model']} ({machine['cpu_id']})", machine["cores"], inproc["threads"],
             f"{_loads(machine['load_before'])} → {_loads(machine['load_after'])}",
@@ -110,36 +114,29 @@ def markdown(results: dict, plot_files: list[str], has_notes: bool) -> str:
         "",
         "## Backends",
         "",
-        _table(["backend", "what runs", "accuracy", "RSS at start / loaded / peak (MiB)"], [[
+        table(["backend", "what runs", "accuracy", "RSS at start / loaded / peak (MiB)"], [[
             name, info["description"], f"{info['accuracy'] * 100:.2f}%",
             f"{info['rss_start_mib']:.0f} / {info['rss_loaded_mib']:.0f} / {info['peak_rss_mib']:.0f}",
         ] for name, info in _ordered(inproc["backends"])]),
         "",
         f"Accuracy on the first {inproc['accuracy_images']} images of the evaluation split ({results['model']['data']}). "
         "Each backend runs in its own process, so its RSS is its own: at start (Python + numpy), after "
-        "importing its runtime and loading the model, and the peak over the whole run.",
-        "",
-        "`pytorch-public` is not our model: it is `capsnet/bench/public_reference.py`, a re-implementation of how "
-        "the most-used public PyTorch CapsNet (XifengGuo/CapsNet-Pytorch) computes a forward pass, run eagerly: "
-        "PrimaryCaps as one convolution; W as a (J, I, D, P) parameter, (10, 1152, 16, 8) in the paper model; û by a broadcast "
-        "`torch.matmul` of W with u[:, None, :, :, None]; logits (B, 10, 1152) with a softmax over the classes in "
-        "every iteration; sums over û as elementwise products then sums; the masked decoder. It is loaded with our "
-        "weights (capsules grouped as ours, its one deviation), so it computes the same outputs. "
+        "importing its runtime and loading the model, and the peak over the whole run. "
         "`pytorch` is the server's torch backend: our `CapsNet.forward`, whose decoder (under 1% of the FLOPs) "
         "also runs.",
+        *sections.get("backends", []),
     ]
     for name, reason in inproc["skipped"].items():
         lines.append(f"\nSkipped `{name}`: {reason}.")
-    lines += ["", *_limit_section(results), "", *_inprocess_section(results)]
-    if results.get("profiles"):
-        lines += ["", *_profile_section(results["profiles"], results["ceiling"]["gflops"])]
-    if results.get("grpc"):
-        lines += ["", *_grpc_section(results["grpc"])]
-    lines += ["", "## Targets", "", _table(["target", "measured", "met", "short by", "what bounds it"], [
-        [t["target"], t["measured"], QUICK_VERDICT, "", ""] if results["quick"] else
-        [t["target"], t["measured"], "yes" if t["met"] else "**no**", t.get("short_by", ""), t.get("bound", "")]
-        for t in results["targets"]
-    ])]
+    if results.get("not_analysed"):
+        lines += ["", f"Not analysed in this run: {results['not_analysed']}."]
+    for place in SECTIONS:
+        if place == "inprocess":
+            lines += ["", *_inprocess_section(results)]
+        elif place == "grpc" and results.get("grpc"):
+            lines += ["", *_grpc_section(results["grpc"])]
+        elif sections.get(place):
+            lines += ["", *sections[place]]
     if plot_files:
         lines += ["", "## Plots", "", *[f"![{Path(name).stem}]({name})" for name in plot_files]]
     if has_notes and not results["quick"]:
@@ -160,38 +157,13 @@ def _cpu_lines(machine: dict) -> list[str]:
     return lines
 
 
-def _limit_section(results: dict) -> list[str]:
-    flops, peak, ceiling = results["flops"], results["peak"], results["ceiling"]
-    largest = max(flops["nodes"], key=lambda node: node["flops"])
-    conv = peak["conv"]
-    return [
-        "## The CPU's limit",
-        "",
-        f"- FLOPs per image, counted from the exported graph (Conv/MatMul/Gemm/Einsum shapes, 2 per multiply-add): "
-        f"**{flops['flops_per_image'] / 1e6:.1f} MFLOP**; the largest node, `{largest['name']}` ({largest['op_type']}), "
-        f"is {largest['share'] * 100:.1f}% of it.",
-        f"- fp32 peak on {peak['threads']} threads (the median of {len(peak.get('runs', [peak]))} measurements, one after "
-        f"each interleaved round of the in-process backends, so under the load they ran under; the PrimaryCaps-shaped "
-        f"conv ranged {_range(peak, 'gflops')} GFLOP/s over them): {peak['matmul']['gflops']:.0f} GFLOP/s on a "
-        f"{'×'.join(map(str, peak['matmul']['shape']))} matmul; {conv['gflops_torch']:.0f} (PyTorch) and "
-        f"{conv['gflops_onnxruntime']:.0f} (ONNX Runtime) GFLOP/s on a PrimaryCaps-shaped conv "
-        f"({'×'.join(map(str, conv['input_shape']))} input, {'×'.join(map(str, conv['weight_shape']))} weights, "
-        f"stride {conv['stride']}).",
-        f"- Ceiling: {conv['gflops']:.0f} GFLOP/s ÷ {flops['flops_per_image'] / 1e6:.1f} MFLOP = "
-        f"**{ceiling['images_per_s']:.0f} images/s**.",
-    ]
-
-
-def _range(peak: dict, key: str) -> str:
-    values = [run["conv"][key] for run in peak.get("runs", [peak])]
-    return f"{min(values):.0f}–{max(values):.0f}"
-
-
 def _inprocess_section(results: dict) -> list[str]:
+    ceiling = "ceiling" in results  # each row's share of it, where the analysis ran
     rows = [[
-        row["backend"], row["batch_size"], f"{row['images_per_s']:.1f}", f"{row['share_of_ceiling'] * 100:.0f}%",
+        row["backend"], row["batch_size"], f"{row['images_per_s']:.1f}",
+        *([f"{row['share_of_ceiling'] * 100:.0f}%"] if ceiling else []),
         f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}", row["calls"],
-    ] for row in _ordered_rows(results["inprocess"]["results"])]
+    ] for row in ordered_rows(results["inprocess"]["results"])]
     schedule = results["inprocess"]["schedule"]
     return [
         "## In-process throughput and latency",
@@ -200,24 +172,9 @@ def _inprocess_section(results: dict) -> list[str]:
         f"{schedule['seconds']:g} timed seconds per cell in all, after a warm-up. Images/s is the batch size over "
         "the median call time (robust to other load on the machine); latency is per call.",
         "",
-        _table(["backend", "batch", "images/s", "of ceiling", "p50 ms", "p99 ms", "calls"], rows),
+        table(["backend", "batch", "images/s", *(["of ceiling"] if ceiling else []), "p50 ms", "p99 ms", "calls"],
+              rows),
     ]
-
-
-def _profile_section(profiles: dict, peak_gflops: float) -> list[str]:
-    lines = ["## Where ONNX Runtime spends its time", "",
-             "From ONNX Runtime's profiler (node time by operator type, after graph optimisation), then the "
-             "convolutions' speed inside the model: their FLOPs over their share of the measured time per image at "
-             "that batch size.", ""]
-    for name, profile in profiles.items():
-        top = ", ".join(f"{op['op_type']} {op['share'] * 100:.1f}%" for op in profile["op_types"][:6])
-        kernels = "; ".join(f"{op['op_type']}: {', '.join(op['kernels'])}" for op in profile["op_types"]
-                            if op["op_type"] in CONV_OP_TYPES)
-        lines.append(f"- `{name}` at batch {profile['batch_size']} ({profile['runs']} profiled runs): {top}. "
-                     f"Convolutions: {profile['conv_share'] * 100:.1f}% of the time, at "
-                     f"{profile['conv_gops_in_model']:.0f} GOP/s ({profile['conv_gops_in_model'] / peak_gflops * 100:.0f}% "
-                     f"of the fp32 conv peak); kernels {kernels}.")
-    return lines
 
 
 def _grpc_section(grpc_results: dict) -> list[str]:
@@ -241,7 +198,7 @@ def _grpc_section(grpc_results: dict) -> list[str]:
         f"on `{' '.join(configs['on']['batching_flags'])}` (the server's default queue delay), off "
         f"`{' '.join(configs['off']['batching_flags'])}`.",
         "",
-        _table(["API", "dynamic batching", "concurrency", "images/s", "p50 ms", "p90 ms", "p99 ms", "requests",
+        table(["API", "dynamic batching", "concurrency", "images/s", "p50 ms", "p90 ms", "p99 ms", "requests",
                 "errors", "in-process images/s / p50 ms", "vs in-process", "in server ms (mean)", "mean batch", "queue wait ms", "backend busy",
                 "CPU/s server / client"], rows),
         "",
@@ -259,7 +216,7 @@ def _ordered(backends: dict):
     return sorted(backends.items(), key=lambda item: BACKEND_NAMES.index(item[0]))
 
 
-def _ordered_rows(rows: list[dict]) -> list[dict]:
+def ordered_rows(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda row: (BACKEND_NAMES.index(row["backend"]), row["batch_size"]))
 
 
@@ -271,93 +228,7 @@ def _loads(loads: list[float]) -> str:
     return ", ".join(f"{load:.2f}" for load in loads)
 
 
-def _table(header: list[str], rows: list[list]) -> str:
+def table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def _plot(results: dict, out_dir: Path) -> list[Path]:
-    try:
-        import matplotlib
-    except ImportError:
-        log.warning("matplotlib is not installed: no PNG plots (pip install capsnet-serve[bench])")
-        return []
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = [_plot_inprocess(plt, results, out_dir)]
-    if results.get("grpc"):
-        paths.append(_plot_grpc(plt, results, out_dir))
-    return paths
-
-
-def _series(rows: list[dict], key: str) -> dict[str, tuple[list, list]]:
-    """backend -> (batch sizes, values of `key`), in backend order."""
-    series = {}
-    for row in _ordered_rows(rows):
-        xs, ys = series.setdefault(row["backend"], ([], []))
-        xs.append(row["batch_size"])
-        ys.append(row[key])
-    return series
-
-
-def _plot_inprocess(plt, results: dict, out_dir: Path) -> Path:
-    rows = results["inprocess"]["results"]
-    fig, (throughput, latency) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, (xs, ys) in _series(rows, "images_per_s").items():
-        throughput.plot(xs, ys, marker="o", label=name)
-    throughput.axhline(results["ceiling"]["images_per_s"], color="black", linestyle="--", label="fp32 ceiling")
-    throughput.set(xscale="log", ylim=(0, None), xlabel="batch size", ylabel="images/s", title="In-process throughput")
-    throughput.legend(fontsize=8)
-    for (name, (xs, p50)), (_, (_, p99)) in zip(_series(rows, "p50_ms").items(), _series(rows, "p99_ms").items()):
-        line, = latency.plot(xs, p50, marker="o", label=f"{name} p50")
-        latency.plot(xs, p99, marker="x", linestyle=":", color=line.get_color(), label=f"{name} p99")
-    latency.set(xscale="log", yscale="log", xlabel="batch size", ylabel="ms per call", title="In-process latency")
-    latency.legend(fontsize=7, ncol=2)
-    for axis in (throughput, latency):
-        _log_ticks(axis, sorted({row["batch_size"] for row in rows}))
-    fig.tight_layout()
-    path = out_dir / PLOTS["inprocess"]
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def _log_ticks(axis, values: list[int]) -> None:
-    """A log x axis labelled at the measured points only."""
-    axis.set_xticks(values, labels=[str(v) for v in values])
-    axis.minorticks_off()
-    axis.grid(True, alpha=0.3)
-
-
-def _plot_grpc(plt, results: dict, out_dir: Path) -> Path:
-    rows = results["grpc"]["results"]
-    fig, (throughput, latency) = plt.subplots(1, 2, figsize=(12, 4.5))
-    lines = {}
-    for row in rows:
-        label = f"{row['api']}, batching {'on' if row['dynamic_batching'] else 'off'}"
-        lines.setdefault(label, []).append(row)
-    for label, series in lines.items():
-        xs = [row["concurrency"] for row in series]
-        line, = throughput.plot(xs, [row["images_per_s"] for row in series], marker="o", label=label)
-        latency.plot(xs, [row["p50_ms"] for row in series], marker="o", color=line.get_color(), label=f"{label} p50")
-        latency.plot(xs, [row["p99_ms"] for row in series], marker="x", linestyle=":", color=line.get_color(),
-                     label=f"{label} p99")
-    reference = {}
-    for row in rows:
-        reference.setdefault(row["concurrency"], []).append(row["inprocess"]["images_per_s"])
-    batch_sizes = sorted(reference)
-    throughput.plot(batch_sizes, [sum(reference[b]) / len(reference[b]) for b in batch_sizes], color="black",
-                    linestyle="--", label=f"in-process {results['grpc']['server']['backend']}, batch = concurrency "
-                                          "(mean of the rows' references)")
-    throughput.set(xscale="log", ylim=(0, None), xlabel="concurrent requests", ylabel="images/s", title="gRPC throughput")
-    latency.set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="ms per request", title="gRPC latency")
-    for axis in (throughput, latency):
-        _log_ticks(axis, sorted({row["concurrency"] for row in rows}))
-        axis.legend(fontsize=8)
-    fig.tight_layout()
-    path = out_dir / PLOTS["grpc"]
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -59,6 +59,12 @@ class ServerProcess:
     def pid(self) -> int:
         return self._process.pid
 
+    def stop(self) -> int:
+        """SIGTERM, as a process manager stops a server, then its exit code once it has drained (killed after
+        STOP_TIMEOUT_S)."""
+        self._stop()
+        return self._process.returncode
+
     def memory(self) -> dict[str, float]:
         """The server's RSS now and its peak since it started, in MiB."""
         return memory_mib(self._process.pid)

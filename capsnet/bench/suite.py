@@ -1,4 +1,4 @@
-"""`capsnet bench` from start to end: artifacts, the CPU's limit, in-process backends, gRPC, targets, report."""
+"""`capsnet bench` from start to end: artifacts, in-process backends, gRPC, the analysis where installed, report."""
 
 from __future__ import annotations
 
@@ -11,21 +11,16 @@ from pathlib import Path
 
 import numpy as np
 
-from capsnet.bench.backends import SERVER_BACKENDS
-from capsnet.bench.flops import count_flops
+from capsnet.bench.backends import PUBLIC_REFERENCE, SERVER_BACKENDS
 from capsnet.bench.grpc_load import run_grpc_load
-from capsnet.bench.inprocess import BackendPlan, Schedule, run_inprocess, tile
+from capsnet.bench.inprocess import BackendPlan, Schedule, run_inprocess
 from capsnet.bench.machine import cpu_shares, cpu_times, load_average, machine_facts
-from capsnet.bench.ortprofile import conv_rate, profile_onnx
-from capsnet.bench.peak import measure_peak, median_peak
 from capsnet.bench.report import write_report
-from capsnet.bench.targets import evaluate
 from capsnet.errors import CapsNetError
 
 log = logging.getLogger(__name__)
 
-PEAK_BATCH = 32  # images in the PrimaryCaps-shaped conv of the peak microbenchmark
-PROFILE_BATCH = 32  # ONNX Runtime is profiled at the largest batch size up to this
+TENSORRT_OPT_BATCH = 32  # the batch size TensorRT engines are tuned for (at most the largest one measured)
 
 
 @dataclass(frozen=True)
@@ -48,6 +43,39 @@ class BenchOptions:
     command: str
 
 
+class Analysis:
+    """What the analysis (capsnet.bench.analysis, the bench extra) adds to a run, at the points the run calls it.
+    This one adds nothing: `missing` says why, in the report, and the backend it would bring is skipped."""
+
+    def __init__(self, missing: str | None):
+        self.missing = missing
+
+    def unavailable(self, backend: str) -> str | None:
+        """Why `backend` cannot run without the analysis: the public reference is part of it."""
+        return "part of the analysis, not installed here (below)" if backend == PUBLIC_REFERENCE and self.missing \
+            else None
+
+    def start(self, artifacts, config) -> None:
+        """Before the in-process rounds, with the export's artifacts and the model's config."""
+
+    def after_round(self) -> None:
+        """After each interleaved in-process round, while the backends' workers wait."""
+
+    def after_inprocess(self, inprocess: dict, images: np.ndarray, artifacts) -> dict:
+        """The analysis' parts of the results, from the in-process results (whose rows it may annotate)."""
+        return {"not_analysed": self.missing}
+
+    def targets(self, results: dict) -> list[dict]:
+        return []
+
+    def sections(self, results: dict) -> dict[str, list[str]]:
+        """Markdown lines for the report, by where they go (report.SECTIONS)."""
+        return {}
+
+    def plots(self, results: dict, out_dir: Path) -> list[Path]:
+        return []
+
+
 def _check_dynamic_routing(model: Path, checkpoint: Path) -> None:
     """The targets compare with the public dynamic-routing CapsNet and its convolution peak: EM and CNN
     models have neither, so they are refused before anything is exported or timed."""
@@ -58,10 +86,14 @@ def _check_dynamic_routing(model: Path, checkpoint: Path) -> None:
         raise CapsNetError(f"capsnet bench measures dynamic-routing CapsNets; {model} holds a model of --arch {arch}")
 
 
-def run_bench(options: BenchOptions) -> dict:
+def run_bench(options: BenchOptions, analysis: Analysis) -> dict:
     facts, cpu_before = machine_facts(), cpu_times()
     with tempfile.TemporaryDirectory(prefix="capsnet-bench-") as tmp:
         model_dir, model_dirs, skipped = _prepare_models(options, Path(tmp))
+        for name in list(model_dirs):
+            if reason := analysis.unavailable(name):
+                skipped[name] = reason
+                del model_dirs[name]
         from capsnet.serving.artifacts import load_artifacts
         from capsnet.training.checkpoint import load_checkpoint
         from capsnet.training.data import load_dataset
@@ -74,37 +106,15 @@ def run_bench(options: BenchOptions) -> dict:
             raise CapsNetError(f"--data {options.data} has {dataset.image_shape} images; the model takes {artifacts.input_shape}")
         images = dataset.test.images.astype(np.float32) / 255.0  # (N, C, H, W) in [0, 1]
 
-        flops = count_flops(artifacts.onnx["fp32"])
-        log.info("%.1f MFLOP per image", flops.total / 1e6)
-        peaks = []
-
-        def measure_round_peak() -> None:
-            """The fp32 peak once per interleaved round, so it meets the same load as the backends' cells."""
-            peaks.append(measure_peak(config, batch=PEAK_BATCH, threads=options.threads, min_seconds=options.peak_seconds))
-
+        analysis.start(artifacts, config)
         plans = {name: BackendPlan(str(model_dirs[name]), tuple(sorted(set(options.batch_sizes))))
                  for name in options.backends if name in model_dirs}
-        log.info("in-process: %s at batch sizes %s, the fp32 peak after each round", ", ".join(plans),
-                 ", ".join(map(str, options.batch_sizes)))
+        log.info("in-process: %s at batch sizes %s", ", ".join(plans), ", ".join(map(str, options.batch_sizes)))
         inprocess = run_inprocess(plans, options.threads, images, dataset.test.labels,
                                   Schedule(options.seconds, options.rounds), options.accuracy_images or len(images),
-                                  after_round=measure_round_peak)
+                                  after_round=analysis.after_round)
         inprocess["skipped"] = {**skipped, **inprocess["skipped"]}
-        peak = median_peak(peaks)
-        ceiling = peak["conv"]["gflops"] * 1e9 / flops.total
-        for row in inprocess["results"]:
-            row["share_of_ceiling"] = row["images_per_s"] / ceiling
-
-        profile_batch = max((b for b in options.batch_sizes if b <= PROFILE_BATCH), default=min(options.batch_sizes))
-        profile_images = tile(images, profile_batch)
-        rows = {(row["backend"], row["batch_size"]): row for row in inprocess["results"]}
-        conv_flops = sum(node.flops for node in flops.nodes if node.op_type == "Conv")
-        profiles = {}
-        for precision, path in artifacts.onnx.items():
-            name = f"onnxruntime-{precision}"
-            if (name, len(profile_images)) in rows:
-                profile = profile_onnx(path, profile_images, options.threads, options.profile_runs)
-                profiles[name] = {**profile, **conv_rate(profile, conv_flops, rows[name, len(profile_images)]["images_per_s"])}
+        analysed = analysis.after_inprocess(inprocess, images, artifacts)
 
         grpc_results = None
         if options.grpc:
@@ -120,15 +130,12 @@ def run_bench(options: BenchOptions) -> dict:
         "machine": facts,
         "model": {"source": str(options.model), "data": dataset.name, "config": config.to_dict(),
                   "int8_export": int8_export},
-        "flops": flops.to_dict(),
-        "peak": peak,
-        "ceiling": {"images_per_s": ceiling, "gflops": peak["conv"]["gflops"]},
         "inprocess": inprocess,
-        "profiles": profiles,
         "grpc": grpc_results,
+        **analysed,
     }
-    results["targets"] = evaluate(results)
-    for path in write_report(results, options.out):
+    results["targets"] = analysis.targets(results)
+    for path in write_report(results, options.out, analysis):
         log.info("wrote %s", path)
     return results
 
@@ -173,7 +180,7 @@ def _prepare_models(options: BenchOptions, tmp: Path) -> tuple[Path, dict[str, P
         precision = SERVER_BACKENDS[name][1]
         log.info("building a TensorRT %s engine", precision)
         export_model(options.model, tmp / name, tensorrt=True, tensorrt_precision=precision, data=options.data,
-                     max_accuracy_drop=100.0, opt_batch=min(PEAK_BATCH, max_batch), max_batch=max_batch)
+                     max_accuracy_drop=100.0, opt_batch=min(TENSORRT_OPT_BATCH, max_batch), max_batch=max_batch)
         model_dirs[name] = tmp / name
     return tmp / "model", model_dirs, skipped
 

@@ -34,7 +34,7 @@ def no_measuring(monkeypatch):
     """A check that lets a bad value through fails the test here, instead of starting a benchmark."""
     from capsnet.bench import suite
 
-    def run_bench(options):
+    def run_bench(options, analysis):
         raise AssertionError("the benchmark started")
 
     monkeypatch.setattr(suite, "run_bench", run_bench)

@@ -7,7 +7,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from capsnet.bench.flops import count_flops
+from capsnet.bench.analysis.flops import count_flops
 from capsnet.errors import CapsNetError
 from capsnet.training.checkpoint import load_checkpoint
 

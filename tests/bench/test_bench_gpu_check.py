@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from capsnet.bench import gpu_check
+from capsnet.bench.analysis import gpu_check
 
 
 def test_the_steps_write_parts_and_the_report_tables_them(tiny_export, tmp_path):

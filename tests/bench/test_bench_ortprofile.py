@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from capsnet.bench.ortprofile import main, profile_interleaved
+from capsnet.bench.analysis.ortprofile import main, profile_interleaved
 
 
 def test_bench_profile_interleaved_gives_each_model_its_own_op_types(tiny_export):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from capsnet.bench.peak import median_peak
+from capsnet.bench.analysis.peak import median_peak
 
 
 def _run(matmul, torch_conv, ort_conv):

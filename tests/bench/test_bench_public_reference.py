@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from capsnet.bench.public_reference import PublicCapsNet
+from capsnet.bench.analysis.public_reference import PublicCapsNet
 from capsnet.errors import CapsNetError
 from capsnet.training.config import preset
 from capsnet.training.model import CapsNet

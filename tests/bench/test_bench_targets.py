@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from capsnet.bench.targets import evaluate
+from capsnet.bench.analysis.targets import evaluate
 
 
 def _row(backend, batch, images_per_s, p50_ms=1.0):

@@ -102,8 +102,18 @@ def test_deploy_project_installs_as_the_image_installs_it(tmp_path):
     (wheel,) = tmp_path.glob("capsnet_serve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in ("capsnet/cli.py", "capsnet/training/data/mnist_5k.npz", "capsnet/export/__init__.py",
-                   "capsnet/serving/metrics.py", "capsnet/v1/capsnet_pb2_grpc.py", "capsnet/kserve/grpc_service_pb2.py"):
+                   "capsnet/serving/metrics.py", "capsnet/v1/capsnet_pb2_grpc.py", "capsnet/kserve/grpc_service_pb2.py",
+                   "capsnet/bench/analysis/suite.py"):
         assert needed in names, f"{needed} missing from the wheel"
+    # The benchmark analysis' and the pictures' plotting library comes with their extras only, which no image asks for.
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    plotting = [requirement for requirement in requires if requirement.startswith("matplotlib")]
+    assert plotting and all("extra ==" in requirement for requirement in plotting), plotting
+    for dockerfile in DOCKERFILES:
+        installed = re.findall(r"pip install [^\n]*?\"?/src(?:\[([^\]]*)\])?", dockerfile.read_text())
+        assert installed and not {"bench", "visualize", "dev"} & {extra for extras in installed
+                                                                   for extra in extras.split(",")}, dockerfile.name
 
 
 def test_deploy_prometheus_configs_pass_promtool(tmp_path):

@@ -113,3 +113,16 @@ def test_em_model_gets_every_picture_and_maps_on_the_class_layers_input_grid(tra
 def test_bad_counts_are_refused(trained_tiny_checkpoint, tmp_path, run_command):
     with pytest.raises(CapsNetError, match="--examples must be at least 1"):
         run_command(visualize, "visualize", str(trained_tiny_checkpoint), "--out", str(tmp_path), "--examples", "0")
+
+
+def test_without_the_visualize_extra_one_line_names_it(random_tiny_checkpoint, tmp_path):
+    """matplotlib comes with the visualize extra (the serving image leaves it out): without it, one line says so."""
+    import subprocess
+    import sys
+
+    without = "import sys; sys.modules['matplotlib'] = None; from capsnet.cli import main; sys.exit(main(sys.argv[1:]))"
+    run = subprocess.run([sys.executable, "-c", without, "visualize", str(random_tiny_checkpoint), "--out",
+                          str(tmp_path / "pictures")], capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stderr) == (2, "capsnet visualize: error: the pictures are drawn with matplotlib: "
+                                               f"{visualize.INSTALL}\n")
+    assert not (tmp_path / "pictures").exists()

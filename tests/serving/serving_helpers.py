@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -106,3 +107,10 @@ def wait_until(condition, timeout: float = 10.0, interval: float = 0.02) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(interval)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (free when asked)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

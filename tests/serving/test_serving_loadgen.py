@@ -8,6 +8,7 @@ import json
 import pytest
 
 from capsnet.serving.loadgen import main, random_images, run_inprocess, run_load
+from serving_helpers import free_port
 
 
 def test_closed_loop_load_is_bounded_by_count_and_answered(server):
@@ -62,3 +63,24 @@ def test_the_documented_command_times_the_server_and_the_backend_in_process(serv
     assert [(row["name"], row["batch_size"]) for row in rows] == [
         ("grpc", 1), ("grpc", 1), ("in-process onnxruntime", 1), ("in-process onnxruntime", 2)]
     assert all(row["requests"] == 6 and not row["errors"] for row in rows), rows
+
+
+def test_warmup_seconds_are_not_counted(server):
+    """deploy/loadtest.py's warm-up: every client runs for warmup_seconds first, and neither its requests nor that
+    time count."""
+    result = asyncio.run(run_load(server.target, random_images(4, (1, 28, 28)), concurrency=2,
+                                  max_requests=10_000, max_seconds=0.3, warmup_requests=0, warmup_seconds=1.0,
+                                  exclude_poses=True))
+    assert result.errors == {} and result.latencies_s
+    assert 0.3 <= result.elapsed_s < 1.0  # the counted span alone (the last answers may land after it)
+
+
+def test_a_server_gone_is_counted_per_client_and_stop_on_error_ends_the_run():
+    """A connection refused is a failed request, not an exception out of the run; with stop_on_error each client stops
+    at its first (scripts/measure_serving_limits.py's drain: a real client goes to another replica)."""
+    target = f"127.0.0.1:{free_port()}"
+    for api, code in (("kserve-http", "ClientConnectorError"), ("capsnet", "UNAVAILABLE")):
+        result = asyncio.run(run_load(target, random_images(2, (1, 28, 28)), concurrency=3, max_requests=1000,
+                                      max_seconds=30, warmup_requests=0, stop_on_error=True, api=api,
+                                      model_name="capsnet", input_name="images"))
+        assert result.errors == {code: 3} and not result.latencies_s

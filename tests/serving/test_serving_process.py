@@ -31,7 +31,7 @@ from capsnet.serving.server import CapsNetServer
 from capsnet.serving.lifecycle import SHUTTING_DOWN
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
-from serving_helpers import ServeProcess, metric, scrape, server_config, wait_until
+from serving_helpers import ServeProcess, free_port, metric, scrape, server_config, wait_until
 
 IMAGE = np.random.default_rng(5).random((1, 28, 28), dtype=np.float32)  # (1, 28, 28)
 
@@ -291,12 +291,6 @@ def test_predict_against_no_server_is_a_one_line_error(tmp_path, capsys):
     code = main(["predict", *write_pngs(tmp_path, 1), "--server", f"127.0.0.1:{port}", "--timeout", "5"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet predict: error: ")]
     assert code == 2 and len(errors) == 1 and errors[0].startswith(f"capsnet predict: error: 127.0.0.1:{port}: UNAVAILABLE: ")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus (Debian package) is not installed")

@@ -107,3 +107,17 @@ def test_a_resume_keeps_the_runs_seed_and_augmentation(small_data, tmp_path, cap
                           "--max-shift 2 (checkpoint: 1)")
     # the batch size may still change at an epoch's end, as documented for an exponential schedule
     assert main([*run, "--epochs", "3", "--resume", *augmentation, "--batch-size", "32"]) == 0
+
+
+def test_a_runs_threads_are_given_back_to_the_process(small_data, tmp_path):
+    """torch's thread count is the process's: a run in a caller's process (a test, a script) set it for good, and a
+    later run there computed with other threads, so its sums, and a resumed run's weights, differed in the last bits."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        assert main([*TRAIN, "--data", str(small_data), "--epochs", "1", "--out", str(tmp_path / "m.ckpt")]) == 0
+        assert torch.get_num_threads() == 3  # --threads 1 held for the run only
+    finally:
+        torch.set_num_threads(before)

@@ -189,10 +189,19 @@ def test_resume_mid_epoch_continues_the_same_run(trained_tiny_checkpoint, tmp_pa
     assert main([*FIXTURE_ARGS, "--epochs", "2", "--out", str(out), "--resume", str(damaged)]) == 2
     assert f"checkpoint {damaged} is damaged: its progress into epoch 2 is incomplete" in capsys.readouterr().err
 
-    # a checkpoint from before --erase existed trained without it and resumes
+    # every setting that fixes the epoch's batches is recorded: a plan without one is damaged, not guessed
     payload = torch.load(last, weights_only=True)
     del payload["epoch_progress"]["batch_plan"]["erase"]
-    torch.save(payload, last)
+    torch.save(payload, damaged)
+    assert main([*FIXTURE_ARGS, "--epochs", "2", "--out", str(out), "--resume", str(damaged)]) == 2
+    assert f"checkpoint {damaged} is damaged: its progress into epoch 2 is incomplete" in capsys.readouterr().err
+    # and so is a checkpoint whose metrics lack a setting the run keeps
+    payload = torch.load(last, weights_only=True)
+    del payload["metrics"]["erase"], payload["metrics"]["lr_schedule"]
+    torch.save(payload, damaged)
+    assert main([*FIXTURE_ARGS, "--epochs", "2", "--out", str(out), "--resume", str(damaged)]) == 2
+    assert f"checkpoint {damaged} is damaged: its metrics lack lr_schedule, erase" in capsys.readouterr().err
+
     assert main([*FIXTURE_ARGS, "--epochs", "2", "--out", str(out), "--resume"]) == 0
     assert "resuming epoch 2 after step 40" in capsys.readouterr().out
     resumed = load_checkpoint(last)

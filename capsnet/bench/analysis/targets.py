@@ -6,7 +6,7 @@ what bounds it (`bound`), from the same run's profile and server metrics.
 
 from __future__ import annotations
 
-from capsnet.bench.ortprofile import CONV_OP_TYPES
+from capsnet.bench.analysis.ortprofile import CONV_OP_TYPES
 from capsnet.cpu import CpuKind
 
 FP32, INT8, PUBLIC = "onnxruntime-fp32", "onnxruntime-int8", "pytorch-public"

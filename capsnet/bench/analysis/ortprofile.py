@@ -6,7 +6,7 @@ those after fusion (e.g. QLinearConv for a Q/DQ convolution). Several models are
 runs interleaved, so that other load on the machine falls on each alike; each op type's time is its
 median over the runs.
 
-`python -m capsnet.bench.ortprofile A.onnx B.onnx --batch 32` prints the comparison (e.g. a graph before
+`python -m capsnet.bench.analysis.ortprofile A.onnx B.onnx --batch 32` prints the comparison (e.g. a graph before
 and after a change, as docs/benchmarks/routing-profile.md does).
 """
 
@@ -93,7 +93,7 @@ def conv_rate(profile: dict, conv_flops_per_image: int, images_per_s: float) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m capsnet.bench.ortprofile",
+    parser = argparse.ArgumentParser(prog="python -m capsnet.bench.analysis.ortprofile",
                                      description="ONNX Runtime's profile of ONNX files, their runs interleaved.")
     parser.add_argument("onnx", type=Path, nargs="+", help="ONNX files taking images (N, C, H, W)")
     parser.add_argument("--batch", type=int, default=32)

@@ -1,11 +1,11 @@
 """The GPU check's steps (scripts/gpu_check.sh runs each once, under its own time limit).
 
-    python -m capsnet.bench.gpu_check STEP --work DIR [--cpu-dry-run] [options]
+    python -m capsnet.bench.analysis.gpu_check STEP --work DIR [--cpu-dry-run] [options]
 
 facts      the GPU, driver, torch and CUDA versions, the CPU and its load
 peak       the same-run matmul peaks (bf16, fp16, fp32 without TF32) and pinned copy bandwidth
 inprocess  every GPU backend and precision at batch 1/32/256/1024 in this process, interleaved in rounds, beside the
-           XifengGuo/CapsNet-Pytorch forward pass (capsnet/bench/public_reference.py) on the same GPU
+           XifengGuo/CapsNet-Pytorch forward pass (capsnet/bench/analysis/public_reference.py) on the same GPU
 serve      `capsnet serve --backend auto` on the GPU, driven over gRPC and REST (KServe v2, raw FP32) by the project's
            load generator: 1 and 32 images per request, concurrency 1/16/64, in several client processes
 report     every part so far merged into OUT/gpu_check.json and OUT/gpu_check.md, with what did not run and why
@@ -173,7 +173,7 @@ def _public_reference(artifacts, dry_run: bool):
     and from the device included)."""
     import torch
 
-    from capsnet.bench.public_reference import SOURCE, PublicCapsNet
+    from capsnet.bench.analysis.public_reference import DESCRIBED_IN, SOURCE, PublicCapsNet
     from capsnet.training.checkpoint import load_checkpoint
 
     device = device_of(dry_run)
@@ -185,7 +185,7 @@ def _public_reference(artifacts, dry_run: bool):
             return {"probabilities": probabilities.cpu().numpy(), "poses": poses.cpu().numpy(),
                     "reconstruction": reconstruction.cpu().numpy()}
 
-    return run, f"{SOURCE}'s formulation, eager PyTorch (capsnet/bench/public_reference.py) on {device}"
+    return run, f"{SOURCE}'s formulation, eager PyTorch ({DESCRIBED_IN}) on {device}"
 
 
 def inprocess(args) -> dict:
@@ -271,7 +271,7 @@ def _load_cell(target: str, api: str, batch: int, concurrency: int, seconds: flo
     """One closed-loop run of `concurrency` clients, spread over up to CLIENTS_PER_CELL processes."""
     processes = 1 if concurrency < 16 else CLIENTS_PER_CELL
     shares = [concurrency // processes + (index < concurrency % processes) for index in range(processes)]
-    clients = [subprocess.Popen([sys.executable, "-m", "capsnet.bench.gpu_check", "load", "--target", target,
+    clients = [subprocess.Popen([sys.executable, "-m", "capsnet.bench.analysis.gpu_check", "load", "--target", target,
                                  "--api", api, "--batch", str(batch), "--concurrency", str(share),
                                  "--window", str(seconds), "--model-name", model, "--input-name", input_name],
                                 stdout=subprocess.PIPE, text=True) for share in shares]
@@ -453,7 +453,7 @@ def _markdown(summary: dict, parts: dict) -> str:
 
 def flops(args) -> dict:
     """FLOPs per image from the ONNX graph, and the bytes one image moves each way."""
-    from capsnet.bench.flops import count_flops
+    from capsnet.bench.analysis.flops import count_flops
     from capsnet.model_description import ModelDescription
 
     description = ModelDescription.read(args.model)
@@ -466,7 +466,8 @@ STEPS = {"facts": facts, "peak": peak, "inprocess": inprocess, "serve": serve, "
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m capsnet.bench.gpu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m capsnet.bench.analysis.gpu_check",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("step", choices=(*STEPS, "report", "load"))
     parser.add_argument("--work", help="the check's working folder (parts/ and steps.jsonl)")
     parser.add_argument("--out", help="report: the folder the JSON and markdown go to")
