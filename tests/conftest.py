@@ -84,6 +84,29 @@ def trained_em_tiny_checkpoint(tmp_path_factory) -> Path:
     return path
 
 
+def train_any_size_tiny(path: Path, preset_name: str) -> Path:
+    """`preset_name` (shared-tiny or gap-cnn-tiny) trained for 2 epochs on the embedded digits through the real CLI,
+    at a higher rate than the default so that so small a model becomes decisive (shared-tiny: 85% test accuracy)."""
+    from capsnet.cli import main
+
+    code = main(["train", "--data", "embedded", "--preset", preset_name, "--epochs", "2", "--batch-size", "32",
+                 "--lr", "0.003", "--seed", "0", "--val-fraction", "0", "--out", str(path), "--no-progress"])
+    assert code == 0 and path.is_file()
+    return path
+
+
+@pytest.fixture(scope="session")
+def trained_shared_tiny_checkpoint(tmp_path_factory) -> Path:
+    """A `shared-tiny` model: any image size, capsules whose transformation is shared across positions."""
+    return train_any_size_tiny(tmp_path_factory.mktemp("trained-shared-tiny") / "model.ckpt", "shared-tiny")
+
+
+@pytest.fixture(scope="session")
+def trained_gap_cnn_tiny_checkpoint(tmp_path_factory) -> Path:
+    """A `gap-cnn-tiny` model: the same backbone with global average pooling and sigmoids."""
+    return train_any_size_tiny(tmp_path_factory.mktemp("trained-gap-cnn-tiny") / "model.ckpt", "gap-cnn-tiny")
+
+
 @pytest.fixture()
 def copy_of(tmp_path):
     """Copy a file into this test's tmp dir (tests may damage it)."""

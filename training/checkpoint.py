@@ -23,6 +23,7 @@ from torch import nn
 
 from capsnet import __version__
 from capsnet.errors import CapsNetError
+from capsnet.training.anysize_model import GapCnn, SharedCapsNet
 from capsnet.training.cnn_baseline import CnnBaseline
 from capsnet.training.config import CapsNetConfig
 from capsnet.training.em_model import EMCapsNet
@@ -36,7 +37,8 @@ TEMPORARY_SUFFIX = ".tmp"
 
 def create_model(config: CapsNetConfig) -> nn.Module:
     """A freshly initialised model of the config's architecture."""
-    return {"capsnet": CapsNet, "em": EMCapsNet, "cnn-baseline": CnnBaseline}[config.arch](config)
+    return {"capsnet": CapsNet, "em": EMCapsNet, "cnn-baseline": CnnBaseline, "shared-capsnet": SharedCapsNet,
+            "gap-cnn": GapCnn}[config.arch](config)
 
 
 @dataclass
@@ -56,7 +58,8 @@ class Checkpoint:
     epoch_progress: dict[str, Any] | None = None
 
     def build_model(self) -> nn.Module:
-        """The model (CapsNet, EMCapsNet or CnnBaseline, by `config.arch`) in eval mode on the CPU with these weights."""
+        """The model of `config.arch` (CapsNet, EMCapsNet, CnnBaseline, SharedCapsNet or GapCnn) in eval mode on the
+        CPU with these weights."""
         model = create_model(self.config)
         model.load_state_dict(self.state_dict)
         return model.eval()

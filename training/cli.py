@@ -16,6 +16,8 @@ DEVICE_HELP = "auto (CUDA if present, else CPU), cpu, cuda or cuda:N"
 def register(subparsers: argparse._SubParsersAction) -> None:
     from capsnet.training.config import ARCHITECTURES
     from capsnet.training.resume import LR_SCHEDULES, default, default_help
+    from capsnet.training.pairs import PAIR_LAYOUTS
+    from capsnet.training.robustness import MAX_PAIRS
 
     train = subparsers.add_parser(
         "train",
@@ -32,9 +34,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "split that chooses the best epoch; the test split is only reported "
                             f"({default_help('val_fraction')}; 0: no validation split and no selection, --out is the "
                             "last epoch)")
-    train.add_argument("--preset", metavar="paper|tiny|em|em-tiny",
+    train.add_argument("--preset", metavar="paper|tiny|em|em-tiny|shared|gap-cnn|...",
                        help="model size: paper (Sabour et al., 8.2M parameters) or tiny, em or em-tiny for "
-                            f"--arch em ({default_help('preset')})")
+                            "--arch em, shared, shared-article or shared-tiny for --arch shared-capsnet, gap-cnn, "
+                            f"gap-cnn-article or gap-cnn-tiny for --arch gap-cnn ({default_help('preset')})")
     train.add_argument("--epochs", type=int, default=default("epochs"), metavar="N",
                        help=f"total epochs, counting resumed ones ({default_help('epochs')})")
     train.add_argument("--batch-size", type=int, default=default("batch_size"), metavar="B",
@@ -70,9 +73,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "that many (default: at each epoch's end only)")
     model = train.add_argument_group("model (default: the preset's, or the resumed checkpoint's)")
     model.add_argument("--arch", choices=ARCHITECTURES,
-                       help="capsnet (default: dynamic routing), em (matrix capsules with EM routing and the "
-                            "spread loss) or cnn-baseline: a plain CNN of the paper CapsNet's size, trained with "
-                            "the same margin loss")
+                       help="capsnet (dynamic routing), em (matrix capsules with EM routing and the "
+                            "spread loss), cnn-baseline: a plain CNN of the paper CapsNet's size, trained with "
+                            "the same margin loss; shared-capsnet (any image size: a convolutional backbone, then "
+                            "capsules whose transformation is shared across positions) or gap-cnn (its CNN "
+                            "baseline: the backbone, global average pooling, sigmoids)")
     model.add_argument("--routing", metavar="sabour|leaky|su", help="routing variant: sabour (paper), leaky or su")
     model.add_argument("--routing-iterations", type=int, metavar="N", help="routing iterations, dynamic or EM (papers: 3)")
     model.add_argument("--squash-constant", type=float, metavar="C", help="c in |s|²/(c+|s|²): 1 (paper) or 0.5")
@@ -108,6 +113,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="images per forward pass (default 256)")
     evaluate.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
     evaluate.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
+    pairs = evaluate.add_argument_group("pairs of digits in one image")
+    pairs.add_argument("--pairs", choices=PAIR_LAYOUTS,
+                       help="also score pairs of different digits of the split in one image: side-by-side (HxW "
+                            "digits on an Hx2W image), stacked (2HxW) or overlap (HxW, shifted up to 4 pixels, as "
+                            "capsnet robustness): the top-2 set accuracy, and the same with both classes' lengths "
+                            "> 0.5; side-by-side and stacked need a model that takes any size")
+    pairs.add_argument("--pair-count", type=int, metavar="N",
+                       help=f"pairs, at most {MAX_PAIRS:,} (default: one per image of the split)")
+    pairs.add_argument("--seed", type=int, metavar="N", help="seed of the pairs (default 0)")
     evaluate.set_defaults(handler=run_eval)
 
 
@@ -141,23 +155,40 @@ def run_eval(args: argparse.Namespace) -> int:
     from capsnet.training.checkpoint import load_checkpoint
     from capsnet.training.distributed import DistributedContext, resolve_device
     from capsnet.training.evaluate import evaluate, load_checkpoint_data
+    from capsnet.training.pairs import build_pairs, score_pairs
+    from capsnet.training.robustness import MAX_PAIRS
+    from capsnet.training.train import SEED_LIMIT
 
     if args.batch_size < 1:
         raise CapsNetError("--batch-size must be at least 1")
+    if args.pairs is None and (args.pair_count is not None or args.seed is not None):
+        raise CapsNetError(f"{'--pair-count' if args.pair_count is not None else '--seed'} sets the pairs; "
+                           "add --pairs side-by-side|stacked|overlap")
+    if args.seed is not None and not 0 <= args.seed < SEED_LIMIT:
+        raise CapsNetError(f"--seed must be in [0, {SEED_LIMIT})")
+    if args.pair_count is not None and not 1 <= args.pair_count <= MAX_PAIRS:
+        raise CapsNetError(f"--pair-count must be from 1 to {MAX_PAIRS:,}, got {args.pair_count:,}")
     device = resolve_device(args.device, DistributedContext())
     checkpoint = load_checkpoint(args.checkpoint)
     dataset = load_checkpoint_data(checkpoint, args.checkpoint, args.data, hold_out=args.split != "test")
     if args.split == "validation" and dataset.validation is None:
         raise CapsNetError(f"checkpoint {args.checkpoint} was trained without a validation split")
     split = {"train": dataset.train, "validation": dataset.validation, "test": dataset.test}[args.split]
+    pairs = None
+    if args.pairs is not None:  # built before the scoring, so a model that cannot take them fails at once
+        pairs = build_pairs(checkpoint.config, split, len(split) if args.pair_count is None else args.pair_count,
+                            args.seed or 0, args.pairs, f"checkpoint {args.checkpoint}")
     model = checkpoint.build_model().to(device)
     result = evaluate(model, split, tuple(checkpoint.class_names), args.batch_size, device)
+    pair_scores = pairs and score_pairs(model, pairs, args.pairs, args.seed or 0, args.batch_size, device)[1]
     if args.json:
         # the checkpoint's share, also where the test split alone needed nothing held out
         print(json.dumps({"checkpoint": str(args.checkpoint), "data": dataset.name, "split": args.split,
                           "validation_fraction": checkpoint.metrics.get("validation_fraction", 0.0),
-                          **result.to_dict()}))
+                          **result.to_dict(), **({"pairs": pair_scores.to_dict()} if pairs else {})}))
     else:
         print(f"checkpoint {args.checkpoint} (epoch {checkpoint.epoch}) on {dataset.name}, {args.split} split")
         print(result.format_report())
+        if pairs:
+            print(pair_scores.format_report())
     return 0

@@ -8,10 +8,56 @@ from dataclasses import dataclass, field
 from capsnet.errors import CapsNetError
 
 ROUTING_VARIANTS = ("sabour", "leaky", "su")
-ARCHITECTURES = ("capsnet", "em", "cnn-baseline")  # em: training/em_model.py; cnn-baseline: training/cnn_baseline.py
-# Those with capsule poses and routing to export, serve and draw; the CNN baseline has neither.
+# em: training/em_model.py; cnn-baseline: training/cnn_baseline.py; shared-capsnet and gap-cnn:
+# training/anysize_model.py
+ARCHITECTURES = ("capsnet", "em", "cnn-baseline", "shared-capsnet", "gap-cnn")
+# Those with capsule poses, a decoder and a fixed capsule grid to export, serve and draw; the CNN baselines have
+# no capsules, and shared-capsnet no decoder nor a fixed number of capsules.
 CAPSULE_ARCHITECTURES = ("capsnet", "em")
+# Those whose input is any height and width within `input_sizes`: fully convolutional up to a layer whose weights
+# do not depend on the number of positions.
+ANY_SIZE_ARCHITECTURES = ("shared-capsnet", "gap-cnn")
 EM_POSE_SIZE = 16  # EM capsules carry 4×4 pose matrices
+
+
+@dataclass(frozen=True)
+class InputSizes:
+    """The images a model takes: `channels` channels, a height from min_height to max_height and a width from
+    min_width to max_width, every whole number of pixels in between (no stride or divisibility constraint: the
+    backbone's pooling floors an odd size). A fixed-size model has min = max."""
+
+    channels: int
+    min_height: int
+    min_width: int
+    max_height: int
+    max_width: int
+
+    @property
+    def fixed(self) -> bool:
+        return (self.min_height, self.min_width) == (self.max_height, self.max_width)
+
+    def __contains__(self, shape: tuple[int, int, int]) -> bool:
+        """(C, H, W) in sizes."""
+        channels, height, width = shape
+        return (channels == self.channels and self.min_height <= height <= self.max_height
+                and self.min_width <= width <= self.max_width)
+
+    def describe(self) -> str:
+        """'1x28x28', or '1-channel images of 14x14 to 256x256 (any height and width in between)'."""
+        if self.fixed:
+            return f"{self.channels}x{self.min_height}x{self.min_width}"
+        return (f"{self.channels}-channel images of {self.min_height}x{self.min_width} to {self.max_height}x"
+                f"{self.max_width} (height x width, any in between)")
+
+    def check(self, channels: int, height: int, width: int, what: str = "the model") -> None:
+        """A one-line CapsNetError naming the valid sizes, for an image `what` cannot take. Comparisons only, so a
+        traced forward pass with symbolic H and W turns them into guards its dimension ranges already decide."""
+        if not (channels == self.channels and self.min_height <= height <= self.max_height
+                and self.min_width <= width <= self.max_width):
+            raise CapsNetError(f"{what} takes {self.describe()}; got {channels}x{height}x{width}")
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -57,6 +103,19 @@ class CapsNetConfig:
     spread_margin_start: float = 0.2
     spread_margin_step: float = 0.1
     spread_margin_end: float = 0.9
+    # Any-size models (arch shared-capsnet, gap-cnn): stages of backbone_kernel² ReLU convolutions without padding,
+    # the channels of each listed, with a backbone_pool² average pool between stages; height and width are then the
+    # training images' size, and max_height × max_width the largest image taken (its activations' memory grows with
+    # H·W, and serving sizes its message limits from it).
+    backbone_stages: tuple[tuple[int, ...], ...] = ((64, 64), (128, 128))
+    backbone_kernel: int = 3
+    backbone_pool: int = 2
+    # False: convolutions without biases, so a blank (zero) region has zero features and casts no votes, however
+    # much of it the canvas has; True: as Keras builds them (the article's model)
+    backbone_bias: bool = True
+    max_height: int = 256
+    max_width: int = 256
+    gap_hidden: int = 128  # gap-cnn: the dense ReLU layer between the pooled features and the class sigmoids
 
     def __post_init__(self) -> None:
         positive = (
@@ -80,6 +139,8 @@ class CapsNetConfig:
             raise CapsNetError("config: input_std values must be > 0")
         if self.arch == "em":
             self._check_em()
+        elif self.arch in ANY_SIZE_ARCHITECTURES:
+            self._check_any_size()
         elif self.primary_grid[0] < 1 or self.primary_grid[1] < 1:
             raise CapsNetError(
                 f"config: a {self.in_channels}x{self.height}x{self.width} input is too small for "
@@ -110,6 +171,51 @@ class CapsNetConfig:
                 f"config: a {self.in_channels}x{self.height}x{self.width} input is too small for the EM model's "
                 "convolutional capsule layers"
             )
+
+    def _check_any_size(self) -> None:
+        stages = self.backbone_stages
+        if (not stages or any(not isinstance(stage, tuple) or not stage for stage in stages)
+                or any(not isinstance(n, int) or n < 1 for stage in stages for n in stage)):
+            raise CapsNetError(f"config: backbone_stages must be stages of positive channel counts, got {stages!r}")
+        for name in ("backbone_kernel", "backbone_pool", "max_height", "max_width", "gap_hidden"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise CapsNetError(f"config: {name} must be a positive integer, got {value!r}")
+        if not isinstance(self.backbone_bias, bool):
+            raise CapsNetError(f"config: backbone_bias must be true or false, got {self.backbone_bias!r}")
+        if self.reconstruction_weight != 0:
+            raise CapsNetError(f"config: a {self.arch} model has no decoder; reconstruction_weight must be 0")
+        sizes = self.input_sizes
+        if sizes.min_height > sizes.max_height or sizes.min_width > sizes.max_width:
+            raise CapsNetError(f"config: the largest input {sizes.max_height}x{sizes.max_width} is below the "
+                               f"smallest the backbone takes, {sizes.min_height}x{sizes.min_width}")
+        sizes.check(self.in_channels, self.height, self.width, what=f"config: a {self.arch} model")
+
+    @property
+    def input_sizes(self) -> InputSizes:
+        """The image sizes the model takes, which export records and serving enforces. Any-size models: from the
+        smallest image whose backbone output is one position to max_height × max_width; the others: their size."""
+        if self.arch not in ANY_SIZE_ARCHITECTURES:
+            return InputSizes(self.in_channels, self.height, self.width, self.height, self.width)
+        smallest = 1  # one position out of the last stage
+        for index, stage in reversed(list(enumerate(self.backbone_stages))):
+            smallest += len(stage) * (self.backbone_kernel - 1)  # each unpadded convolution takes kernel − 1
+            if index:
+                smallest *= self.backbone_pool  # the pool floors: pool · n is the least size giving n
+        return InputSizes(self.in_channels, smallest, smallest, self.max_height, self.max_width)
+
+    def backbone_grid(self, height: int, width: int) -> tuple[int, int]:
+        """Positions out of an any-size model's backbone for an H×W image (8×8 for 28×28 with the `shared` preset,
+        8×22 for 28×56): its input capsules are their product."""
+
+        def out(size: int) -> int:
+            for index, stage in enumerate(self.backbone_stages):
+                if index:
+                    size //= self.backbone_pool
+                size -= len(stage) * (self.backbone_kernel - 1)
+            return size
+
+        return out(height), out(width)
 
     @property
     def em_grids(self) -> tuple[tuple[int, int], ...]:
@@ -159,7 +265,10 @@ class CapsNetConfig:
         if unknown:
             raise CapsNetError(f"config: unknown fields {', '.join(unknown)}")
         tuple_fields = {"input_mean", "input_std", "decoder_hidden", "conv_caps_types"}
-        return cls(**{k: tuple(v) if k in tuple_fields else v for k, v in values.items()})
+        values = {k: tuple(v) if k in tuple_fields else v for k, v in values.items()}
+        if isinstance(values.get("backbone_stages"), (list, tuple)):  # a checkpoint stores lists of lists
+            values["backbone_stages"] = tuple(tuple(s) if isinstance(s, list) else s for s in values["backbone_stages"])
+        return cls(**values)
 
     def replace(self, **changes) -> "CapsNetConfig":
         return dataclasses.replace(self, **changes)
@@ -205,6 +314,51 @@ PRESETS: dict[str, CapsNetConfig] = {
         conv_caps_types=(4, 4),
         routing_iterations=2,
         decoder_hidden=(64, 128),
+    ),
+    # Su Jianlin's any-size capsule model (kexue.fm, 2018; bojone/Capsule): 3×3 convolutions of 64 and 64 channels,
+    # a 2×2 average pool, 128 and 128, each position's 128 features an input capsule, one capsule layer of 10×16
+    # with its transformation shared across positions, routed 3 times with b = û·v recomputed each time (`su`)
+    # and the squash |s|²/(0.5+|s|²); margin loss with λ = 0.25 and no decoder. Its convolutions have no biases:
+    # with them (`shared-article`, 279,488 parameters) the blank background casts votes that add up with the
+    # canvas, and a digit with a blank square beside it was read as another class (docs/experiments/pairs.md).
+    # 279,104 parameters for 1 channel.
+    "shared": CapsNetConfig(
+        arch="shared-capsnet",
+        backbone_bias=False,
+        routing="su",
+        squash_constant=0.5,
+        reconstruction_weight=0.0,
+        lambda_absent=0.25,
+    ),
+    # The same backbone with global average pooling, a dense ReLU layer of 128 and 10 sigmoids: the article's CNN
+    # baseline, trained with the same margin loss. 276,426 parameters for 1 channel (276,810 with biases).
+    "gap-cnn": CapsNetConfig(arch="gap-cnn", backbone_bias=False, reconstruction_weight=0.0, lambda_absent=0.25),
+    # The article's two models as it built them, the backbone's convolutions with biases.
+    "shared-article": CapsNetConfig(
+        arch="shared-capsnet",
+        routing="su",
+        squash_constant=0.5,
+        reconstruction_weight=0.0,
+        lambda_absent=0.25,
+    ),
+    "gap-cnn-article": CapsNetConfig(arch="gap-cnn", reconstruction_weight=0.0, lambda_absent=0.25),
+    # The same structures with 8, 8 and 16, 16 channels, small enough that tests train them in seconds.
+    "shared-tiny": CapsNetConfig(
+        arch="shared-capsnet",
+        backbone_stages=((8, 8), (16, 16)),
+        backbone_bias=False,
+        routing="su",
+        squash_constant=0.5,
+        reconstruction_weight=0.0,
+        lambda_absent=0.25,
+    ),
+    "gap-cnn-tiny": CapsNetConfig(
+        arch="gap-cnn",
+        backbone_stages=((8, 8), (16, 16)),
+        backbone_bias=False,
+        gap_hidden=16,
+        reconstruction_weight=0.0,
+        lambda_absent=0.25,
     ),
 }
 

@@ -99,13 +99,14 @@ def load_checkpoint_data(checkpoint: Checkpoint, checkpoint_path: Path, data: st
 
 def check_dataset_fits(config: CapsNetConfig, dataset: Dataset, what: str, class_names: tuple[str, ...] = (),
                        every_class: bool = False) -> None:
-    """A model only takes images of its own shape and labels below its class count; given the model's
-    `class_names`, only data of those classes (a digit model scored on clothes gives a meaningless figure),
-    and with `every_class` all of them (export calibrates on them and gates on each)."""
-    model_shape = (config.in_channels, config.height, config.width)
-    if dataset.image_shape != model_shape:
-        raise CapsNetError(f"{what} takes {'x'.join(map(str, model_shape))} images; data {dataset.name!r} has "
-                           f"{'x'.join(map(str, dataset.image_shape))}")
+    """A model only takes images of a size it takes (its own, or for an any-size model one within its
+    `input_sizes`) and labels below its class count; given the model's `class_names`, only data of those classes
+    (a digit model scored on clothes gives a meaningless figure), and with `every_class` all of them (export
+    calibrates on them and gates on each)."""
+    sizes = config.input_sizes
+    if dataset.image_shape not in sizes:
+        raise CapsNetError(f"{what} takes {sizes.describe()}{' images' if sizes.fixed else ''}; data "
+                           f"{dataset.name!r} has {'x'.join(map(str, dataset.image_shape))}")
     highest = max(int(dataset.train.labels.max(initial=0)), int(dataset.test.labels.max(initial=0)))
     if highest >= config.num_classes:
         raise CapsNetError(f"{what} has {config.num_classes} classes; data {dataset.name!r} has label {highest}")

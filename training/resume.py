@@ -69,7 +69,8 @@ SETTINGS: dict[str, Setting] = {
     "out": Setting("--out", "model.ckpt", Resume.NEVER),
     "val_fraction": Setting("--val-fraction", 0.1, Resume.KEEPS, TRAINING_IMAGES, "validation_fraction"),
     # the model: checked against the checkpoint's config
-    "preset": Setting("--preset", ByArch("paper", {"em": "em"}), Resume.KEEPS, MODEL),
+    "preset": Setting("--preset", ByArch("paper", {"em": "em", "shared-capsnet": "shared", "gap-cnn": "gap-cnn"}),
+                      Resume.KEEPS, MODEL),
     "arch": Setting("--arch", None, Resume.KEEPS, MODEL, config_field=True),
     "routing": Setting("--routing", None, Resume.KEEPS, MODEL, config_field=True),
     "routing_iterations": Setting("--routing-iterations", None, Resume.KEEPS, MODEL, config_field=True),

@@ -35,7 +35,7 @@ from capsnet.errors import CapsNetError
 from capsnet.training import distributed
 from capsnet.training.checkpoint import (Checkpoint, create_model, load_checkpoint, remove_leftover_temporaries,
                                          save_checkpoint)
-from capsnet.training.config import CapsNetConfig, preset
+from capsnet.training.config import PRESETS, CapsNetConfig, preset
 from capsnet.training.data import (Augmentation, Dataset, Split, channel_mean_std, data_location, load_dataset,
                                    to_float)
 from capsnet.training.distributed import DistributedContext
@@ -47,6 +47,16 @@ from capsnet.training.resume import (LR_SCHEDULES, MODEL_FLAGS, EpochProgress, b
 
 
 DYNAMIC_ROUTING_FLAGS = ("routing", "squash_constant", "detach_agreement")
+# Routing flags an architecture has no such setting for, with why: refused, not silently ignored.
+REFUSED_ROUTING_FLAGS = {
+    "em": (DYNAMIC_ROUTING_FLAGS, "sets dynamic routing; EM routing (--arch em) has no such setting"),
+    "gap-cnn": ((*DYNAMIC_ROUTING_FLAGS, "routing_iterations"),
+                "sets capsule routing; a gap-cnn model has no capsules"),
+}
+# The architectures of the presets each --arch takes (the CNN baseline takes its input size from a fixed-size
+# capsule preset, the any-size models have presets of their own).
+PRESET_ARCHITECTURES = {"capsnet": ("capsnet",), "em": ("em",), "cnn-baseline": ("capsnet", "em"),
+                        "shared-capsnet": ("shared-capsnet",), "gap-cnn": ("gap-cnn",)}
 SEED_LIMIT = 2**63  # torch.manual_seed and numpy's SeedSequence both take 0 .. 2**63 - 1
 
 
@@ -132,16 +142,16 @@ def model_config(options: TrainOptions, dataset: Dataset, base: CapsNetConfig | 
     if options.preset is not None or base is None:
         base = preset(options.preset or default("preset").of(options.arch), in_channels=channels, height=height,
                       width=width, num_classes=len(dataset.class_names))
-        if options.arch in ("capsnet", "em") and options.arch != base.arch:
+        if options.arch is not None and base.arch not in PRESET_ARCHITECTURES[options.arch]:
+            names = [name for name, config in PRESETS.items() if config.arch in PRESET_ARCHITECTURES[options.arch]]
             raise CapsNetError(f"--preset {options.preset} is a {base.arch} preset; --arch {options.arch} takes "
-                               f"{'em or em-tiny' if options.arch == 'em' else 'paper or tiny'}")
+                               f"{' or '.join(names)}")
     changes = {name: getattr(options, name) for name in MODEL_FLAGS
                if getattr(options, name) is not None}
-    if (changes.get("arch") or base.arch) == "em":
-        dynamic_only = [name for name in DYNAMIC_ROUTING_FLAGS if name in changes]
-        if dynamic_only:
-            flag = "--" + dynamic_only[0].replace("_", "-")
-            raise CapsNetError(f"{flag} sets dynamic routing; EM routing (--arch em) has no such setting")
+    refused, why = REFUSED_ROUTING_FLAGS.get(changes.get("arch") or base.arch, ((), ""))
+    given = [name for name in refused if name in changes]
+    if given:
+        raise CapsNetError(f"--{given[0].replace('_', '-')} {why}")
     if changes.get("arch") == "cnn-baseline":
         changes["reconstruction_weight"] = 0.0  # the baseline has no decoder: margin loss only
     if options.normalize:

@@ -1,8 +1,9 @@
-"""Test sets the model never trained on, built from a data split: affine-distorted digits and
-MultiMNIST-style pairs of overlaid digits (Sabour et al. 2017, section 6).
+"""Test sets the model never trained on, built from a data split: affine-distorted digits,
+MultiMNIST-style pairs of overlaid digits (Sabour et al. 2017, section 6), and pairs of digits side by side
+or stacked on a canvas twice the size (Su 2018), for models that take any image size.
 
-Both keep the split's uint8 (N, C, H, W) images on the model's own canvas, and every random choice
-comes from one seed, so a set is rebuilt bit for bit.
+Each keeps the split's uint8 (N, C, H, W) images, and every random choice comes from one seed, so a set is
+rebuilt bit for bit.
 """
 
 from __future__ import annotations
@@ -65,26 +66,46 @@ def affine_split(split: Split, seed: int) -> tuple[Split, AffineParameters]:
 
 
 @dataclass
-class OverlaySet:
-    images: np.ndarray  # (N, C, H, W) uint8
+class PairSet:
+    images: np.ndarray  # (N, C, H', W') uint8
     labels: np.ndarray  # (N, 2) int64: two different classes per image
     sources: np.ndarray  # (N, 2) int64: indices of the two digits in the split
 
 
-def overlay_pairs(split: Split, count: int, seed: int, max_shift: int = OVERLAY_MAX_SHIFT) -> OverlaySet:
-    """`count` images, each two digits of different classes from `split`, each shifted by up to
-    `max_shift` pixels in x and y, added and clipped at 255."""
+def different_class_pairs(split: Split, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of `count` pairs of images of `split` whose classes differ: (N,) first and (N,) second."""
     if len(np.unique(split.labels)) < 2:
-        raise CapsNetError("overlaid pairs need images of at least 2 classes in the test split")
-    rng = np.random.default_rng(seed)
+        raise CapsNetError("pairs of different digits need images of at least 2 classes in the split")
     first = rng.integers(0, len(split), count)  # (N,)
     second = rng.integers(0, len(split), count)  # (N,)
     same = split.labels[first] == split.labels[second]
     while same.any():  # redraw partners of the same class
         second[same] = rng.integers(0, len(split), int(same.sum()))
         same = split.labels[first] == split.labels[second]
+    return first, second
+
+
+def _pair_set(split: Split, first: np.ndarray, second: np.ndarray, images: np.ndarray) -> PairSet:
+    labels = np.stack([split.labels[first], split.labels[second]], axis=1)  # (N, 2)
+    return PairSet(images, labels, np.stack([first, second], axis=1))
+
+
+def overlay_pairs(split: Split, count: int, seed: int, max_shift: int = OVERLAY_MAX_SHIFT) -> PairSet:
+    """`count` images, each two digits of different classes from `split`, each shifted by up to
+    `max_shift` pixels in x and y, added and clipped at 255."""
+    first, second = different_class_pairs(split, count, np.random.default_rng(seed))
     generator = torch.Generator().manual_seed(seed)
     shifted = [random_shift(torch.as_tensor(split.images[indices]), max_shift, generator).numpy()  # (N, C, H, W)
                for indices in (first, second)]
     combined = np.minimum(shifted[0].astype(np.int16) + shifted[1], 255).astype(np.uint8)  # (N, C, H, W)
-    return OverlaySet(combined, np.stack([split.labels[first], split.labels[second]], axis=1), np.stack([first, second], axis=1))
+    return _pair_set(split, first, second, combined)
+
+
+def digit_pairs(split: Split, count: int, seed: int, layout: str) -> PairSet:
+    """`count` images of two digits of different classes from `split`, placed as `layout` (pairs.PAIR_LAYOUTS) says:
+    side by side or stacked as they are, with no shift (each digit keeps its place in its half), or overlaid."""
+    if layout == "overlap":
+        return overlay_pairs(split, count, seed)
+    axis = {"side-by-side": 3, "stacked": 2}[layout]  # the width or the height of (N, C, H, W)
+    first, second = different_class_pairs(split, count, np.random.default_rng(seed))
+    return _pair_set(split, first, second, np.concatenate([split.images[first], split.images[second]], axis=axis))

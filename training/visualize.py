@@ -8,11 +8,15 @@
   primary capsule channels at each grid position: which primary capsules sent their votes to which class;
 - confusion.png: the confusion matrix on the scored test digits;
 - training-curves.png: loss and accuracy per epoch of each split, from the checkpoint's history; the epoch
-  chosen on validation marked.
+  chosen on validation marked;
+- pairs.png, for a model that takes any image size (`--arch shared-capsnet` or `gap-cnn`): pairs of different
+  test digits side by side, each beside its length (sigmoid) per class, the true classes coloured and those
+  above 0.5 (present) marked, with the top-2 set figures of `capsnet eval --pairs side-by-side` on the scored pairs.
 
 An EM checkpoint (`--arch em`) gets the same pictures: its class activations stand for lengths, its
 4×4 pose matrices (flattened to 16) are perturbed, and routing shows the class layer's assignments R.
-A cnn-baseline checkpoint has no capsules: it gets the confusion matrix and the training curves.
+A cnn-baseline checkpoint has no capsules: it gets the confusion matrix and the training curves; the any-size
+models get those and pairs.png (no decoder to reconstruct from).
 torch and matplotlib are imported inside the functions, so `capsnet --help` stays fast.
 """
 
@@ -30,6 +34,8 @@ PERTURBATION_STEP = 0.05
 PERTURBATION_STEPS = 11  # -0.25 ... +0.25
 PERTURBED_DIGITS = 3
 ROUTED_CORRECT, ROUTED_WRONG = 3, 1  # digits in the routing picture
+PAIRS_SHOWN = 8  # rows of pairs.png
+PAIRS_LAYOUT = "side-by-side"
 DPI = 100
 # Columns of reconstructions.png: its layout time grows faster than the column count (64: half a minute,
 # 200 ran past 5 minutes without finishing, 600 exceeds matplotlib's 2**16-pixel image limit).
@@ -39,10 +45,11 @@ MAX_EXAMPLES = 32
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "visualize",
-        help="draw reconstructions, pose perturbations, routing, confusion matrix and training curves (PNG)",
+        help="draw reconstructions, pose perturbations, routing, confusion matrix, training curves and pairs (PNG)",
         description="Write PNG pictures of a checkpoint on the test split of --data: reconstructions from the "
                     "predicted capsule (correct and wrong predictions), pose perturbations of 3 digits, routing "
-                    "coupling heat maps, the confusion matrix and the training curves.",
+                    "coupling heat maps, the confusion matrix and the training curves; for a model that takes any "
+                    "image size, pairs of digits side by side with their lengths per class.",
     )
     parser.add_argument("checkpoint", type=Path, help="a checkpoint written by capsnet train")
     parser.add_argument("--data", metavar="embedded|DIR", help=CHECKPOINT_DATA_HELP)
@@ -50,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default="pictures", metavar="DIR", help="folder for the PNG files (default pictures)")
     parser.add_argument("--images", type=int, default=1000, metavar="N",
                         help="score N test images, a fixed random choice of them, for the confusion matrix and "
-                             "examples (default 1000)")
+                             "examples, and for a model that takes any size N pairs of them (default 1000)")
     parser.add_argument("--examples", type=int, default=8, metavar="K",
                         help=f"correct and wrong predictions shown in reconstructions.png, at most {MAX_EXAMPLES} "
                              "(default 8 each)")
@@ -87,7 +94,7 @@ def run_visualize(args: argparse.Namespace) -> int:
 
 def picture_names() -> list[str]:
     """Every file name visualize can write."""
-    return ["confusion.png", "training-curves.png", "reconstructions.png", "routing.png",
+    return ["confusion.png", "training-curves.png", "reconstructions.png", "routing.png", "pairs.png",
             *(f"pose-perturbation-{k}.png" for k in range(PERTURBED_DIGITS))]
 
 
@@ -100,10 +107,11 @@ def visualize(checkpoint_path: Path, data: str | None, out: Path, images: int, e
 
     from capsnet.errors import CapsNetError
     from capsnet.training.checkpoint import load_checkpoint
-    from capsnet.training.config import CAPSULE_ARCHITECTURES
+    from capsnet.training.config import ANY_SIZE_ARCHITECTURES, CAPSULE_ARCHITECTURES
     from capsnet.training.data import Split, to_float
     from capsnet.training.distributed import DistributedContext, resolve_device
     from capsnet.training.evaluate import evaluate, load_checkpoint_data
+    from capsnet.training.pairs import build_pairs, score_pairs
     from capsnet.training.robustness import class_probabilities
 
     for flag, value in (("--images", images), ("--examples", examples), ("--batch-size", batch_size)):
@@ -133,10 +141,18 @@ def visualize(checkpoint_path: Path, data: str | None, out: Path, images: int, e
     written = [draw_confusion(evaluate(model, split, names, batch_size, device), out / "confusion.png")]
     if checkpoint.history:
         written.append(draw_training_curves(checkpoint.history, out / "training-curves.png"))
-    if checkpoint.config.arch not in CAPSULE_ARCHITECTURES:
+    arch = checkpoint.config.arch
+    if arch in ANY_SIZE_ARCHITECTURES:
+        pairs = build_pairs(checkpoint.config, dataset.test, images, 0, PAIRS_LAYOUT, f"checkpoint {checkpoint_path}")
+        lengths, scores = score_pairs(model, pairs, PAIRS_LAYOUT, 0, batch_size, device)
+        shown = slice(PAIRS_SHOWN)
+        written.append(draw_pairs(pairs.images[shown], lengths[shown], pairs.labels[shown], names, scores, arch,
+                                  out / "pairs.png"))
+    if arch not in CAPSULE_ARCHITECTURES:
         # said, not only left out: the help promises reconstructions, perturbations and routing
-        logging.getLogger(__name__).info("%s is a %s: it has no capsules, so no reconstructions, pose perturbations "
-                                         "or routing", checkpoint_path, checkpoint.config.arch)
+        what = "decoder or fixed capsule grid" if arch == "shared-capsnet" else "capsules"
+        logging.getLogger(__name__).info("%s is a %s: it has no %s, so no reconstructions, pose perturbations "
+                                         "or routing", checkpoint_path, arch, what)
         return written
 
     predicted = class_probabilities(model, split.images, batch_size, device).argmax(axis=1)  # (N,)
@@ -282,6 +298,48 @@ def draw_routing(images, maps, labels, predicted, names, path: Path) -> Path:
     figure.suptitle("routing: last iteration's coupling of the capsules below the classes (grid positions) to each "
                     "class", fontsize=9)
     return _save(figure, path)
+
+
+def pairs_figure(images, lengths, labels, names, scores, arch: str):
+    """images (K, C, H, W) of two digits each, their lengths (K, J) and labels (K, 2): a row a pair, the image beside
+    a bar per class; the pair's classes in orange, bars above the threshold (present) outlined and marked."""
+    import numpy as np
+
+    from capsnet.training.robustness import PRESENT_THRESHOLD
+
+    count, num_classes = lengths.shape
+    figure = _figure(8.5, 1.15 * count + 0.9)
+    axes = figure.subplots(count, 2, squeeze=False, width_ratios=(1, 2.4))
+    for row in range(count):
+        _show(axes[row, 0], images[row], f"{names[labels[row, 0]]} and {names[labels[row, 1]]}")
+        present = lengths[row] > PRESENT_THRESHOLD  # (J,)
+        colours = ["tab:orange" if k in labels[row] else "tab:grey" for k in range(num_classes)]
+        bars = axes[row, 1].bar(range(num_classes), lengths[row], color=colours, edgecolor="black",
+                                linewidth=[1.5 if p else 0 for p in present])
+        for bar, is_present in zip(bars, present):
+            if is_present:
+                axes[row, 1].text(bar.get_x() + bar.get_width() / 2, bar.get_height() + 0.03, "present",
+                                  ha="center", va="bottom", fontsize=6)
+        axes[row, 1].axhline(PRESENT_THRESHOLD, color="black", linestyle=":", linewidth=0.8)
+        axes[row, 1].set_ylim(0, 1.25)
+        axes[row, 1].set_yticks([0, PRESENT_THRESHOLD, 1])
+        axes[row, 1].set_xticks(range(num_classes), names, fontsize=7)
+        axes[row, 1].tick_params(axis="y", labelsize=7)
+        top2 = set(np.argsort(-lengths[row], kind="stable")[:2].tolist())
+        found = top2 == set(labels[row].tolist())
+        verdict = ("top 2 right, both present" if found and present[labels[row]].all()
+                   else "top 2 right" if found else "top 2 wrong")
+        axes[row, 1].set_title(verdict, fontsize=7, loc="right")
+    length = "capsule length" if arch == "shared-capsnet" else "sigmoid output"
+    figure.suptitle(f"{arch}: {length} per class of pairs of test digits, {scores.layout}\n"
+                    f"orange: the pair's two classes; outlined: above {PRESENT_THRESHOLD:g} (present)\n"
+                    f"over {scores.count} such pairs: top-2 set {100 * scores.top2_accuracy:.1f}%, with both > "
+                    f"{PRESENT_THRESHOLD:g} {100 * scores.top2_both_present_accuracy:.1f}%", fontsize=9)
+    return figure
+
+
+def draw_pairs(images, lengths, labels, names, scores, arch: str, path: Path) -> Path:
+    return _save(pairs_figure(images, lengths, labels, names, scores, arch), path)
 
 
 def draw_confusion(evaluation, path: Path) -> Path:

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -201,3 +202,43 @@ def test_commands_that_read_a_checkpoint_default_to_its_training_data(capsys, ra
         extra = ["--out", str(path.parent / "pictures")] if command == "visualize" else []
         assert_one_line_error(capsys, [command, str(path), *extra],
                               f"was trained on fashion-mnist ({clothes} is not here); pass --data")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--arch", "gap-cnn", "--routing", "su"], "--routing sets capsule routing; a gap-cnn model has no capsules"),
+    (["--preset", "gap-cnn-tiny", "--routing-iterations", "2"], "--routing-iterations sets capsule routing"),
+    (["--arch", "shared-capsnet", "--preset", "paper"],
+     "--preset paper is a capsnet preset; --arch shared-capsnet takes shared or shared-article or shared-tiny"),
+    (["--arch", "gap-cnn", "--preset", "shared-tiny"],
+     "--preset shared-tiny is a shared-capsnet preset; --arch gap-cnn takes gap-cnn or gap-cnn-article or "
+     "gap-cnn-tiny"),
+    (["--arch", "cnn-baseline", "--preset", "shared"], "--arch cnn-baseline takes paper or tiny or em or em-tiny"),
+    (["--preset", "shared-tiny", "--reconstruction-weight", "0.1"],
+     "config: a shared-capsnet model has no decoder; reconstruction_weight must be 0"),
+])
+def test_any_size_model_flags(capsys, tmp_path, flags, message):
+    assert_one_line_error(capsys, ["train", *flags, "--epochs", "1", "--out", str(tmp_path / "m.ckpt"),
+                                   "--no-progress"], message)
+    assert not (tmp_path / "m.ckpt").exists()
+
+
+def test_images_below_the_smallest_size_an_any_size_model_takes(capsys, tmp_path, idx_dataset):
+    images = np.zeros((20, 13, 30), np.uint8)
+    data = idx_dataset(images, np.arange(20) % 10, images, np.arange(20) % 10, name="too-short")
+    assert_one_line_error(capsys, ["train", "--data", str(data), "--preset", "shared-tiny", "--val-fraction", "0",
+                                   "--out", str(tmp_path / "m.ckpt")],
+                          "config: a shared-capsnet model takes 1-channel images of 14x14 to 256x256 (height x "
+                          "width, any in between); got 1x13x30")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pairs", "side-by-side"], "takes 1x28x28 images; side-by-side pairs are 1x28x56 (models of --arch "
+                                  "shared-capsnet or gap-cnn take any size)"),
+    (["--seed", "3"], "--seed sets the pairs; add --pairs side-by-side|stacked|overlap"),
+    (["--pair-count", "10"], "--pair-count sets the pairs; add --pairs"),
+    (["--pairs", "side-by-side", "--pair-count", "0"], "--pair-count must be from 1 to 1,000,000, got 0"),
+    (["--pairs", "side-by-side", "--pair-count", "1000001"], "--pair-count must be from 1 to 1,000,000"),
+    (["--pairs", "side-by-side", "--seed", "-1"], "--seed must be in [0, "),
+])
+def test_bad_eval_pairs(capsys, random_tiny_checkpoint, flags, message):
+    assert_one_line_error(capsys, ["eval", str(random_tiny_checkpoint), *flags], message)
