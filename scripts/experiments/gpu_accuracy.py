@@ -58,14 +58,15 @@ class Job:
     process: subprocess.Popen | None = None
     stopped_at_deadline: bool = False
 
-    def start(self, threads: str) -> None:
+    def start(self, threads: str, cwd: Path) -> None:
         # torch.compile's workers too take the job's share of the cores, not one process per core each
         environment = dict(os.environ, OMP_NUM_THREADS=threads, TORCHINDUCTOR_COMPILE_THREADS=threads)
         with self.log.open("w") as log:
             log.write(" ".join(self.command) + "\n")
             log.flush()
+            # outside the checkout, whose bare capsnet/ folder would shadow a package tree on PYTHONPATH
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=environment,
-                                            start_new_session=True)
+                                            cwd=cwd, start_new_session=True)
 
 
 @dataclass
@@ -131,12 +132,12 @@ def share_of_cores(jobs: int) -> str:
     return str(max(1, (os.cpu_count() or 1) // jobs))
 
 
-def run_until(jobs: list[Job], deadline: float) -> None:
-    """Start every job with its share of the cores, wait until all end or the deadline passes, then stop those
-    still going."""
+def run_until(jobs: list[Job], deadline: float, cwd: Path) -> None:
+    """Start every job in `cwd` with its share of the cores, wait until all end or the deadline passes, then stop
+    those still going."""
     threads = share_of_cores(len(jobs))
     for job in jobs:
-        job.start(threads)
+        job.start(threads, cwd)
     while time.monotonic() < deadline and any(job.process.poll() is None for job in jobs):
         time.sleep(2)
     for job in jobs:
@@ -159,7 +160,7 @@ def train_all(runs: list[Run], work: Path, device: str, deadline: float) -> None
                                  "--val-fraction", VAL_FRACTION, "--device", device, "--threads", threads,
                                  "--no-progress", "--out", str(run.checkpoint)],
                       work / "logs" / f"{run.name}.log")
-    run_until([run.job for run in runs], deadline)
+    run_until([run.job for run in runs], deadline, work)
 
 
 def split_into_parts(source: Path, destination: Path) -> list[str]:
@@ -216,7 +217,7 @@ def export_chosen(results: dict, out: Path, work: Path, deadline: float) -> None
                         [sys.executable, "-m", "capsnet", "export", entry["checkpoint"], "--out",
                          str(work / "onnx" / family), "--data", entry["data"], "--int8"],
                         work / "logs" / f"export-{family}.log") for family, entry in chosen.items()}
-    run_until(list(jobs.values()), deadline)
+    run_until(list(jobs.values()), deadline, work)
     for family, job in jobs.items():
         directory = work / "onnx" / family
         record = {"exit_code": job.process.returncode, "stopped_at_deadline": job.stopped_at_deadline, "files": []}
@@ -252,6 +253,8 @@ def main() -> int:
                         help="tiny models on the embedded digits for one epoch on the CPU: every step, no figure")
     args = parser.parse_args()
     started = time.monotonic()
+    # the jobs run in --work, so every path they are given is absolute
+    args.data_root, args.out, args.work = args.data_root.resolve(), args.out.resolve(), args.work.resolve()
     device = "cpu" if args.cpu_dry_run else args.device
     if not args.cpu_dry_run:
         for name in {"fashion-mnist" if family.startswith("fashion") else "mnist" for family in args.families}:
