@@ -112,8 +112,11 @@ class Server:
     def histograms(self) -> dict[str, tuple[float, float]]:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
             text = response.read().decode()
-        samples = {sample.name: sample.value for family in text_string_to_metric_families(text)
-                   for sample in family.samples if not sample.labels}  # _sum and _count; _bucket has `le`
+        samples: dict[str, float] = {}  # _sum and _count, summed over the model versions (_bucket has `le`)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if "le" not in sample.labels:
+                    samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
         return {name: (samples.get(f"{name}_sum", 0.0), samples.get(f"{name}_count", 0.0)) for name in HISTOGRAMS}
 
 
