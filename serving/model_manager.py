@@ -185,7 +185,7 @@ class ModelManager:
             service = model.default
             if service is None:
                 raise ModelNotReady(f"{ref.name_field}: model {model.name!r} has no version loaded "
-                                    f"({_reasons(model) or UNLOADED}); retry later, or on another replica")
+                                    f"({_why_none(model)}); retry later, or on another replica")
         if (record := CURRENT.get()) is not None:
             record.served_by(service.spec.name, service.spec.version)
         return service
@@ -332,6 +332,10 @@ class ModelManager:
 
     async def _apply(self, model: ServedModel, on_disk: ModelOnDisk, retry_refused: bool) -> list[str]:
         """Open the selected versions that are new or changed, then switch; the refusals, one text each."""
+        for version in [v for v, status in model.status.items() if v not in on_disk.versions and v not in model.serving
+                        and status.state != UNLOADING]:
+            del model.status[version]  # gone from disk: the index lists the repository as it is
+            model.refused.pop(version, None)
         selected = on_disk.selected()
         if not selected:
             log.error("model %s: %s; what it serves stays", model.name, _no_version(on_disk))
@@ -418,7 +422,9 @@ def _no_version(on_disk: ModelOnDisk) -> str:
             "a version is a folder named by a positive integer holding an export)")
 
 
-def _reasons(model: ServedModel) -> str:
-    """Why a model's versions do not serve, the refusals (an unloaded version goes without saying)."""
+def _why_none(model: ServedModel) -> str:
+    """Why a model serves no version: it was unloaded, or its versions were refused (their reasons)."""
+    if any(status.state == UNLOADING or status.reason == UNLOADED for status in model.status.values()):
+        return UNLOADED
     return "; ".join(f"version {version}: {status.reason}" for version, status in model.status.items()
-                     if status.reason not in ("", UNLOADED) and status.state != READY)
+                     if status.reason) or "not loaded"

@@ -148,6 +148,7 @@ class RepositoryDir:
     def __init__(self, root: Path, default_policy: VersionPolicy):
         self.root = root
         self.default_policy = default_policy
+        self._skipped: set[str] = set()  # folders logged as not model names (once each: a poll lists them often)
 
     def check(self) -> None:
         """At startup: CapsNetError unless the repository is a readable folder."""
@@ -157,13 +158,15 @@ class RepositoryDir:
         self.model_names()
 
     def model_names(self) -> list[str]:
-        """The models in the repository: its folders with a NAME (others are skipped, logged once per scan)."""
+        """The models in the repository: its folders with a NAME (others, such as lost+found, are skipped, and
+        logged the first time)."""
         try:
             with os.scandir(self.root) as entries:
                 folders = sorted(entry.name for entry in entries if entry.is_dir())
         except OSError as err:
             raise CapsNetError(f"cannot read the model repository {self.root}: {err.strerror or err}") from None
-        if skipped := [name for name in folders if not NAME.fullmatch(name)]:
+        if skipped := [name for name in folders if not NAME.fullmatch(name) and name not in self._skipped]:
+            self._skipped.update(skipped)
             log.warning("model repository %s: skipping folders that are not model names: %s", self.root,
                         ", ".join(repr(name[:40]) for name in skipped[:10]))
         return [name for name in folders if NAME.fullmatch(name)]

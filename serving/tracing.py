@@ -92,7 +92,7 @@ class Tracing:
         root = self._tracer.start_span(f"{record.api}/{record.method}", context=parent, kind=self._server,
                                        attributes=attributes, start_time=ns(record.started))
         output = record.output
-        if output is not None:
+        if output is not None and root.is_recording():  # a trace the sampler dropped gets no child spans either
             inside = trace.set_span_in_context(root)
             self._span("received", inside, record.started, output.submitted)
             self._span("queued", inside, output.submitted, output.runs[0].cut)

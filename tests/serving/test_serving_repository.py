@@ -288,3 +288,44 @@ def test_poll_mode_loads_a_new_version_and_refuses_explicit_control(model_dir, t
         with pytest.raises(InferenceServerException) as refused:
             client.load_model("capsnet")
         assert refused.value.status() == "StatusCode.PERMISSION_DENIED" and "polls" in refused.value.message()
+
+
+def serve_error(capsys, *flags: str) -> str:
+    """The one error line `capsnet serve FLAGS` exits 2 with."""
+    from capsnet.cli import main
+
+    code = main(["serve", "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", *flags])
+    stderr = capsys.readouterr().err
+    errors = [line for line in stderr.splitlines() if line.startswith("capsnet serve: error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in stderr, stderr
+    return errors[0].removeprefix("capsnet serve: error: ")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "m", "--model-control", "explicit"], "--model-control explicit changes the models of a repository"),
+    (["--model-repository", "r", "--poll-seconds", "5"], "--poll-seconds sets how often --model-control poll"),
+    (["--model-repository", "r", "--model-control", "poll", "--poll-seconds", "0"], "--poll-seconds must be > 0"),
+    (["--model-repository", "r", "--version-policy", "newest"], "--version-policy: expected latest:N"),
+])
+def test_bad_repository_settings_are_one_line(capsys, flags, message):
+    assert serve_error(capsys, *flags).startswith(message)
+
+
+def test_a_repository_that_cannot_serve_is_one_line_at_start(capsys, tmp_path, model_dir):
+    repository = tmp_path / "models"
+    assert serve_error(capsys, "--model-repository", str(repository)) == (
+        f"--model-repository {repository}: no such directory")
+    (repository / "lost+found").mkdir(parents=True)
+    assert serve_error(capsys, "--model-repository", str(repository)) == (
+        f"the model repository {repository} holds no model: put export folders in <model>/<version>/ folders in it")
+    (repository / "capsnet" / "v1").mkdir(parents=True)  # not a version: versions are numbers
+    assert serve_error(capsys, "--model-repository", str(repository)).startswith(
+        "model capsnet: no version folder matches its version policy latest:1 (version folders: none; ")
+    add_version(repository, "capsnet", 1, model_dir)
+    (repository / "capsnet" / "config.json").write_text('{"version_policy": {"all": {}}, "max_batch_size": 8}')
+    assert serve_error(capsys, "--model-repository", str(repository)) == (
+        f"{repository / 'capsnet' / 'config.json'}: only version_policy is read from a model's config.json, got "
+        "'version_policy', 'max_batch_size'")
+    (repository / "capsnet" / "config.json").write_text('{"version_policy": {"specific": {"versions": [2]}}}')
+    assert serve_error(capsys, "--model-repository", str(repository)).startswith(
+        "model capsnet: no version folder matches its version policy specific:2 (version folders: 1; ")
