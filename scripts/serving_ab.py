@@ -12,6 +12,8 @@ the batch queue, and the rest: the request path (gRPC, decoding, checks, batcher
     .venv/bin/python scripts/serving_ab.py --baseline /tmp/base --out docs/benchmarks/serving-ab
 
 writes OUT.json (every run) and OUT.md (the command, the machine, the table). Needs the dev extra (tritonclient).
+`--candidate-env NAME=VALUE` sets a variable for the candidate's server only: with the same tree as baseline, an
+A/B of a setting (OTEL_EXPORTER_OTLP_ENDPOINT: the cost of tracing).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class Server:
     model: dict = field(default_factory=dict)  # model.json of its export
     commit: str = ""
     lines: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # set for its server only
 
     def run(self, *args: str, timeout: float = 900) -> None:
         result = subprocess.run([str(self.python), *args], cwd=self.tree, capture_output=True, text=True,
@@ -89,7 +92,7 @@ class Server:
         if "--http-port" in help_text:  # a tree that serves REST: any free port, not 8000
             serve += ["--http-port", "0"]
         self.process = subprocess.Popen(serve, cwd=self.tree, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                        text=True)
+                                        text=True, env={**os.environ, **self.env})
         threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True).start()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline and self.process.poll() is None:
@@ -112,8 +115,11 @@ class Server:
     def histograms(self) -> dict[str, tuple[float, float]]:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
             text = response.read().decode()
-        samples = {sample.name: sample.value for family in text_string_to_metric_families(text)
-                   for sample in family.samples if not sample.labels}  # _sum and _count; _bucket has `le`
+        samples: dict[str, float] = {}  # _sum and _count, summed over the model versions (_bucket has `le`)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if "le" not in sample.labels:
+                    samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
         return {name: (samples.get(f"{name}_sum", 0.0), samples.get(f"{name}_count", 0.0)) for name in HISTOGRAMS}
 
 
@@ -226,10 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--requests", type=int, default=1000, help="most requests per run")
     parser.add_argument("--seconds", type=float, default=20.0, help="longest run")
+    parser.add_argument("--candidate-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a variable for the candidate's server only (repeatable)")
     parser.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
     args = parser.parse_args(argv)
+    if bad := [item for item in args.candidate_env if "=" not in item]:
+        parser.error(f"--candidate-env takes NAME=VALUE, got {bad[0]!r}")
     trees = [("baseline", args.baseline, args.baseline_python), ("candidate", args.candidate, args.candidate_python)]
     servers = [Server(label, tree.resolve(), python or tree / ".venv/bin/python") for label, tree, python in trees]
+    servers[1].env = dict(item.split("=", 1) for item in args.candidate_env)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="capsnet-ab-") as scratch:
@@ -255,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         f"servers in turn (order alternating), each run at most {args.requests} requests or {args.seconds:g} s after "
         "50 warm-up requests. Compute and queue wait are the means of the server's own histograms over the run; "
         "what remains of the mean latency is the request path (gRPC, decoding, checks, batcher hand-off, encoding) "
-        "and the client.", "",
+        "and the client."
+        + (f" The candidate's server ran with {', '.join(args.candidate_env)}." if args.candidate_env else ""), "",
         *summary_table(servers, runs, args.concurrency), "",
         "Paired within each round:", "",
         *paired_lines(servers, runs, args.concurrency), "",
@@ -267,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.with_suffix(".json").write_text(json.dumps({
             "command": command, "started": started, "cpu": cpu_kind(), "cores": os.cpu_count(),
             "load_average_before": load_before, "load_average_after": load_after,
-            "servers": {server.label: {"tree": str(server.tree), "commit": server.commit} for server in servers},
+            "servers": {server.label: {"tree": str(server.tree), "commit": server.commit, "env": server.env}
+                        for server in servers},
             "runs": runs}, indent=1) + "\n")
     return 0
 

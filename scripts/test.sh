@@ -17,5 +17,6 @@ if [ ${#missing[@]} -gt 0 ]; then
         echo "==> not root: tests needing ${missing[*]} will be skipped"
     fi
 fi
-EXTRAS=dev source scripts/setup-env.sh
+# otel too: the tracing tests export spans through the real OpenTelemetry SDK
+EXTRAS=dev,otel source scripts/setup-env.sh
 exec python -m pytest -ra "$@"

@@ -17,12 +17,14 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from capsnet.serving.backends.base import Backend
 from capsnet.serving.errors import BackendUnusable, DeadlineExceeded, InferenceError, QueueFull, past_deadline
-from capsnet.serving.metrics import Metrics
+from capsnet.serving.metrics import VersionMetrics
+from capsnet.serving.statistics import ModelStatistics
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,21 @@ class BatcherConfig:
     max_batch_size: int
     max_queue_delay_s: float
     max_queue_size: int  # requests waiting (a request in the middle of a split counts until fully taken)
+
+
+class BatchRun(NamedTuple):
+    """One backend run, as time.monotonic() marks: cut from the queue, its input gathered (the backend starts), the
+    backend done, every request's rows handed over."""
+    size: int  # images in the batch
+    cut: float
+    run_start: float
+    run_end: float
+    delivered: float
+
+    def phases(self) -> dict[str, float]:
+        """Seconds of each phase, named as the statistics name them."""
+        return {"compute_input": self.run_start - self.cut, "compute_infer": self.run_end - self.run_start,
+                "compute_output": self.delivered - self.run_end}
 
 
 @dataclass(eq=False)
@@ -44,23 +61,31 @@ class _Request:
     done: int = 0  # images computed so far
     outputs: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (N, ...), filled batch by batch
     queue_wait: float | None = None
-    compute: float = 0.0
+    runs: list[BatchRun] = field(default_factory=list)  # the batches it ran in
 
 
 @dataclass
 class BatchOutput:
     outputs: dict[str, np.ndarray]  # name -> (N, ...)
     queue_wait: float  # seconds from arrival to the start of the first backend run that included it
-    compute: float  # seconds of the backend runs that included it
+    runs: list[BatchRun]  # the backend runs that included it (two when it was split)
+    submitted: float  # time.monotonic() it entered the queue
+
+    @property
+    def compute(self) -> float:
+        """Seconds of the backend runs that included it."""
+        return sum(run.run_end - run.run_start for run in self.runs)
 
 
 class Batcher:
-    def __init__(self, backend: Backend, config: BatcherConfig, metrics: Metrics,
+    def __init__(self, backend: Backend, config: BatcherConfig, metrics: VersionMetrics, stats: ModelStatistics,
                  on_unusable: Callable[[str], Awaitable[None]] | None = None):
-        """`on_unusable(reason)` is awaited when the backend raises BackendUnusable, after the batch's requests fail."""
+        """`metrics` and `stats`: the model version's. `on_unusable(reason)` is awaited when the backend raises
+        BackendUnusable, after the batch's requests fail."""
         self.backend = backend
         self.config = config
         self.metrics = metrics
+        self.stats = stats
         self._on_unusable = on_unusable
         self._queue: collections.deque[_Request] = collections.deque()
         self._queued_images = 0  # images of the queue not yet handed to a batch
@@ -116,7 +141,7 @@ class Batcher:
     def _drop(self, request: _Request, reason: str) -> None:
         """A request that will not be answered (its caller gave up) leaves the queue uncomputed."""
         if self._remove(request):
-            self.metrics.dropped.labels(reason).inc()
+            self.metrics.dropped[reason].inc()
 
     async def _schedule(self) -> None:
         loop = asyncio.get_running_loop()
@@ -163,16 +188,17 @@ class Batcher:
         return parts
 
     async def _run(self, loop: asyncio.AbstractEventLoop, parts: list[tuple[_Request, int, int]]) -> None:
-        images = np.concatenate([request.images[start:stop] for request, start, stop in parts])  # (B, C, H, W)
-        started = time.monotonic()
+        cut = time.monotonic()
         for request, start, _ in parts:
             if start == 0:
-                request.queue_wait = started - request.arrival
+                request.queue_wait = cut - request.arrival
                 self.metrics.queue_wait.observe(request.queue_wait)
+        images = np.concatenate([request.images[start:stop] for request, start, stop in parts])  # (B, C, H, W)
+        started = time.monotonic()
         try:
             outputs = await loop.run_in_executor(self._executor, self.backend.run, images)
-            elapsed = time.monotonic() - started
-            self._deliver(parts, outputs, elapsed)
+            ended = time.monotonic()
+            copied = self._copy_rows(parts, outputs)
         except Exception as err:  # the batch's requests fail; the scheduler, and the server, carry on
             log.exception("backend %s failed on a batch of %d", self.backend.name, len(images))
             message = f"the {self.backend.name} backend failed: {err}"
@@ -184,14 +210,22 @@ class Batcher:
             if kind is BackendUnusable and self._on_unusable is not None:
                 await self._on_unusable(message)
             return
-        self.metrics.compute.observe(elapsed)
+        run = BatchRun(len(images), cut, started, ended, time.monotonic())
+        for request in copied:
+            request.runs.append(run)
+            if request.done == len(request.images):
+                request.future.set_result(BatchOutput(request.outputs, request.queue_wait, request.runs,
+                                                      request.arrival))
+        self.metrics.compute.observe(ended - started)
         self.metrics.batch_size.observe(len(images))
         self.metrics.images.inc(len(images))
+        self.stats.record_batch(len(images), run.phases())
 
     @staticmethod
-    def _deliver(parts: list[tuple[_Request, int, int]], outputs: dict[str, np.ndarray], elapsed: float) -> None:
-        """Copy each request's rows of the batch outputs into its own arrays; answer it once complete."""
+    def _copy_rows(parts: list[tuple[_Request, int, int]], outputs: dict[str, np.ndarray]) -> list[_Request]:
+        """Copy each request's rows of the batch outputs into its own arrays; the requests still waiting for them."""
         offset = 0
+        copied = []
         for request, start, stop in parts:
             rows = slice(offset, offset + stop - start)
             offset += stop - start
@@ -202,6 +236,5 @@ class Batcher:
                     request.outputs[name] = np.empty((len(request.images), *array.shape[1:]), dtype=array.dtype)
                 request.outputs[name][start:stop] = array[rows]
             request.done += stop - start
-            request.compute += elapsed
-            if request.done == len(request.images):
-                request.future.set_result(BatchOutput(request.outputs, request.queue_wait, request.compute))
+            copied.append(request)
+        return copied

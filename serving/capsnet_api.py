@@ -1,6 +1,8 @@
 """`capsnet.v1.CapsNetService`: our API, a thin layer over the shared request path.
 
-Errors are raised as `serving/errors.py` kinds; the interceptor turns them into gRPC statuses.
+A request names a model and version (model_name, model_version) or takes the server's one model and its default
+version; the response names the version that answered. Errors are raised as `serving/errors.py` kinds; the
+interceptor turns them into gRPC statuses.
 """
 
 from __future__ import annotations
@@ -15,21 +17,26 @@ from google.protobuf.duration_pb2 import Duration
 from capsnet.serving.errors import InvalidInput, ServerNotReady
 from capsnet.serving.images import decode_images
 from capsnet.serving.lifecycle import SHUTTING_DOWN
-from capsnet.serving.service import InferenceResult, InferenceService
+from capsnet.serving.model_manager import ModelManager, ModelRef
+from capsnet.serving.service import InferenceResult, ModelSpec
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CapsNetService"].full_name
 
 
-def add_to_server(server: grpc.aio.Server, service: InferenceService, max_image_scale: int) -> None:
-    pb_grpc.add_CapsNetServiceServicer_to_server(CapsNetServicer(service, max_image_scale), server)
+def add_to_server(server: grpc.aio.Server, models: ModelManager, max_image_scale: int) -> None:
+    pb_grpc.add_CapsNetServiceServicer_to_server(CapsNetServicer(models, max_image_scale), server)
 
 
 class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
-    def __init__(self, service: InferenceService, max_image_scale: int):
-        self.service = service
+    def __init__(self, models: ModelManager, max_image_scale: int):
+        self.models = models
         self.max_image_scale = max_image_scale
+
+    def _ref(self, request) -> ModelRef:
+        """The model a ClassifyRequest or GetModelInfoRequest names, or the server's one model."""
+        return ModelRef(request.model_name or self.models.default_model("model_name"), request.model_version)
 
     async def Classify(self, request, context):
         return await self._classify(request, context, time.monotonic())
@@ -37,7 +44,7 @@ class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
     async def ClassifyStream(self, request_iterator, context):
         # Requests are classified concurrently (so they batch together) and answered in order; at most
         # max_batch_size are in progress, which slows a client that sends faster than it is answered.
-        slots = asyncio.Semaphore(self.service.spec.max_batch_size)
+        slots = asyncio.Semaphore(self.models.config.max_batch_size)
         pending: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()
 
         def end_after_answered(err: Exception) -> None:
@@ -58,7 +65,7 @@ class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
 
         async def end_at_shutdown() -> None:
             # An open stream would otherwise hold the shutdown for its whole grace period.
-            await self.service.lifecycle.refusing.wait()
+            await self.models.lifecycle.refusing.wait()
             end_after_answered(ServerNotReady(SHUTTING_DOWN))
 
         helpers = [asyncio.create_task(read()), asyncio.create_task(end_at_shutdown())]
@@ -75,7 +82,7 @@ class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
                     task.cancel()  # on a task that already failed, this drops its error unlogged
 
     async def GetModelInfo(self, request, context):
-        spec = self.service.spec
+        spec = self.models.resolve(self._ref(request)).spec
         check = spec.self_check
         return pb.GetModelInfoResponse(
             name=spec.name,
@@ -97,43 +104,47 @@ class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
         )
 
     async def _classify(self, request: pb.ClassifyRequest, context, started: float) -> pb.ClassifyResponse:
-        spec = self.service.spec
-        if request.top_k > len(spec.class_names):
-            raise InvalidInput(f"top_k: expected 0 to {len(spec.class_names)} (the number of classes), got {request.top_k}")
-        self.service.check_arrival(started)
-        self.service.check_batch_size(len(request.images), "images")
-        if any(image.WhichOneof("data") == "encoded" for image in request.images):
-            # PNG/JPEG decoding can take milliseconds: off the event loop.
-            images = await asyncio.to_thread(decode_images, request.images, spec.input_shape, self.max_image_scale)
-        else:
-            images = decode_images(request.images, spec.input_shape, self.max_image_scale)
-        remaining = context.time_remaining()
-        result = await self.service.infer(images, field="images", reconstruction=request.include_reconstruction,
-                                          deadline=None if remaining is None else time.monotonic() + remaining,
-                                          arrival=started)
-        return self._response(request, result, started)
+        with self.models.use(self._ref(request)) as service:
+            spec = service.spec
+            if request.top_k > len(spec.class_names):
+                raise InvalidInput(f"top_k: expected 0 to {len(spec.class_names)} (the number of classes), got "
+                                   f"{request.top_k}")
+            service.check_arrival(started)
+            service.check_batch_size(len(request.images), "images")
+            if any(image.WhichOneof("data") == "encoded" for image in request.images):
+                # PNG/JPEG decoding can take milliseconds: off the event loop.
+                images = await asyncio.to_thread(decode_images, request.images, spec.input_shape, self.max_image_scale)
+            else:
+                images = decode_images(request.images, spec.input_shape, self.max_image_scale)
+            remaining = context.time_remaining()
+            result = await service.infer(images, field="images", reconstruction=request.include_reconstruction,
+                                         deadline=None if remaining is None else time.monotonic() + remaining,
+                                         arrival=started)
+            return _response(spec, request, result, started)
 
-    def _response(self, request: pb.ClassifyRequest, result: InferenceResult, started: float) -> pb.ClassifyResponse:
-        spec = self.service.spec
-        classes, pose_dim = len(spec.class_names), spec.pose_dim
-        predicted = result.probabilities.argmax(axis=1)  # (N,)
-        top = np.argsort(-result.probabilities, axis=1, kind="stable")[:, :request.top_k]  # (N, k)
-        response = pb.ClassifyResponse(model_name=spec.name, model_version=spec.version, request_id=request.request_id)
-        for index, probabilities in enumerate(result.probabilities):
-            item = response.results.add(probabilities=probabilities.tolist(), predicted_class=int(predicted[index]),
-                                        predicted_name=spec.class_names[predicted[index]])
-            if not request.exclude_poses:
-                item.poses.shape[:] = (classes, pose_dim)
-                item.poses.values[:] = result.poses[index].ravel().tolist()
-            if result.reconstruction is not None:
-                item.reconstruction.shape[:] = spec.input_shape
-                item.reconstruction.values[:] = result.reconstruction[index].tolist()
-            for label in top[index]:
-                item.top_classes.add(index=int(label), name=spec.class_names[label], probability=float(probabilities[label]))
-        response.timing.queue.CopyFrom(_duration(result.queue_seconds))
-        response.timing.compute.CopyFrom(_duration(result.compute_seconds))
-        response.timing.total.CopyFrom(_duration(time.monotonic() - started))
-        return response
+
+def _response(spec: ModelSpec, request: pb.ClassifyRequest, result: InferenceResult,
+              started: float) -> pb.ClassifyResponse:
+    classes, pose_dim = len(spec.class_names), spec.pose_dim
+    predicted = result.probabilities.argmax(axis=1)  # (N,)
+    top = np.argsort(-result.probabilities, axis=1, kind="stable")[:, :request.top_k]  # (N, k)
+    response = pb.ClassifyResponse(model_name=spec.name, model_version=spec.version, request_id=request.request_id)
+    for index, probabilities in enumerate(result.probabilities):
+        item = response.results.add(probabilities=probabilities.tolist(), predicted_class=int(predicted[index]),
+                                    predicted_name=spec.class_names[predicted[index]])
+        if not request.exclude_poses:
+            item.poses.shape[:] = (classes, pose_dim)
+            item.poses.values[:] = result.poses[index].ravel().tolist()
+        if result.reconstruction is not None:
+            item.reconstruction.shape[:] = spec.input_shape
+            item.reconstruction.values[:] = result.reconstruction[index].tolist()
+        for label in top[index]:
+            item.top_classes.add(index=int(label), name=spec.class_names[label],
+                                 probability=float(probabilities[label]))
+    response.timing.queue.CopyFrom(_duration(result.queue_seconds))
+    response.timing.compute.CopyFrom(_duration(result.compute_seconds))
+    response.timing.total.CopyFrom(_duration(time.monotonic() - started))
+    return response
 
 
 def _duration(seconds: float) -> Duration:

@@ -38,15 +38,39 @@ def server_address(value: str) -> str:
 
 
 def register(subparsers) -> None:
-    from capsnet.serving.config import BACKENDS, ENV_VARS, PRECISIONS, ServerConfig
+    from capsnet.serving.config import (
+        BACKENDS, DEFAULT_POLL_S, ENV_VARS, LOG_FORMATS, MODEL_CONTROLS, PRECISIONS, ServerConfig,
+    )
 
     defaults = ServerConfig.defaults()
-    serve = subparsers.add_parser("serve", help="serve an exported model over gRPC (CapsNet API + KServe v2) and REST "
+    serve = subparsers.add_parser("serve", help="serve exported models over gRPC (CapsNet API + KServe v2) and REST "
                                                  "(KServe v2)",
-                                  description="Serve an export directory over gRPC: the CapsNet API, KServe v2, "
-                                              "health and reflection on one port; KServe v2 over HTTP/REST on a "
-                                              "second; Prometheus /metrics on a third.")
-    serve.add_argument("--model", dest="model_dir", required=True, metavar="DIR", help="export directory (capsnet export)")
+                                  description="Serve an export directory, or a repository of models and versions, "
+                                              "over gRPC: the CapsNet API, KServe v2, health and reflection on one "
+                                              "port; KServe v2 over HTTP/REST on a second; Prometheus /metrics on a "
+                                              "third.")
+    what = serve.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", dest="model_dir", metavar="DIR", help="export directory (capsnet export): one model")
+    what.add_argument("--model-repository", metavar="DIR",
+                      help="a model repository: DIR/<model>/<version>/ export folders, versions numbered 1, 2, ...; "
+                           "several models, each with its version policy (docs/serving.md)")
+    serve.add_argument("--version-policy", metavar="POLICY",
+                       help="versions a repository's model serves unless its config.json says: latest:N, "
+                            f"specific:V1,V2,... or all (default {defaults['version_policy']}: the newest)")
+    serve.add_argument("--model-control", choices=MODEL_CONTROLS,
+                       help="who may change the models while serving: none (default: as loaded at start), explicit "
+                            "(the KServe repository API's load and unload, and SIGHUP), poll (a rescan every "
+                            "--poll-seconds, and SIGHUP); explicit and poll need --model-repository")
+    serve.add_argument("--poll-seconds", type=float, metavar="SECONDS",
+                       help=f"--model-control poll: seconds between rescans of the repository (default "
+                            f"{DEFAULT_POLL_S:g})")
+    serve.add_argument("--log-format", choices=LOG_FORMATS,
+                       help="text (default), or json: every log line a JSON object, and one access line per request "
+                            "(time, API, model, version, status, duration, batch size, trace id, peer)")
+    serve.add_argument("--otlp-endpoint", metavar="URL",
+                       help="export OpenTelemetry traces of every request over OTLP/gRPC to URL, e.g. "
+                            "http://127.0.0.1:4317 (also on when OTEL_EXPORTER_OTLP_ENDPOINT is set; needs the otel "
+                            "extra: pip install 'capsnet-serve[otel]')")
     serve.add_argument("--host", help=f"address to bind (default {defaults['host']}, loopback only; 0.0.0.0 for every "
                                       f"interface; env {ENV_VARS['host']})")
     serve.add_argument("--grpc-port", type=int, metavar="PORT",
@@ -136,12 +160,16 @@ def run_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from capsnet.serving.config import ServerConfig
+    from capsnet.serving.observe import use_json_logs
     from capsnet.serving.server import serve
 
-    names = ("model_dir host grpc_port http_port http metrics_port backend precision gpu max_batch_size max_queue_delay_us max_queue_size "
-             "max_pending_rpcs threads max_message_bytes max_image_scale tls_cert tls_key tls_client_ca drain_window_s "
-             "grace_period_s").split()
+    names = ("model_dir model_repository version_policy model_control poll_seconds log_format otlp_endpoint host "
+             "grpc_port http_port http metrics_port backend precision gpu max_batch_size max_queue_delay_us "
+             "max_queue_size max_pending_rpcs threads max_message_bytes max_image_scale tls_cert tls_key tls_client_ca "
+             "drain_window_s grace_period_s").split()
     config = ServerConfig.from_sources({name: getattr(args, name) for name in names})
+    if config.log_format == "json":
+        use_json_logs()
     return asyncio.run(serve(config))
 
 

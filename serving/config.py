@@ -8,8 +8,17 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from capsnet.errors import CapsNetError
+from capsnet.serving.repository import VersionPolicy
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch", "aoti")
+# Who may change the models served: nobody (as loaded at start), clients of the repository extension, or a rescan of
+# the repository every poll interval (Triton's --model-control-mode none, explicit, poll). SIGHUP rescans in the last
+# two.
+MODEL_CONTROLS = ("none", "explicit", "poll")
+LOG_FORMATS = ("text", "json")
+# Triton's --repository-poll-secs default: a new version is noticed within this long, and a scan (a few stat calls
+# and a small read per version) costs nothing at that rate.
+DEFAULT_POLL_S = 15.0
 PRECISIONS = ("auto", "fp32", "fp16", "int8", "bf16")  # bf16: torch and aoti (on the CPU, torch with native bf16)
 
 # gRPC takes its size and count options as C ints: larger values raise OverflowError inside grpcio.
@@ -25,7 +34,17 @@ ENV_VARS = {"host": "CAPSNET_HOST", "grpc_port": "CAPSNET_GRPC_PORT", "http_port
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model_dir: Path
+    # What to serve: one export folder (--model), or a repository of models and versions (--model-repository).
+    model_dir: Path | None = None
+    model_repository: Path | None = None
+    # The versions each model of a repository serves, unless its config.json says: the newest, as Triton's default.
+    version_policy: str = "latest:1"
+    # none: a server's models never change while it runs (rollouts replace servers, as on KServe); explicit or poll
+    # switch on changes in place (MODEL_CONTROLS).
+    model_control: str = "none"
+    poll_seconds: float | None = None  # --model-control poll: seconds between rescans (None: DEFAULT_POLL_S)
+    log_format: str = "text"  # json: every log line as JSON, and one access line per request
+    otlp_endpoint: str | None = None  # traces over OTLP/gRPC there (serving/tracing.py); None: the OTEL_* variables'
     # Loopback by default, so a server started for a try-out is not exposed; 0.0.0.0 only when asked.
     host: str = "127.0.0.1"
     grpc_port: int = 8001  # Triton's ports, so KServe tooling finds us where it looks
@@ -64,6 +83,22 @@ class ServerConfig:
     grace_period_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if (self.model_dir is None) == (self.model_repository is None):
+            raise CapsNetError("give one of --model DIR (one export folder) or --model-repository DIR (models and "
+                               "versions)")
+        if self.model_control not in MODEL_CONTROLS:
+            raise CapsNetError(f"--model-control must be one of {', '.join(MODEL_CONTROLS)}, got {self.model_control!r}")
+        if self.model_control != "none" and self.model_repository is None:
+            raise CapsNetError(f"--model-control {self.model_control} changes the models of a repository: serve one "
+                               "with --model-repository DIR (--model serves one export folder, loaded at start)")
+        if self.poll_seconds is not None and self.model_control != "poll":
+            raise CapsNetError("--poll-seconds sets how often --model-control poll rescans the repository: add "
+                               "--model-control poll")
+        if self.poll_seconds is not None and not (math.isfinite(self.poll_seconds) and self.poll_seconds > 0):
+            raise CapsNetError(f"--poll-seconds must be > 0, got {self.poll_seconds}")
+        if self.log_format not in LOG_FORMATS:
+            raise CapsNetError(f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+        VersionPolicy.parse(self.version_policy)
         if self.backend not in BACKENDS:
             raise CapsNetError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.precision not in PRECISIONS:
@@ -100,6 +135,10 @@ class ServerConfig:
             raise CapsNetError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
 
     @property
+    def poll_interval_s(self) -> float:
+        return self.poll_seconds or DEFAULT_POLL_S
+
+    @property
     def gpu_or_first(self) -> int:
         """The CUDA device of the backends that use one whether or not --gpu is given."""
         return self.gpu or 0
@@ -110,7 +149,7 @@ class ServerConfig:
 
     @classmethod
     def defaults(cls) -> dict:
-        return {f.name: f.default for f in fields(cls) if f.name != "model_dir"}
+        return {f.name: f.default for f in fields(cls) if f.name not in ("model_dir", "model_repository")}
 
     @classmethod
     def from_sources(cls, flags: dict, env: dict[str, str] | None = None) -> "ServerConfig":
@@ -127,5 +166,5 @@ class ServerConfig:
         unknown = sorted(set(values) - {f.name for f in fields(cls)})
         if unknown:
             raise CapsNetError(f"unknown server settings: {', '.join(unknown)}")
-        paths = {"model_dir", "tls_cert", "tls_key", "tls_client_ca"}
+        paths = {"model_dir", "model_repository", "tls_cert", "tls_key", "tls_client_ca"}
         return cls(**{name: Path(value) if name in paths else value for name, value in values.items()})

@@ -73,6 +73,30 @@ class ServerNotReady(ServingError):
     grpc_code, http_status = "UNAVAILABLE", 503
 
 
+class ModelNotReady(ServerNotReady):
+    """The model is known but has no version ready for requests (unloaded, or never loaded): retry later, or
+    elsewhere."""
+
+
+class ModelLoadFailed(ServingError):
+    """A load of the model repository refused a version (unreadable or altered files, a failed self-check): the
+    versions already serving go on."""
+
+    grpc_code, http_status = "FAILED_PRECONDITION", 400
+
+
+class ControlDenied(ServingError):
+    """Loading and unloading models is switched off on this server (--model-control), or left to its polling."""
+
+    grpc_code, http_status = "PERMISSION_DENIED", 403
+
+
+class Unauthenticated(ServingError):
+    """Model control over mutual TLS without a verified client certificate."""
+
+    grpc_code, http_status = "UNAUTHENTICATED", 401
+
+
 class QueueFull(ServingError):
     """The batch queue (or the budget of request bodies being read) is full: retry later or on another replica."""
 

@@ -7,10 +7,11 @@
   (gRPC itself would answer UNKNOWN with interpreter text and log an ERROR traceback).
 - A response over the message limit gets RESOURCE_EXHAUSTED with a message saying so (gRPC would fail the
   send and the server would never know).
-- Every RPC whose handler ran is counted once by its real outcome: CANCELLED and DEADLINE_EXCEEDED when the
-  client gave up, UNKNOWN (gRPC's answer) when the handler failed unexpectedly. Calls gRPC ended before the
-  handler ran are not counted: a request over the message limit, a client that cancelled and a deadline that
-  passed while gRPC held the call all look the same from here.
+- Every RPC whose handler ran is recorded once by its real outcome (`serving/observe.py`: metrics, and an access
+  line and a trace where asked): CANCELLED and DEADLINE_EXCEEDED when the client gave up, UNKNOWN (gRPC's answer)
+  when the handler failed unexpectedly. Calls gRPC ended before the handler ran are not recorded: a request over the
+  message limit, a client that cancelled and a deadline that passed while gRPC held the call all look the same from
+  here.
 - The RPCs in flight are counted in the lifecycle's InFlight, health checks and reflection aside, so a shutdown can
   wait for them and the in-flight gauge (which the Kubernetes HPA scales on) is load, not open health watches.
 """
@@ -29,7 +30,7 @@ from capsnet.serving.errors import (
     InvalidInput, ServerNotReady, ServingError, TooLarge, bounded_message, past_deadline,
 )
 from capsnet.serving.lifecycle import InFlight, Tracked
-from capsnet.serving.metrics import Metrics
+from capsnet.serving.observe import CURRENT, TRACEPARENT, Observer, RequestRecord, grpc_peer
 
 log = logging.getLogger(__name__)
 # short `api` label values of the services the server hosts; anything else is counted as "unknown"
@@ -56,7 +57,7 @@ class _Call(Tracked):
     """One RPC's bookkeeping; counted when its handler ends."""
 
     __slots__ = ("interceptor", "api", "method", "task", "code", "streaming", "received", "answered",
-                 "ended_by_server")
+                 "ended_by_server", "record")
 
     def __init__(self, interceptor: "RequestInterceptor", api: str, method: str, streaming: bool):
         super().__init__(0.0)
@@ -66,10 +67,18 @@ class _Call(Tracked):
         self.streaming = streaming  # requests arrive on a stream, each answered in turn (ClassifyStream)
         self.received = self.answered = 0  # a stream's requests so far, and its answers
         self.ended_by_server = False  # an open stream the shutdown ended
+        self.record: RequestRecord | None = None
 
-    def begin(self) -> None:
+    def begin(self, context) -> None:
         self.started = time.monotonic()
         self.task = asyncio.current_task()
+        if self.interceptor.observer.wants_details:
+            traceparent = next((value for key, value in context.invocation_metadata() or () if key == TRACEPARENT),
+                               None)
+            self.record = RequestRecord(self.api, self.method, self.started, grpc_peer(context.peer()), traceparent)
+        else:
+            self.record = RequestRecord(self.api, self.method, self.started)
+        CURRENT.set(self.record)  # in the call's own task: the handler's context
         if self.api in _NOT_IN_FLIGHT:
             self.interceptor.open_streams.add(self)
         else:
@@ -77,13 +86,11 @@ class _Call(Tracked):
 
     def end(self, context) -> None:
         code = self.code or context.code() or grpc.StatusCode.OK
-        metrics = self.interceptor.metrics
         if self.api in _NOT_IN_FLIGHT:
             self.interceptor.open_streams.discard(self)
         else:
             self.interceptor.in_flight.remove(self)
-        metrics.requests.labels(self.api, self.method, code.name).inc()
-        metrics.request_duration.labels(self.api, self.method).observe(time.monotonic() - self.started)
+        self.interceptor.observer.end(self.record, code.name)
 
     def refuse(self, context, err: ServingError) -> None:
         """Answer with the error's code and message (the handler returns right after)."""
@@ -104,8 +111,8 @@ class _Call(Tracked):
 
 
 class RequestInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, metrics: Metrics, max_message_bytes: int, in_flight: InFlight):
-        self.metrics = metrics
+    def __init__(self, observer: Observer, max_message_bytes: int, in_flight: InFlight):
+        self.observer = observer
         self.max_message_bytes = max_message_bytes
         self.in_flight = in_flight  # RPCs (but health checks and reflection) whose handler is running
         self.open_streams: set[_Call] = set()  # health checks and reflection streams whose handler is running
@@ -123,7 +130,8 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED; any name, so no name in the labels
-            self.metrics.requests.labels("unknown", "unknown", grpc.StatusCode.UNIMPLEMENTED.name).inc()
+            self.observer.metrics.requests.labels("unknown", "unknown", grpc.StatusCode.UNIMPLEMENTED.name, "",
+                                                  "").inc()
             return None
         call = _Call(self, API_NAMES.get(service, "unknown"), method,
                      handler.request_streaming and handler.response_streaming)
@@ -157,7 +165,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
 
         if inspect.isasyncgenfunction(behavior):
             async def wrapped(request, context):
-                call.begin()
+                call.begin(context)
                 try:
                     if (request := prepare(request, context)) is not None:
                         async for response in behavior(request, context):
@@ -181,7 +189,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                     call.end(context)
         else:
             async def wrapped(request, context):
-                call.begin()
+                call.begin(context)
                 try:
                     if (request := prepare(request, context)) is None:
                         return None

@@ -8,9 +8,12 @@ transport's message step by step. The data plane runs the one sequence (as KServ
     model -> arrival -> tensor headers -> input -> its data's form -> batch size -> outputs -> data -> infer
 
 so a request is judged alike, with the same messages naming the same fields, however it came; each transport only
-decodes its message and encodes the neutral InferResponse. Errors are those of `serving/errors.py`. Metadata and
-Triton's model config are built here as plain data (the protocol's JSON form), which gRPC turns into its messages
-and REST sends as it is.
+decodes its message and encodes the neutral InferResponse. Errors are those of `serving/errors.py`. Metadata,
+Triton's model config and statistics, and the repository extension's index are built here as plain data (the
+protocol's JSON form), which gRPC turns into its messages and REST sends as it is.
+
+A request is for a model of the model manager (`serving/model_manager.py`) and one of its versions, named or the
+default; it holds that version until answered, and the answer names it.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from capsnet import __version__
-from capsnet.serving.errors import InvalidInput, ModelNotFound
+from capsnet.serving.errors import InvalidInput, Unauthenticated
 from capsnet.serving.lifecycle import Lifecycle
+from capsnet.serving.model_manager import ModelManager, ModelRef
 from capsnet.serving.service import InferenceService, ModelSpec
 
 SERVER_NAME = "capsnet-serve"
@@ -40,14 +44,22 @@ SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "
 CLASSIFICATION_PARAMETER = "classification"  # on a requested output: the top-k classes instead of the tensor
 
 
+# Triton's names of the protocol extensions served (ServerMetadata); both transports serve all of them.
+EXTENSIONS = ["model_configuration", "statistics", "model_repository", "model_repository(unload_dependents)"]
+# A load or unload's parameters this server takes: Triton's unload_dependents (no model here depends on another, so
+# there is nothing more to unload). Triton's `config` and `file:` overrides are refused: a version serves only
+# as its export folder was written and self-checked.
+UNLOAD_PARAMETERS = ("unload_dependents",)
+
+
 def server_metadata() -> dict:
-    return {"name": SERVER_NAME, "version": __version__, "extensions": []}
+    return {"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS}
 
 
-def model_metadata(spec: ModelSpec) -> dict:
+def model_metadata(spec: ModelSpec, versions: list[str]) -> dict:
     return {
         "name": spec.name,
-        "versions": [spec.version],
+        "versions": versions,
         "platform": spec.platform,
         "inputs": [{"name": spec.input_name, "datatype": "FP32", "shape": [-1, *spec.input_shape]}],
         "outputs": [{"name": name, "datatype": "FP32", "shape": [-1, *shape]}
@@ -80,15 +92,6 @@ def refuse_parameters(parameters: Mapping, field: str, *, output: bool, data_whe
     if output and CLASSIFICATION_PARAMETER in parameters:
         raise InvalidInput(f"{field}.parameters: the classification extension is not supported by this server, got "
                            f"{CLASSIFICATION_PARAMETER!r}; ask for 'probabilities' and take the top classes from them")
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    """The model a request is for, and the fields its transport took the name and version from (for messages)."""
-    name: str
-    version: str = ""  # "": the version served
-    name_field: str = "model_name"
-    version_field: str = "model_version"
 
 
 @dataclass(frozen=True)
@@ -219,9 +222,11 @@ def requested_outputs(spec: ModelSpec, outputs: list[RequestedOutput]) -> list[s
 class DataPlane:
     """The protocol's operations on the models this server serves, for both transports."""
 
-    def __init__(self, models: list[InferenceService], lifecycle: Lifecycle):
-        self._models = {model.spec.name: model for model in models}
+    def __init__(self, models: ModelManager, lifecycle: Lifecycle, client_certificates: bool = False):
+        """`client_certificates`: mutual TLS is on, and model control asks for a verified client certificate."""
+        self.models = models
         self.lifecycle = lifecycle
+        self.client_certificates = client_certificates
 
     @property
     def live(self) -> bool:
@@ -232,18 +237,47 @@ class DataPlane:
         return self.lifecycle.ready
 
     def model(self, ref: ModelRef) -> InferenceService:
-        """The model `ref` names; ModelNotFound naming the field at fault."""
-        model = self._models.get(ref.name)
-        if model is None:
-            raise ModelNotFound(f"{ref.name_field}: unknown model {ref.name!r}; this server serves "
-                                f"{', '.join(map(repr, self._models))}")
-        if ref.version not in ("", model.spec.version):
-            raise ModelNotFound(f"{ref.version_field}: model {model.spec.name!r} has no version {ref.version!r}; "
-                                f"expected '' or {model.spec.version!r}")
-        return model
+        """The serving version `ref` names; ModelNotFound or ModelNotReady naming the field at fault."""
+        return self.models.resolve(ref)
+
+    def model_ready(self, ref: ModelRef) -> bool:
+        return self.models.ready(ref)
+
+    def model_metadata(self, ref: ModelRef) -> dict:
+        spec = self.model(ref).spec
+        return model_metadata(spec, self.models.versions(spec.name))
+
+    def model_statistics(self, ref: ModelRef) -> dict:
+        return {"model_stats": self.models.statistics(ref)}
+
+    def repository_index(self, repository: str, ready_only: bool) -> list[dict]:
+        _one_repository(repository)
+        return self.models.index(ready_only)
+
+    async def load(self, repository: str, ref: ModelRef, parameters: Mapping, certified: bool) -> None:
+        """`certified`: the call came with a verified client certificate."""
+        self._check_control(repository, parameters, (), certified)
+        await self.models.load(ref.name, ref.name_field)
+
+    async def unload(self, repository: str, ref: ModelRef, parameters: Mapping, certified: bool) -> None:
+        self._check_control(repository, parameters, UNLOAD_PARAMETERS, certified)
+        await self.models.unload(ref.name, ref.name_field)
+
+    def _check_control(self, repository: str, parameters: Mapping, taken: tuple[str, ...], certified: bool) -> None:
+        if self.client_certificates and not certified:
+            raise Unauthenticated("model control needs a verified client certificate (mutual TLS)")
+        self.models.check_control()
+        _one_repository(repository)
+        if other := [key for key in parameters if key not in taken]:
+            raise InvalidInput(f"parameters: {', '.join(repr(key[:40]) for key in other[:5])} not taken: this server "
+                               "loads a model only as its export folder in the repository holds it"
+                               + (f"; it takes {', '.join(taken)}" if taken else ""))
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        model = self.model(request.model)
+        with self.models.use(request.model) as model:
+            return await self._infer(model, request)
+
+    async def _infer(self, model: InferenceService, request: InferRequest) -> InferResponse:
         spec, decoder = model.spec, request.decoder
         model.check_arrival(request.arrival)
         header = await decoder.header(spec)
@@ -258,3 +292,9 @@ class DataPlane:
         arrays = {"probabilities": result.probabilities, "poses": result.poses,
                   "reconstruction": result.reconstruction}
         return InferResponse(spec.name, spec.version, header.id, {name: arrays[name] for name in names})
+
+
+def _one_repository(name: str) -> None:
+    if name:
+        raise InvalidInput(f"repository_name: this server has one model repository; leave it empty, got "
+                           f"{name[:40]!r}")

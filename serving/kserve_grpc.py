@@ -2,7 +2,7 @@
 
 A thin adapter onto the data plane (`serving/kserve.py`): ModelInfer decodes a `ModelInferRequest` for it (a
 Decoder) and encodes its answer as a `ModelInferResponse`; the other RPCs read the data plane. Only what is gRPC's is
-here: the messages, typed or raw contents, and the call's deadline.
+here: the messages, typed or raw contents, the call's deadline, and whether its peer showed a client certificate.
 
 Inputs: one tensor named like the model input (`images`), shape [N, C, H, W], datatype FP32
 (values in [0, 1]) or UINT8 (scaled by 1/255), given either typed (`contents`) or raw
@@ -43,8 +43,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._plane = plane
 
     def _model(self, request):
-        """The model a ModelReady, ModelMetadata or ModelConfig request names."""
-        return self._plane.model(kserve.ModelRef(request.name, request.version, "name", "version"))
+        """The model version a ModelConfig request names."""
+        return self._plane.model(_ref(request))
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=self._plane.live)
@@ -53,17 +53,34 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self._plane.ready)
 
     async def ModelReady(self, request, context):
-        return pb.ModelReadyResponse(ready=self._model(request).ready)
+        return pb.ModelReadyResponse(ready=self._plane.model_ready(_ref(request)))
 
     async def ServerMetadata(self, request, context):
         return json_format.ParseDict(kserve.server_metadata(), pb.ServerMetadataResponse())
 
     async def ModelMetadata(self, request, context):
-        return json_format.ParseDict(kserve.model_metadata(self._model(request).spec), pb.ModelMetadataResponse())
+        return json_format.ParseDict(self._plane.model_metadata(_ref(request)), pb.ModelMetadataResponse())
 
     async def ModelConfig(self, request, context):
         config = json_format.ParseDict(kserve.model_config(self._model(request)), config_pb.ModelConfig())
         return pb.ModelConfigResponse(config=config)
+
+    async def ModelStatistics(self, request, context):
+        return json_format.ParseDict(self._plane.model_statistics(_ref(request)), pb.ModelStatisticsResponse())
+
+    async def RepositoryIndex(self, request, context):
+        return json_format.ParseDict({"models": self._plane.repository_index(request.repository_name, request.ready)},
+                                     pb.RepositoryIndexResponse())
+
+    async def RepositoryModelLoad(self, request, context):
+        await self._plane.load(request.repository_name, kserve.ModelRef(request.model_name), request.parameters,
+                               _certified(context))
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request, context):
+        await self._plane.unload(request.repository_name, kserve.ModelRef(request.model_name), request.parameters,
+                                 _certified(context))
+        return pb.RepositoryModelUnloadResponse()
 
     async def ModelInfer(self, request, context):
         arrival = time.monotonic()
@@ -72,6 +89,16 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             kserve.ModelRef(request.model_name, request.model_version), _Decoder(request), arrival,
             None if remaining is None else arrival + remaining))
         return _encode(request, response)
+
+
+def _ref(request) -> kserve.ModelRef:
+    """The model a ModelReady, ModelMetadata, ModelConfig or ModelStatistics request names."""
+    return kserve.ModelRef(request.name, request.version, "name", "version")
+
+
+def _certified(context) -> bool:
+    """Whether the call came over TLS with a client certificate gRPC verified."""
+    return bool(context.auth_context().get("x509_pem_cert"))
 
 
 class _Decoder:

@@ -11,16 +11,21 @@ Routes (`{model}` is a served model's name; every model route also takes `/versi
     GET  /v2/health/live, /v2/health/ready        200, or 400 when not (the protocol's "4xx"), empty body
     GET  /v2                                      server metadata
     GET  /v2/models/{model}[/ready|/config]       model metadata, readiness, Triton's model config
+    GET  /v2/models[/{model}]/stats               Triton's statistics: of every model, or of one (or one version)
     POST /v2/models/{model}/infer                 inference
+    POST /v2/repository/index                     the repository's models and their versions' states
+    POST /v2/repository/models/{model}/load       load or reload a model (--model-control explicit)
+    POST /v2/repository/models/{model}/unload     unload a model
 
-Errors are `{"error": message}` with the HTTP status their kind carries (`serving/errors.py`), counted in the same
-metrics as gRPC's calls, under api="kserve_http" and the kind's gRPC code. An answer must be taken by the client
-within WRITE_TIMEOUT_S.
+Errors are `{"error": message}` with the HTTP status their kind carries (`serving/errors.py`). Every request is
+recorded (`serving/observe.py`: metrics as gRPC's calls are, under api="kserve_http" and the kind's gRPC code; an
+access line and a trace where asked). An answer must be taken by the client within WRITE_TIMEOUT_S.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import ssl
 import time
@@ -29,11 +34,11 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from capsnet.serving import kserve
-from capsnet.serving.errors import MethodNotAllowed, NoSuchRoute, ServingError, bounded_message
+from capsnet.serving.errors import InvalidInput, MethodNotAllowed, NoSuchRoute, ServingError, bounded_message
 from capsnet.serving.http_body import BodyReader
 from capsnet.serving.kserve_http_codec import BINARY_HEADER, RestDecoder
 from capsnet.serving.lifecycle import Tracked
-from capsnet.serving.metrics import Metrics
+from capsnet.serving.observe import CURRENT, TRACEPARENT, Observer, RequestRecord
 
 log = logging.getLogger(__name__)
 
@@ -69,32 +74,42 @@ AIOHTTP_SERVER_LOG = logging.getLogger("aiohttp.server")
 class KServeHTTP:
     """The REST endpoint: an aiohttp application over the data plane, started and stopped by the server."""
 
-    def __init__(self, plane: kserve.DataPlane, metrics: Metrics, max_body_bytes: int):
+    def __init__(self, plane: kserve.DataPlane, observer: Observer, max_body_bytes: int):
         self._plane = plane
-        self._metrics = metrics
+        self._observer = observer
         self._bodies = BodyReader(max_body_bytes)
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
         app = web.Application(client_max_size=max_body_bytes, middlewares=[self._middleware])
         self._rpc_of = {}  # route handler -> the RPC it answers, for the metrics' method label
-        for path, rpc, handler in [
-            ("/v2/health/live", "ServerLive", self._server_live),
-            ("/v2/health/ready", "ServerReady", self._server_ready),
-            ("/v2", "ServerMetadata", self._server_metadata),
-        ]:
-            app.router.add_get(path, handler)
+        model = "/v2/models/{model}"
+        routes = [
+            ("GET", "/v2/health/live", "ServerLive", self._server_live),
+            ("GET", "/v2/health/ready", "ServerReady", self._server_ready),
+            ("GET", "/v2", "ServerMetadata", self._server_metadata),
+            ("GET", "/v2/models/stats", "ModelStatistics", self._model_statistics),  # before a model named "stats"
+            ("POST", "/v2/repository/index", "RepositoryIndex", self._repository_index),
+            ("POST", "/v2/repository/models/{model}/load", "RepositoryModelLoad", self._repository_load),
+            ("POST", "/v2/repository/models/{model}/unload", "RepositoryModelUnload", self._repository_unload),
+        ]
+        for prefix in (model, model + "/versions/{version}"):
+            routes += [
+                ("GET", prefix, "ModelMetadata", self._model_metadata),
+                ("GET", prefix + "/ready", "ModelReady", self._model_ready),
+                ("GET", prefix + "/config", "ModelConfig", self._model_config),
+                ("GET", prefix + "/stats", "ModelStatistics", self._model_statistics),
+                ("POST", prefix + "/infer", "ModelInfer", self._model_infer),
+            ]
+        add = {"GET": app.router.add_get, "POST": app.router.add_post}  # a GET route takes HEAD too
+        for method, path, rpc, handler in routes:
+            add[method](path, handler)
             self._rpc_of[handler] = rpc
-        for model in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-            for suffix, rpc, handler in [
-                ("", "ModelMetadata", self._model_metadata),
-                ("/ready", "ModelReady", self._model_ready),
-                ("/config", "ModelConfig", self._model_config),
-            ]:
-                app.router.add_get(model + suffix, handler)
-                self._rpc_of[handler] = rpc
-            app.router.add_post(model + "/infer", self._model_infer)
-        self._rpc_of[self._model_infer] = "ModelInfer"
         self._app = app
+
+    @property
+    def paths(self) -> list[str]:
+        """The routes' paths, `{model}` and `{version}` as they are written."""
+        return [resource.canonical for resource in self._app.router.resources()]
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None, shutdown_timeout: float) -> None:
         """Listen on host:port (0: any free port, then in `port`); OSError when it cannot."""
@@ -130,8 +145,10 @@ class KServeHTTP:
         errors are HTTP-shaped."""
         started = time.monotonic()
         rpc = self._rpc_of.get(handler, "unknown")
-        code, headers = "OK", None
-        try:  # counted once the answer is ready, before it is sent, as gRPC's interceptor counts a call
+        record = self._record(request, rpc, started)
+        current = CURRENT.set(record)
+        code, headers, response = "OK", None, None
+        try:  # recorded once the answer is ready, before it is sent, as gRPC's interceptor records a call
             try:
                 response = await handler(request)
             except web.HTTPMethodNotAllowed as err:  # aiohttp's router
@@ -154,8 +171,8 @@ class KServeHTTP:
             log.exception("%s %s failed", request.method, request.path)
             response = web.json_response({"error": "internal server error (logged by the server)"}, status=500)
         finally:
-            self._metrics.requests.labels(API, rpc, code).inc()
-            self._metrics.request_duration.labels(API, rpc).observe(time.monotonic() - started)
+            CURRENT.reset(current)
+            self._observer.end(record, code, None if response is None else response.status)
         if not self._plane.ready:  # shutting down (or warming up): the client reconnects, maybe elsewhere
             response.force_close()
         try:
@@ -177,11 +194,53 @@ class KServeHTTP:
     def _model(self, request: web.Request):
         return self._plane.model(_model_ref(request))
 
+    def _record(self, request: web.Request, rpc: str, started: float) -> RequestRecord:
+        if not self._observer.wants_details:
+            return RequestRecord(API, rpc, started)
+        peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+        return RequestRecord(API, rpc, started, f"{peer[0]}:{peer[1]}" if peer else "",
+                             request.headers.get(TRACEPARENT))
+
     async def _model_ready(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self._model(request).ready else 400)
+        return web.Response(status=200 if self._plane.model_ready(_model_ref(request)) else 400)
 
     async def _model_metadata(self, request: web.Request) -> web.Response:
-        return web.json_response(kserve.model_metadata(self._model(request).spec))
+        return web.json_response(self._plane.model_metadata(_model_ref(request)))
+
+    async def _model_statistics(self, request: web.Request) -> web.Response:
+        ref = kserve.ModelRef(request.match_info.get("model", ""), request.match_info.get("version", ""),
+                              "model name", "model version")
+        return web.json_response(self._plane.model_statistics(ref))
+
+    async def _repository_index(self, request: web.Request) -> web.Response:
+        body = await self._control_body(request)
+        ready = body.get("ready", False)
+        if not isinstance(ready, bool):
+            raise InvalidInput(f"ready: expected true or false, got {str(ready)[:40]}")
+        return web.json_response(self._plane.repository_index("", ready))
+
+    async def _repository_load(self, request: web.Request) -> web.Response:
+        body = await self._control_body(request)
+        await self._plane.load("", _control_ref(request), _parameters(body), _certified(request))
+        return web.json_response({})
+
+    async def _repository_unload(self, request: web.Request) -> web.Response:
+        body = await self._control_body(request)
+        await self._plane.unload("", _control_ref(request), _parameters(body), _certified(request))
+        return web.json_response({})
+
+    async def _control_body(self, request: web.Request) -> dict:
+        """A repository request's JSON object (an empty body: {})."""
+        text = await self._bodies.read(request)
+        if not text.strip():
+            return {}
+        try:
+            body = json.loads(text)
+        except (ValueError, RecursionError) as err:
+            raise InvalidInput(f"request body: not valid JSON ({type(err).__name__}: {str(err)[:200]})") from None
+        if not isinstance(body, dict):
+            raise InvalidInput("request body: expected a JSON object")
+        return body
 
     async def _model_config(self, request: web.Request) -> web.Response:
         return web.json_response(kserve.model_config(self._model(request)))
@@ -204,6 +263,22 @@ class KServeHTTP:
 def _model_ref(request: web.Request) -> kserve.ModelRef:
     return kserve.ModelRef(request.match_info["model"], request.match_info.get("version", ""), "model name",
                            "model version")
+
+
+def _control_ref(request: web.Request) -> kserve.ModelRef:
+    return kserve.ModelRef(request.match_info["model"], name_field="model name")
+
+
+def _parameters(body: dict) -> dict:
+    parameters = body.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise InvalidInput("parameters: expected a JSON object")
+    return parameters
+
+
+def _certified(request: web.Request) -> bool:
+    """Whether the request came over TLS with a client certificate the server verified."""
+    return bool(request.transport is not None and request.transport.get_extra_info("peercert"))
 
 
 async def _send(request: web.Request, response: web.StreamResponse) -> None:

@@ -2,9 +2,12 @@
 
 Request counts and latencies are recorded for every RPC by the gRPC interceptor (`serving/interceptor.py`:
 our API, KServe, health and reflection alike) and for every REST request by its middleware
-(`serving/kserve_http.py`); queue wait, compute time, batch sizes and images inside the batcher. /metrics is prometheus-client's WSGI app behind a server with a few threads, socket timeouts
-and a deadline per connection, so idle or slow connections can neither pile up threads nor hold them; it is
-meant for Prometheus on a private network, never for the internet.
+(`serving/kserve_http.py`), through `serving/observe.py`; queue wait, compute time, batch sizes and images inside
+each model version's batcher. Request and batch series carry the `model` and `version` that served them, names of
+the model repository (never a client's text), and a version's batch series go when it is unloaded. /metrics is
+prometheus-client's WSGI app behind a server with a few threads, socket timeouts and a deadline per connection, so
+idle or slow connections can neither pile up threads nor hold them; it is meant for Prometheus on a private network,
+never for the internet.
 """
 
 from __future__ import annotations
@@ -41,47 +44,103 @@ class Metrics:
         # process_* (CPU, memory, file descriptors), python_info and python_gc_* of this process
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             registry.register(collector)
-        self.requests = Counter("capsnet_requests", "Requests finished (gRPC calls, REST requests), by API, method and gRPC status code",
-                                ["api", "method", "code"], registry=registry)
+        # `model` and `version` label what a request was served by: a model of the repository, never a client's
+        # text ("" for a request that named none the server has, and for calls that are not for a model).
+        self.requests = Counter("capsnet_requests", "Requests finished (gRPC calls, REST requests), by API, method, "
+                                "gRPC status code, and the model version that served them",
+                                ["api", "method", "code", "model", "version"], registry=registry)
         self.request_duration = Histogram("capsnet_request_duration_seconds",
                                           "Time from receiving an RPC or REST request to its end (a stream: its whole life)",
-                                          ["api", "method"], buckets=LATENCY_BUCKETS, registry=registry)
+                                          ["api", "method", "model", "version"], buckets=LATENCY_BUCKETS,
+                                          registry=registry)
         self.inflight = Gauge("capsnet_inflight_requests",
                               "Requests being handled: unary RPCs, REST requests, and a stream's requests from arrival to answer "
                               "(health checks and reflection aside)", registry=registry)
+        version = ["model", "version"]
         self.queue_wait = Histogram("capsnet_queue_wait_seconds",
                                     "Time a request waited in the batch queue before its first backend run",
-                                    buckets=LATENCY_BUCKETS, registry=registry)
-        self.compute = Histogram("capsnet_compute_seconds", "Time of one backend run (one batch)",
+                                    version, buckets=LATENCY_BUCKETS, registry=registry)
+        self.compute = Histogram("capsnet_compute_seconds", "Time of one backend run (one batch)", version,
                                  buckets=LATENCY_BUCKETS, registry=registry)
         batch_buckets = sorted({2 ** i for i in range(max_batch_size.bit_length())} | {max_batch_size})
-        self.batch_size = Histogram("capsnet_batch_size", "Images per backend run",
+        self.batch_size = Histogram("capsnet_batch_size", "Images per backend run", version,
                                     buckets=batch_buckets, registry=registry)
-        self.images = Counter("capsnet_images", "Images inferred", registry=registry)
-        self.queue_depth = Gauge("capsnet_queue_depth", "Requests waiting in the batch queue", registry=registry)
+        self.images = Counter("capsnet_images", "Images inferred", version, registry=registry)
+        self.queue_depth = Gauge("capsnet_queue_depth", "Requests waiting in the batch queue", version,
+                                 registry=registry)
         self.dropped = Counter("capsnet_dropped_requests",
                                "Requests that left the queue without being computed, by reason",
-                               ["reason"], registry=registry)
-        self.model_info = Gauge("capsnet_model_info", "The served model (value 1)",
+                               [*version, "reason"], registry=registry)
+        self.model_info = Gauge("capsnet_model_info", "A model version being served (value 1)",
                                 ["model", "version", "backend", "precision", "routing_iterations"], registry=registry)
         self.self_check_agreement = Gauge(
             "capsnet_self_check_argmax_agreement_ratio",
-            "Share of the export's reference images the served backend gives the FP32 reference's class (at startup)",
-            registry=registry)
+            "Share of the export's reference images the served backend gives the FP32 reference's class (at load)",
+            version, registry=registry)
         self.self_check_diff = Gauge(
-            "capsnet_self_check_max_abs_diff", "Largest difference from the FP32 reference outputs at startup, by output",
-            ["output"], registry=registry)
+            "capsnet_self_check_max_abs_diff", "Largest difference from the FP32 reference outputs at load, by output",
+            [*version, "output"], registry=registry)
+        self.model_loads = Counter("capsnet_model_loads",
+                                   "Loads of a model version: loaded (self-checked, warmed up, serving) or refused "
+                                   "(unreadable or altered files, a failed self-check)",
+                                   [*version, "outcome"], registry=registry)
 
-    def record_self_check(self, check) -> None:
-        self.self_check_agreement.set(check.argmax_agreement)
-        for output, diff in check.max_abs_diff.items():
-            self.self_check_diff.labels(output).set(diff)
+    def for_version(self, model: str, version: str) -> "VersionMetrics":
+        return VersionMetrics(self, model, version)
 
     def serve_http(self, host: str, port: int) -> "MetricsHTTPServer":
         """Start /metrics on a daemon thread; returns the HTTP server (its bound port: server.server_port)."""
         httpd = MetricsHTTPServer((host, port), make_wsgi_app(self.registry))
         threading.Thread(target=httpd.serve_forever, daemon=True, name="capsnet-metrics-accept").start()
         return httpd
+
+
+DROP_REASONS = ("deadline", "cancelled")
+
+
+class VersionMetrics:
+    """The series of one model version (its batcher's, its self-check's), removed when it is unloaded: what is
+    exported stays bounded by the versions being served."""
+
+    def __init__(self, metrics: Metrics, model: str, version: str):
+        self._metrics = metrics
+        self.labels = (model, version)
+        self.queue_wait = metrics.queue_wait.labels(*self.labels)
+        self.compute = metrics.compute.labels(*self.labels)
+        self.batch_size = metrics.batch_size.labels(*self.labels)
+        self.images = metrics.images.labels(*self.labels)
+        self.queue_depth = metrics.queue_depth.labels(*self.labels)
+        self.dropped = {reason: metrics.dropped.labels(*self.labels, reason) for reason in DROP_REASONS}
+        self._info: tuple[str, ...] | None = None
+        self._outputs: tuple[str, ...] = ()
+
+    def record_serving(self, spec) -> None:
+        """The version serves: its model_info and self-check series."""
+        metrics, check = self._metrics, spec.self_check
+        self._info = (*self.labels, spec.backend, spec.precision, str(spec.routing.get("iterations", "")))
+        metrics.model_info.labels(*self._info).set(1)
+        metrics.self_check_agreement.labels(*self.labels).set(check.argmax_agreement)
+        self._outputs = tuple(check.max_abs_diff)
+        for output, diff in check.max_abs_diff.items():
+            metrics.self_check_diff.labels(*self.labels, output).set(diff)
+
+    def remove(self) -> None:
+        """The version is unloaded: its series go (load counts stay: they count the model's history)."""
+        metrics = self._metrics
+        for family in (metrics.queue_wait, metrics.compute, metrics.batch_size, metrics.images, metrics.queue_depth,
+                       metrics.self_check_agreement):
+            _remove(family, self.labels)
+        for reason in DROP_REASONS:
+            _remove(metrics.dropped, (*self.labels, reason))
+        for output in self._outputs:
+            _remove(metrics.self_check_diff, (*self.labels, output))
+        if self._info is not None:
+            _remove(metrics.model_info, self._info)
+
+
+def _remove(family, labels: tuple[str, ...]) -> None:
+    with contextlib.suppress(KeyError):  # never set: nothing to remove
+        family.remove(*labels)
 
 
 class _QuietHandler(wsgiref.simple_server.WSGIRequestHandler):

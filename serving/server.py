@@ -3,7 +3,10 @@
 health follows.
 
 Startup, through one exit stack (a failing step undoes the steps before it, in reverse): check the TLS files, load
-and check the model, listen with health NOT_SERVING, warm up, then SERVING.
+and check the models (`--model`'s one, or every model of `--model-repository`: `serving/model_manager.py`), listen
+with health NOT_SERVING, warm up, then SERVING. While serving, the models of a repository may change without a
+restart (--model-control explicit: the repository extension's load and unload, and SIGHUP; poll: a rescan every
+--poll-seconds, and SIGHUP); the server's phase is not theirs: a model without a version is not ready, the server is.
 Shutdown (SIGTERM/SIGINT), the pattern of Kubernetes' preStop delay: DRAINING, health NOT_SERVING at once, yet
 requests are still served for the drain window, so load balancers stop sending first; then requests that arrive get
 UNAVAILABLE while those that arrived before finish (up to the grace period; the drain waits on an event set when the
@@ -37,8 +40,12 @@ from capsnet.serving.images import max_encoded_bytes
 from capsnet.serving.interceptor import RequestInterceptor
 from capsnet.serving.lifecycle import Lifecycle, Phase
 from capsnet.serving.metrics import Metrics
+from capsnet.serving.model_manager import ModelManager
+from capsnet.serving.observe import Observer
+from capsnet.serving.repository import OneModel, RepositoryDir, VersionPolicy
 from capsnet.serving.service import InferenceService, ModelSpec
 from capsnet.serving.tls import ServerTLS
+from capsnet.serving.tracing import Tracing
 
 try:  # what grpc.aio raises when it cannot send an answer: see _CallEndedFirst
     from grpc._cython.cygrpc import ExecuteBatchError
@@ -111,28 +118,41 @@ def _float32_image_bytes(spec: ModelSpec) -> int:
     return 4 * max(math.prod(spec.input_shape), output_values)
 
 
-def checked_message_limit(config: ServerConfig, spec: ModelSpec) -> int:
-    """--max-message-bytes, or the limit derived from the model; CapsNetError when it cannot serve."""
-    limit = config.max_message_bytes or message_limit(spec, config.max_image_scale)
-    least = least_message_limit(spec)
-    if limit < least:  # only a given limit can be this small
-        raise CapsNetError(f"--max-message-bytes {limit} cannot hold one float32 image of this model or its answer; "
-                           f"it must be at least {least}")
+def checked_message_limit(config: ServerConfig, specs: list[ModelSpec]) -> int:
+    """--max-message-bytes, or the limit derived from the models (the largest); CapsNetError when one cannot serve."""
+    limit = config.max_message_bytes or max(message_limit(spec, config.max_image_scale) for spec in specs)
+    for spec in specs:  # only a given limit can be too small here
+        check_message_limit(config, limit, spec)
     if limit > GRPC_INT_MAX:  # only a derived limit gets here: config checks a given one
-        raise CapsNetError(f"the message limit derived from --max-batch-size {spec.max_batch_size} and "
+        raise CapsNetError(f"the message limit derived from --max-batch-size {config.max_batch_size} and "
                            f"--max-image-scale {config.max_image_scale} is {limit} bytes, over gRPC's limit of "
                            f"{GRPC_INT_MAX}: lower them, or set --max-message-bytes")
     return limit
 
 
+def check_message_limit(config: ServerConfig, limit: int, spec: ModelSpec) -> None:
+    """CapsNetError when messages of `limit` bytes cannot carry one float32 image of `spec`, or its answer (a version
+    loaded later may take larger images than the models the limit was derived from)."""
+    least = least_message_limit(spec)
+    if limit < least:
+        what = (f"--max-message-bytes {limit}" if config.max_message_bytes
+                else f"the message limit derived from the models at start ({limit} bytes)")
+        raise CapsNetError(f"{what} cannot hold one float32 image of this model or its answer; it must be at least "
+                           f"{least}")
+
+
 class CapsNetServer:
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, tracing: Tracing | None = None):
+        """`tracing`: spans to this Tracing (tests: an in-memory exporter); None: as the config and the OTEL_*
+        variables say (serving/tracing.py)."""
         self.config = config
         self.metrics = Metrics(config.max_batch_size)
         self.lifecycle = Lifecycle()
         self.lifecycle.on_change(self._follow_phase)
-        self.service: InferenceService | None = None
-        self.max_message_bytes: int | None = None  # config's, or derived from the model at start()
+        self.models: ModelManager | None = None
+        self._tracing = tracing
+        self.observer: Observer | None = None
+        self.max_message_bytes: int | None = None  # config's, or derived from the models at start()
         self.grpc_port: int | None = None  # bound ports, known after start() (the config may say 0)
         self.metrics_port: int | None = None
         self.http_port: int | None = None  # None: no HTTP/REST (--no-http)
@@ -144,31 +164,67 @@ class CapsNetServer:
         self._grpc_grace: float | None = None  # how long gRPC's stop lets calls finish; None: cancelled at once
         self._cut_short = asyncio.Event()  # stop_now(): the waits of stop() end
 
+    @property
+    def service(self) -> InferenceService:
+        """The default version of the server's one model (with several, the first model's)."""
+        return next(iter(self.models.models.values())).default
+
     async def start(self, stopping: asyncio.Event | None = None) -> None:
         """Load, listen, warm up, then SERVING unless `stopping` was set meanwhile (a signal during startup:
-        stop() follows). CapsNetError when the model, a port or a TLS file is unusable; what was opened is closed."""
+        stop() follows). CapsNetError when a model, a port or a TLS file is unusable; what was opened is closed."""
         config = self.config
         quiet_client_errors()
         tls = None if config.tls_cert is None else ServerTLS.load(config.tls_cert, config.tls_key, config.tls_client_ca)
         async with contextlib.AsyncExitStack() as opened:
-            self.service = InferenceService.load(config, self.metrics, self.lifecycle)
-            opened.push_async_callback(self.service.close)
-            self.max_message_bytes = checked_message_limit(config, self.service.spec)
+            tracing = self._tracing or Tracing.from_config(config.otlp_endpoint)
+            if tracing is not None:
+                opened.callback(tracing.shutdown)  # the last step of stop(): spans of the last requests go out
+            self.observer = Observer(self.metrics, access_log=config.log_format == "json", tracing=tracing)
+            source = (OneModel(config.model_dir) if config.model_repository is None
+                      else RepositoryDir(config.model_repository, VersionPolicy.parse(config.version_policy)))
+            self.models = ModelManager(source, config, self.metrics, self.lifecycle, self._check_spec)
+            opened.push_async_callback(self.models.close)
+            await self.models.start()
+            self.max_message_bytes = checked_message_limit(config, [s.spec for s in self.models.services()])
             self.metrics.inflight.set_function(self.lifecycle.in_flight.requests)
-            plane = kserve.DataPlane([self.service], self.lifecycle)
+            plane = kserve.DataPlane(self.models, self.lifecycle, client_certificates=config.tls_client_ca is not None)
             self._grpc = await self._listen_grpc(plane, tls)
             opened.push_async_callback(self._close_listeners)
             opened.callback(self._close_metrics, self._listen_metrics())
             if config.http:
                 self._http = await self._listen_http(plane, tls)
-            await self.service.warmup()
+            await self.models.warmup()
+            if config.model_control == "poll":
+                poll = asyncio.get_running_loop().create_task(self._poll(), name="capsnet-repository-poll")
+                opened.callback(poll.cancel)
             self._opened = opened.pop_all()
         if stopping is None or not stopping.is_set():
             await self.lifecycle.move(Phase.SERVING)
 
+    def _check_spec(self, spec: ModelSpec) -> None:
+        """A version loaded while serving must fit the message limit the listeners were started with."""
+        if self.max_message_bytes is not None:
+            check_message_limit(self.config, self.max_message_bytes, spec)
+
+    async def rescan(self) -> None:
+        """SIGHUP: the repository as on disk now (--model-control explicit or poll); logged, and ignored, otherwise."""
+        if self.lifecycle.phase is not Phase.SERVING:
+            log.warning("SIGHUP ignored: the server is %s", self.lifecycle.phase.value)
+        elif self.config.model_control == "none":
+            log.warning("SIGHUP ignored: model control is off (--model-control none); the models serve as loaded "
+                        "at start")
+        else:
+            log.info("rescanning the model repository %s", self.config.model_repository)
+            await self.models.rescan()
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.poll_interval_s)
+            await self.rescan()
+
     async def _listen_grpc(self, plane: kserve.DataPlane, tls: ServerTLS | None) -> grpc.aio.Server:
         config = self.config
-        self._interceptor = RequestInterceptor(self.metrics, self.max_message_bytes, self.lifecycle.in_flight)
+        self._interceptor = RequestInterceptor(self.observer, self.max_message_bytes, self.lifecycle.in_flight)
         server = grpc.aio.server(
             interceptors=[self._interceptor],
             options=[("grpc.max_receive_message_length", self.max_message_bytes),
@@ -180,7 +236,7 @@ class CapsNetServer:
                      # A port already taken is an error, not silently shared with another server.
                      ("grpc.so_reuseport", 0)],
         )
-        capsnet_api.add_to_server(server, self.service, config.max_image_scale)
+        capsnet_api.add_to_server(server, self.models, config.max_image_scale)
         kserve_grpc.add_to_server(server, plane)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(  # kserve's `inference` files live in a pool of their own
@@ -211,7 +267,7 @@ class CapsNetServer:
 
     async def _listen_http(self, plane: kserve.DataPlane, tls: ServerTLS | None) -> kserve_http.KServeHTTP:
         config = self.config
-        http = kserve_http.KServeHTTP(plane, self.metrics, self.max_message_bytes)
+        http = kserve_http.KServeHTTP(plane, self.observer, self.max_message_bytes)
         try:
             await http.start(config.host, config.http_port, None if tls is None else tls.context, STOP_GRACE_S)
         except OSError as err:  # asyncio's strerror holds the address again: the errno's own text
@@ -287,15 +343,24 @@ async def serve(config: ServerConfig) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
     server = CapsNetServer(config)
+    rescans: set[asyncio.Task] = set()
+
+    def rescan() -> None:  # SIGHUP (its default action would end the process)
+        task = loop.create_task(server.rescan(), name="capsnet-sighup-rescan")
+        rescans.add(task)
+        task.add_done_callback(rescans.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, rescan)
     await server.start(stopping)
     if stopping.is_set():
         log.info("a signal arrived during startup: stopping without serving")
     else:
-        spec = server.service.spec
+        served = ", ".join(f"{s.spec.name} {s.spec.version} on {s.spec.backend} ({s.spec.precision})"
+                           for s in server.models.services())
         secure = "s" if config.tls_cert else ""
         rest = "" if server.http_port is None else f" rest http{secure}://{_address(config.host, server.http_port)}"
         # One line on stdout that scripts (and tests, with port 0) read the bound ports from.
-        print(f"capsnet serve: ready: {spec.name} {spec.version} on {spec.backend} ({spec.precision}); "
+        print(f"capsnet serve: ready: {served}; "
               f"grpc{secure}://{_address(config.host, server.grpc_port)} "
               f"metrics http://{_address(config.host, server.metrics_port)}/metrics{rest}", flush=True)
         await stopping.wait()

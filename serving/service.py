@@ -1,9 +1,13 @@
-"""One served model and the request path every API takes to it (docs/artifacts.md): check that the request may be
-served, validate its images, infer them through the model's batcher.
+"""One served model version and the request path every API takes to it (docs/artifacts.md): check that the request
+may be served, validate its images, infer them through the version's batcher.
 
 Servicers stay thin: they parse their protocol's message into a float32 (N, C, H, W) array and
 `await infer`, which validates it. Errors are the transport-neutral ones of `serving/errors.py`. Whether a request
 may be served is the server's phase (`serving/lifecycle.py`), which the model reads.
+
+A version is opened (loaded and self-checked off the event loop), warmed up, then served; the model manager
+(`serving/model_manager.py`) decides which versions serve. Requests hold the version they were given (use()) until
+answered, so close() first waits for them, then for its queue, then frees the backend.
 """
 
 from __future__ import annotations
@@ -13,20 +17,23 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from capsnet.errors import CapsNetError, first_line
 from capsnet.model_description import ModelDescription
-from capsnet.serving.artifacts import load_artifacts
-from capsnet.serving.backends import load_backend
+from capsnet.serving.artifacts import ModelArtifacts, load_artifacts
+from capsnet.serving.backends import LoadedBackend, load_backend
 from capsnet.serving.backends.base import Backend
 from capsnet.serving.batcher import Batcher, BatcherConfig
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.errors import InvalidInput
 from capsnet.serving.lifecycle import Lifecycle
-from capsnet.serving.metrics import Metrics
+from capsnet.serving.metrics import Metrics, VersionMetrics
+from capsnet.serving.observe import CURRENT
 from capsnet.serving.self_check import SelfCheck
+from capsnet.serving.statistics import PHASES, ModelStatistics
 
 log = logging.getLogger(__name__)
 
@@ -70,30 +77,44 @@ def _startup_step(what: str, max_batch_size: int):
                            "a smaller one needs less memory)") from None
 
 
-class InferenceService:
-    """One model as served: its description, backend and batcher; it serves while the server's lifecycle allows."""
+def _load(folder: Path, config: ServerConfig) -> tuple[ModelArtifacts, LoadedBackend]:
+    """An export folder's files, checked, and its backend, self-checked (blocking: run in a worker thread)."""
+    artifacts = load_artifacts(folder)
+    with _startup_step("loading the backend", config.max_batch_size):
+        return artifacts, load_backend(artifacts, config)
 
-    def __init__(self, spec: ModelSpec, backend: Backend, batcher: Batcher, lifecycle: Lifecycle):
+
+class InferenceService:
+    """One model version as served: its description, backend, batcher and statistics; it serves while the server's
+    lifecycle allows."""
+
+    def __init__(self, spec: ModelSpec, backend: Backend, batcher: Batcher, lifecycle: Lifecycle,
+                 metrics: VersionMetrics, stats: ModelStatistics):
         self.spec = spec
         self.backend = backend
         self.batcher = batcher
         self.lifecycle = lifecycle
+        self.metrics = metrics
+        self.stats = stats
+        self._users = 0  # requests holding this version (use())
+        self._unused = asyncio.Event()  # set while none does
+        self._unused.set()
 
     @classmethod
-    def load(cls, config: ServerConfig, metrics: Metrics, lifecycle: Lifecycle) -> "InferenceService":
-        """Model directory -> backend -> service; CapsNetError if the directory or backend is unusable.
+    async def open(cls, folder: Path, name: str, version: str, config: ServerConfig, metrics: Metrics,
+                   lifecycle: Lifecycle) -> "InferenceService":
+        """Export folder -> backend (loaded and self-checked in a worker thread) -> the version `name` `version`,
+        not yet warmed up; CapsNetError if the folder or backend is unusable.
 
         Called inside the server's event loop (the batcher's scheduler is a task of it). A backend that becomes
         unusable (errors.BackendUnusable) fails the lifecycle.
         """
-        artifacts = load_artifacts(config.model_dir)
-        with _startup_step("loading the backend", config.max_batch_size):
-            loaded = load_backend(artifacts, config)
+        artifacts, loaded = await asyncio.to_thread(_load, folder, config)
         backend = loaded.backend
-        log.info("loaded %s %s with %s (%s): %s", artifacts.name, artifacts.version, backend.name, backend.precision,
+        log.info("loaded %s %s from %s with %s (%s): %s", name, version, folder, backend.name, backend.precision,
                  backend.description)
         spec = ModelSpec(
-            **artifacts.description_fields(),
+            **{**artifacts.description_fields(), "name": name, "version": version},
             max_batch_size=config.max_batch_size,
             backend=backend.name,
             precision=backend.precision,
@@ -101,12 +122,10 @@ class InferenceService:
             self_check=loaded.check,
             choice=loaded.why,
         )
+        series, stats = metrics.for_version(name, version), ModelStatistics(name, version)
         batcher = Batcher(backend, BatcherConfig(config.max_batch_size, config.max_queue_delay_us / 1e6,
-                                                 config.max_queue_size), metrics, on_unusable=lifecycle.fail)
-        metrics.model_info.labels(spec.name, spec.version, spec.backend, spec.precision,
-                                  str(spec.routing.get("iterations", ""))).set(1)
-        metrics.record_self_check(loaded.check)
-        return cls(spec, backend, batcher, lifecycle)
+                                                 config.max_queue_size), series, stats, on_unusable=lifecycle.fail)
+        return cls(spec, backend, batcher, lifecycle, series, stats)
 
     async def warmup(self) -> None:
         """Run the batch sizes dynamic batching makes most: powers of two up to the max, and the max."""
@@ -117,13 +136,24 @@ class InferenceService:
             await asyncio.to_thread(self.backend.warmup, sizes, self.spec.input_shape)
         log.info("warmed up batch sizes %s in %.2f s", sizes, time.monotonic() - started)
 
-    @property
-    def ready(self) -> bool:
-        """What this model's readiness checks report (one model is served: the server's readiness)."""
-        return self.lifecycle.ready
+    @contextlib.contextmanager
+    def use(self):
+        """Held by a request from when it is given this version until it is answered; close() waits for it."""
+        self._users += 1
+        self._unused.clear()
+        record = CURRENT.get()
+        if record is not None:
+            record.served_by(self.spec.name, self.spec.version)
+        try:
+            yield self
+        finally:
+            self._users -= 1
+            if not self._users:
+                self._unused.set()
 
     async def close(self) -> None:
-        """Finish the queued requests, then free the backend."""
+        """Once no request holds this version and its queue is empty, free the backend."""
+        await self._unused.wait()
         await self.batcher.drain()
         self.backend.close()
 
@@ -170,12 +200,21 @@ class InferenceService:
         `arrival` (time.monotonic()): when the request reached the server; one that arrived before the
         shutdown began is answered even if it gets here after (it was decoding meanwhile).
         """
-        self.check_arrival(time.monotonic() if arrival is None else arrival)
+        arrival = time.monotonic() if arrival is None else arrival
+        self.check_arrival(arrival)
         if reconstruction and "reconstruction" not in self.spec.output_names:
             raise InvalidInput("reconstruction: this model was exported without the reconstruction output "
                                "(re-export with `capsnet export --reconstruction`)")
         images = self.validate_images(images, field)
-        output = await self.batcher.submit(images, deadline)
+        try:
+            output = await self.batcher.submit(images, deadline)
+        except BaseException:  # queue full, past its deadline, a backend failure, cancelled: failed at the model
+            self.stats.record_request(False, time.monotonic() - arrival)
+            raise
+        self.stats.record_request(True, time.monotonic() - arrival, len(images), output.queue_wait,
+                                  {name: sum(run.phases()[name] for run in output.runs) for name in PHASES})
+        if (record := CURRENT.get()) is not None:
+            record.answered(len(images), output)
         return InferenceResult(
             probabilities=output.outputs["probabilities"],
             poses=output.outputs["poses"],

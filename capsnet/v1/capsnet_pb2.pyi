@@ -20,18 +20,22 @@ DATA_TYPE_UINT8: DataType
 DATA_TYPE_FLOAT32: DataType
 
 class ClassifyRequest(_message.Message):
-    __slots__ = ("images", "exclude_poses", "include_reconstruction", "top_k", "request_id")
+    __slots__ = ("images", "exclude_poses", "include_reconstruction", "top_k", "request_id", "model_name", "model_version")
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_POSES_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_RECONSTRUCTION_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     images: _containers.RepeatedCompositeFieldContainer[Image]
     exclude_poses: bool
     include_reconstruction: bool
     top_k: int
     request_id: str
-    def __init__(self, images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., exclude_poses: bool = ..., include_reconstruction: bool = ..., top_k: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    model_name: str
+    model_version: str
+    def __init__(self, images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., exclude_poses: bool = ..., include_reconstruction: bool = ..., top_k: _Optional[int] = ..., request_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("encoded", "tensor")
@@ -110,8 +114,12 @@ class ServerTiming(_message.Message):
     def __init__(self, queue: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., compute: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., total: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("model_name", "model_version")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    model_version: str
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
     __slots__ = ("name", "version", "input_name", "input_shape", "class_names", "pose_dim", "output_names", "max_batch_size", "backend", "precision", "routing", "self_check", "choice")

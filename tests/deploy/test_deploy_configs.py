@@ -218,8 +218,9 @@ def test_deploy_container_commands_parse_with_the_real_cli():
     commands["compose model-init export"] = ["export", "model.ckpt", "--out", *services["model-init"]["command"]]
     for manifest in (DEPLOY / "k8s").glob("*.yaml"):
         for doc in yaml.safe_load_all(manifest.read_text()):
-            if doc["kind"] in ("Deployment", "Job"):
-                container = doc["spec"]["template"]["spec"]["containers"][0]
+            if doc["kind"] in ("Deployment", "Job", "ServingRuntime"):
+                pod = doc["spec"] if doc["kind"] == "ServingRuntime" else doc["spec"]["template"]["spec"]
+                container = pod["containers"][0]
                 argv = container.get("args") or container["command"]
                 if argv[0] == "capsnet-prepare-model":
                     argv = ["export", "model.ckpt", "--out", *argv[1:]]
@@ -231,7 +232,7 @@ def test_deploy_container_commands_parse_with_the_real_cli():
         except SystemExit:
             raise AssertionError(f"{where}: capsnet rejects {argv}") from None
         assert parsed.command in ("serve", "export"), where
-    assert len(commands) == 8, sorted(commands)
+    assert len(commands) == 9, sorted(commands)
 
 
 def test_deploy_dashboard_latency_is_over_unary_inference_calls_only():

@@ -28,7 +28,8 @@ def test_reflection_describes_the_service_as_grpcurl_sees_it(kserve_target):
         service = descriptor_pool.DescriptorPool(database).FindServiceByName("inference.GRPCInferenceService")
         infer = service.methods_by_name["ModelInfer"]
         assert [method.name for method in service.methods] == [
-            "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "ModelConfig"]
+            "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "ModelConfig",
+                "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"]
         assert infer.input_type.fields_by_name["raw_input_contents"].number == 7
 
 
@@ -41,7 +42,8 @@ def test_live_and_ready(kserve_stub):
 
 def test_server_metadata(kserve_stub):
     metadata = kserve_stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=10)
-    assert (metadata.name, metadata.version, list(metadata.extensions)) == ("capsnet-serve", __version__, [])
+    assert (metadata.name, metadata.version, list(metadata.extensions)) == ("capsnet-serve", __version__, [
+        "model_configuration", "statistics", "model_repository", "model_repository(unload_dependents)"])
 
 
 def test_model_metadata(kserve_stub):

@@ -163,9 +163,20 @@ def test_unknown_model_is_not_found(kserve_stub, rpc, request_type, fields, frag
 
 @pytest.mark.parametrize("name", ["m" * 20_000, "é" * 20_000])  # é: 2 UTF-8 bytes, 6 once percent-encoded
 def test_a_huge_quoted_value_is_cut_so_the_status_still_arrives(kserve_stub, name):
+    request = infer_request(GOOD, raw=True)
+    request.inputs[0].name = name
+    with pytest.raises(grpc.RpcError) as caught:
+        kserve_stub.ModelInfer(request, timeout=10)
+    details = caught.value.details()
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, details  # not RESOURCE_EXHAUSTED from gRPC
+    assert details.startswith(f"inputs[0].name: expected 'images', got '{name[0]}") and details.endswith(f"{name[0]}'")
+    assert "bytes cut ...]" in details and len(details.encode()) <= 1500
+
+
+@pytest.mark.parametrize("name", ["m" * 20_000, "é" * 20_000])
+def test_a_huge_model_name_is_refused_quoting_its_start(kserve_stub, name):
     with pytest.raises(grpc.RpcError) as caught:
         kserve_stub.ModelReady(pb.ModelReadyRequest(name=name), timeout=10)
-    details = caught.value.details()
-    assert caught.value.code() == grpc.StatusCode.NOT_FOUND, details  # not RESOURCE_EXHAUSTED from gRPC
-    assert details.startswith(f"name: unknown model '{name[0]}") and details.endswith("this server serves 'capsnet'")
-    assert "bytes cut ...]" in details and len(details.encode()) <= 1500
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == (f"name: {name[:40]!r} (cut from 20000 characters) is not a model name: expected "
+                                      "1 to 128 letters, digits, '_', '.' or '-', starting with a letter or digit")

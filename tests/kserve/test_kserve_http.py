@@ -145,8 +145,10 @@ def numbers(value, key=None):
 def test_tritonclient_http_health_and_metadata_equal_grpcs(triton_http, triton_grpc):
     assert (triton_http.is_server_live(), triton_http.is_server_ready()) == (True, True)
     assert triton_http.is_model_ready("capsnet") and triton_http.is_model_ready("capsnet", "1")
-    assert triton_http.get_server_metadata() == {"name": "capsnet-serve", "version": __version__, "extensions": []}
-    assert triton_grpc.get_server_metadata(as_json=True) == {"name": "capsnet-serve", "version": __version__}
+    assert triton_http.get_server_metadata() == {"name": "capsnet-serve", "version": __version__, "extensions": [
+        "model_configuration", "statistics", "model_repository", "model_repository(unload_dependents)"]}
+    assert triton_grpc.get_server_metadata(as_json=True) == {"name": "capsnet-serve", "version": __version__, "extensions": [
+        "model_configuration", "statistics", "model_repository", "model_repository(unload_dependents)"]}
 
     metadata = triton_http.get_model_metadata("capsnet")
     assert metadata == numbers(triton_grpc.get_model_metadata("capsnet", as_json=True))

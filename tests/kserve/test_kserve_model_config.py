@@ -117,7 +117,8 @@ PERF_ANALYZER_MISSING = _perf_analyzer_runs()
 
 @pytest.mark.skipif(PERF_ANALYZER_MISSING is not None, reason=PERF_ANALYZER_MISSING or "")
 def test_perf_analyzer_measures_the_server(kserve_target, tmp_path):
-    """perf_analyzer reads ModelMetadata and ModelConfig, then measures: a throughput, and not one failed request."""
+    """perf_analyzer reads ModelMetadata and ModelConfig, then measures: a throughput, not one failed request, and the
+    server's own split of a request's time from its statistics."""
     # perf_analyzer's default data is random bytes, which as FP32 include NaN and Inf, refused by the server (as it
     # should): send images in [0, 1] instead, from a data file.
     data = tmp_path / "images.json"
@@ -136,5 +137,16 @@ def test_perf_analyzer_measures_the_server(kserve_target, tmp_path):
     assert not re.search(r"error|failed", output, re.IGNORECASE), output
     throughput = re.search(r"Concurrency: 1, throughput: ([\d.]+) infer/sec", output)
     assert throughput and float(throughput.group(1)) > 0, output
+    # the server's side, from its statistics (ModelStatistics around each window): the requests the client counted,
+    # each one image and one backend run at -b 1 and concurrency 1, and their time split
+    client = re.search(r"Client:\s+Request count: (\d+)", output)
+    server = re.search(r"Server:\s+Inference count: (\d+)\s+Execution count: (\d+)\s+Successful request count: "
+                       r"(\d+)\s+Avg request latency: (\d+) usec \(overhead (\d+) usec \+ queue (\d+) usec \+ compute "
+                       r"input (\d+) usec \+ compute infer (\d+) usec \+ compute output (\d+) usec\)", output)
+    assert client and server, output
+    inferences, executions, successes, latency, overhead, queue, *compute = map(int, server.groups())
+    assert inferences == executions == successes, output
+    assert abs(successes - int(client.group(1))) <= 1, output  # the one request in flight at a window's edge
+    assert compute[1] > 0 and abs(overhead + queue + sum(compute) - latency) <= 5, output  # each part rounded to µs
     header, row = report.read_text().splitlines()[:2]
     assert float(dict(zip(header.split(","), row.split(",")))["Inferences/Second"]) > 0

@@ -12,7 +12,8 @@ from capsnet.kserve import grpc_service_pb2
 from capsnet.kserve import model_config_pb2 as our_model_config_pb2
 
 SERVED_RPCS = [
-    "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "ModelConfig"]
+    "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "ModelConfig",
+    "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"]
 
 
 def file_proto(serialized: bytes) -> descriptor_pb2.FileDescriptorProto:

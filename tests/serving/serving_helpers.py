@@ -4,6 +4,7 @@ and reading the Prometheus exposition. (A uniquely named module: every test fold
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
 import subprocess
@@ -24,11 +25,12 @@ READY_LINE = re.compile(r"ready: .* grpcs?://[^:]+:(\d+) metrics http://[^:]+:(\
 class ServerThread:
     """A CapsNetServer on its own event loop in a background thread, so tests use blocking clients."""
 
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, tracing=None):
+        """`tracing`: a serving.tracing.Tracing the server records its requests' spans with."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="test-server")
         self.thread.start()
-        self.server = CapsNetServer(config)
+        self.server = CapsNetServer(config, tracing=tracing)
         self.call(self.server.start())
         self.target = f"127.0.0.1:{self.server.grpc_port}"
         self.metrics_url = f"http://127.0.0.1:{self.server.metrics_port}/metrics"
@@ -46,6 +48,22 @@ def server_config(model_dir: Path, **overrides) -> ServerConfig:
     values = dict(model_dir=model_dir, grpc_port=0, http_port=0, metrics_port=0, max_batch_size=8, max_queue_delay_us=2000,
                   threads=1, drain_window_s=0.0, grace_period_s=5.0)
     return ServerConfig(**{**values, **overrides})
+
+
+@contextlib.contextmanager
+def repository_server(repository: Path, **settings):
+    """A ServerThread serving the model repository `repository` (--model-control explicit unless `settings` say
+    otherwise), with a tritonclient gRPC client of it as `.triton`."""
+    import tritonclient.grpc as grpcclient
+
+    running = ServerThread(server_config(None, **{"model_repository": repository, "model_control": "explicit",
+                                                  **settings}))
+    running.triton = grpcclient.InferenceServerClient(url=running.target)
+    try:
+        yield running
+    finally:
+        running.triton.close()
+        running.stop()
 
 
 def onnxruntime_reference(model_dir: Path, images):
@@ -73,9 +91,13 @@ def metric(samples: dict, name: str, **labels) -> float:
 class ServeProcess:
     """`capsnet serve` as a subprocess, on free ports, ready once its ready line is printed."""
 
-    def __init__(self, *args: str, timeout: float = 120):
+    def __init__(self, *args: str, timeout: float = 120, stderr: Path | None = None, env: dict | None = None):
+        """`stderr`: a file the server's log goes to (a server that logs every request would fill a pipe no one
+        reads); `env`: its environment."""
         command = [sys.executable, "-m", "capsnet", "serve", "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", *args]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._log = None if stderr is None else open(stderr, "w")
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log or subprocess.PIPE, text=True,
+                                        env=env)
         self.lines: list[str] = []
         reader = threading.Thread(target=self._read_stdout, daemon=True)
         reader.start()
@@ -89,6 +111,9 @@ class ServeProcess:
             time.sleep(0.05)
         self.process.kill()
         _, stderr = self.process.communicate(timeout=10)
+        if self._log is not None:
+            self._log.close()
+            stderr = stderr or Path(self._log.name).read_text()
         raise AssertionError(f"capsnet serve did not become ready (exit {self.process.returncode}):\n{stderr[-3000:]}")
 
     def _read_stdout(self) -> None:
@@ -99,6 +124,8 @@ class ServeProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(10)
+        if self._log is not None:
+            self._log.close()
 
 
 def wait_until(condition, timeout: float = 10.0, interval: float = 0.02) -> None:
@@ -114,3 +141,52 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def add_version(repository: Path, model: str, version: int | str, export: Path) -> Path:
+    """REPOSITORY/MODEL/VERSION/ holding `export`'s files as hard links (cheap); the helpers below that damage a
+    version replace the link first, so the export stays whole."""
+    import os
+
+    target = repository / model / str(version)
+    target.mkdir(parents=True)
+    for source in export.iterdir():
+        os.link(source, target / source.name)
+    return target
+
+
+def corrupt_onnx(version: Path) -> None:
+    """One byte of model.onnx changed: its digest no longer matches model.json's."""
+    path = version / "model.onnx"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.unlink()
+    path.write_bytes(bytes(data))
+
+
+def fail_self_check(version: Path) -> None:
+    """reference.npz's recorded outputs shifted by one class, with model.json's digest updated to match: the files
+    are whole, and the model disagrees with its reference (the self-check fails)."""
+    import hashlib
+    import json
+
+    import numpy as np
+
+    path = version / "reference.npz"
+    with np.load(path) as archive:
+        arrays = {name: archive[name] for name in archive.files}
+    arrays["probabilities"] = np.roll(arrays["probabilities"], 1, axis=1)
+    path.unlink()  # a hard link no more: the export it came from stays whole
+    np.savez(path, **arrays)
+    sidecar = json.loads((version / "model.json").read_text())
+    sidecar["sha256"][path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (version / "model.json").unlink()
+    (version / "model.json").write_text(json.dumps(sidecar))
+
+
+def rss_bytes() -> int:
+    """This process's resident memory."""
+    import os
+
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -10,6 +10,7 @@ import pytest
 
 from capsnet.errors import CapsNetError
 from capsnet.serving.config import ServerConfig
+from capsnet.serving.artifacts import load_artifacts
 from capsnet.serving.server import IMAGE_OVERHEAD_BYTES, CapsNetServer
 from serving_helpers import server_config
 
@@ -75,7 +76,7 @@ def test_message_limit_below_one_image_is_a_user_error(model_dir):
     server = CapsNetServer(server_config(model_dir, max_message_bytes=1000))
     with pytest.raises(CapsNetError) as caught:
         asyncio.run(server.start())
-    spec = server.service.spec
+    spec = load_artifacts(model_dir)
     # the larger of a float32 image and its float32 outputs (probabilities, poses and the reconstruction if exported)
     outputs = sum(math.prod(shape) for shape in spec.output_shapes.values())
     least = 4 * max(math.prod(spec.input_shape), outputs) + IMAGE_OVERHEAD_BYTES

@@ -1,0 +1,225 @@
+"""A model repository on disk: which models and versions there are, and which of them each model serves.
+
+    DIR/<model>/<version>/       an export folder (`capsnet export`), as `--model` serves
+    DIR/<model>/config.json      optional: {"version_policy": ...}, Triton's JSON form of its version policy
+
+Versions are positive integers, as Triton's, so that "the newest" has one meaning. A model's version policy (Triton's
+`version_policy`) selects the versions it serves among those on disk: the newest N (`{"latest": {"num_versions":
+N}}`), the ones listed (`{"specific": {"versions": [1, 3]}}`) or all (`{"all": {}}`); without config.json, the
+server's --version-policy. `--model DIR` is the one-model repository: the model and version model.json names.
+
+Names that come from clients (a request's model or version, a load or unload) are checked against NAME before
+anything is looked up, and a model is found among the entries the repository directory lists, never by joining a
+client's text to a path: no file outside the repository is read for a client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from capsnet.errors import CapsNetError, first_line
+from capsnet.model_description import SIDECAR_NAME, ModelDescription
+from capsnet.serving.errors import InvalidInput, ModelNotFound
+
+log = logging.getLogger(__name__)
+
+# A model's or a version's name: what a file name may be on every file system, with no path separator, no "..", no
+# leading dot (hidden entries, "." itself) and no NUL; at most 128 characters (a request's names also label metrics).
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+# A repository version folder: Triton's, a positive integer without leading zeros (so one number has one folder).
+VERSION_FOLDER = re.compile(r"[1-9][0-9]{0,17}")
+MODEL_CONFIG = "config.json"
+POLICY_KINDS = ("latest", "specific", "all")
+
+
+def check_name(value: str, field_name: str, what: str = "model name") -> str:
+    """`value` when it is a NAME; InvalidInput naming the field otherwise (a long value is quoted cut)."""
+    if NAME.fullmatch(value):
+        return value
+    shown = repr(value[:40]) + (f" (cut from {len(value)} characters)" if len(value) > 40 else "")
+    raise InvalidInput(f"{field_name}: {shown} is not a {what}: expected 1 to 128 letters, digits, '_', '.' or '-', "
+                       "starting with a letter or digit")
+
+
+def version_order(version: str) -> tuple[int, int, str]:
+    """Sort key: numeric versions by number (10 after 9), any other name after them."""
+    return (0, int(version), "") if version.isdigit() else (1, 0, version)
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    """Which versions on disk a model serves, as Triton's version_policy."""
+
+    kind: str  # POLICY_KINDS
+    num_versions: int = 1  # latest
+    versions: tuple[int, ...] = ()  # specific
+
+    def select(self, available: list[str]) -> list[str]:
+        """The versions of `available` (VERSION_FOLDER names) to serve, oldest first."""
+        ordered = sorted(available, key=version_order)
+        if self.kind == "latest":
+            return ordered[-self.num_versions:]
+        if self.kind == "specific":
+            return [version for version in ordered if int(version) in self.versions]
+        return ordered
+
+    def describe(self) -> str:
+        if self.kind == "latest":
+            return f"latest:{self.num_versions}"
+        if self.kind == "specific":
+            return "specific:" + ",".join(map(str, self.versions))
+        return "all"
+
+    @classmethod
+    def parse(cls, text: str, source: str = "--version-policy") -> "VersionPolicy":
+        """The flag's form: latest:N, specific:V1,V2,... or all."""
+        kind, _, value = text.partition(":")
+        try:
+            if kind == "latest":
+                return cls._checked("latest", source, num_versions=int(value or "1"))
+            if kind == "specific":
+                return cls._checked("specific", source, versions=tuple(int(v) for v in value.split(",")))
+            if kind == "all" and not value:
+                return cls("all")
+        except ValueError:
+            pass
+        raise CapsNetError(f"{source}: expected latest:N, specific:V1,V2,... or all, got {text[:80]!r}")
+
+    @classmethod
+    def from_json(cls, value, source: str) -> "VersionPolicy":
+        """Triton's JSON form: {"latest": {"num_versions": N}}, {"specific": {"versions": [...]}} or {"all": {}}."""
+        if not (isinstance(value, dict) and len(value) == 1 and next(iter(value)) in POLICY_KINDS
+                and isinstance(next(iter(value.values())), dict)):
+            raise CapsNetError(f"{source}: version_policy must be one of {{\"latest\": {{\"num_versions\": N}}}}, "
+                               f"{{\"specific\": {{\"versions\": [...]}}}} or {{\"all\": {{}}}}, got "
+                               f"{json.dumps(value)[:120]}")
+        (kind, body), = value.items()
+        if kind == "latest":
+            return cls._checked(kind, source, num_versions=body.get("num_versions", 1))
+        if kind == "specific":
+            versions = body.get("versions", [])
+            return cls._checked(kind, source, versions=tuple(versions) if isinstance(versions, list) else versions)
+        return cls("all")
+
+    @classmethod
+    def _checked(cls, kind: str, source: str, **values) -> "VersionPolicy":
+        policy = cls(kind, **values)
+        if kind == "latest" and not (type(policy.num_versions) is int and policy.num_versions >= 1):
+            raise CapsNetError(f"{source}: latest needs num_versions >= 1, got {policy.num_versions!r}")
+        if kind == "specific" and not (isinstance(policy.versions, tuple) and policy.versions
+                                       and all(type(v) is int and v >= 1 for v in policy.versions)):
+            raise CapsNetError(f"{source}: specific needs a list of versions >= 1, got {policy.versions!r}")
+        return policy
+
+
+@dataclass(frozen=True)
+class ModelOnDisk:
+    """A model as the repository holds it now: its versions' folders and the policy that picks among them."""
+
+    name: str
+    versions: dict[str, Path]  # version -> its export folder
+    policy: VersionPolicy
+    fingerprints: dict[str, str] = field(default_factory=dict)  # version -> digest of its model.json
+
+    def selected(self) -> list[str]:
+        return self.policy.select(list(self.versions))
+
+
+def fingerprint(folder: Path) -> str:
+    """What tells a version changed on disk: its model.json, which records every file's digest ("" if unreadable:
+    loading it says why)."""
+    try:
+        return hashlib.sha256((folder / SIDECAR_NAME).read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+class RepositoryDir:
+    """`--model-repository DIR`: models are DIR's folders, each version a numbered folder in it."""
+
+    explicit = True  # the repository's content may change while serving
+
+    def __init__(self, root: Path, default_policy: VersionPolicy):
+        self.root = root
+        self.default_policy = default_policy
+        self._skipped: set[str] = set()  # folders logged as not model names (once each: a poll lists them often)
+
+    def check(self) -> None:
+        """At startup: CapsNetError unless the repository is a readable folder."""
+        if not self.root.is_dir():
+            raise CapsNetError(f"--model-repository {self.root}: "
+                               f"{'not a directory' if self.root.exists() else 'no such directory'}")
+        self.model_names()
+
+    def model_names(self) -> list[str]:
+        """The models in the repository: its folders with a NAME (others, such as lost+found, are skipped, and
+        logged the first time)."""
+        try:
+            with os.scandir(self.root) as entries:
+                folders = sorted(entry.name for entry in entries if entry.is_dir())
+        except OSError as err:
+            raise CapsNetError(f"cannot read the model repository {self.root}: {err.strerror or err}") from None
+        if skipped := [name for name in folders if not NAME.fullmatch(name) and name not in self._skipped]:
+            self._skipped.update(skipped)
+            log.warning("model repository %s: skipping folders that are not model names: %s", self.root,
+                        ", ".join(repr(name[:40]) for name in skipped[:10]))
+        return [name for name in folders if NAME.fullmatch(name)]
+
+    def read(self, name: str) -> ModelOnDisk:
+        """Model `name` (a checked NAME) as on disk now; ModelNotFound when the repository has no such folder,
+        CapsNetError when its config.json or folder is unusable."""
+        if name not in self.model_names():  # looked up among the listed entries, never joined to a path first
+            raise ModelNotFound(f"model {name!r} is not in the model repository; it has "
+                                f"{', '.join(map(repr, self.model_names())) or 'no models'}")
+        folder = self.root / name
+        try:
+            with os.scandir(folder) as entries:
+                versions = {entry.name: folder / entry.name for entry in entries
+                            if entry.is_dir() and VERSION_FOLDER.fullmatch(entry.name)}
+        except OSError as err:
+            raise CapsNetError(f"cannot read {folder}: {err.strerror or err}") from None
+        return ModelOnDisk(name, versions, self._policy(folder),
+                           {version: fingerprint(path) for version, path in versions.items()})
+
+    def _policy(self, folder: Path) -> VersionPolicy:
+        path = folder / MODEL_CONFIG
+        if not path.exists():
+            return self.default_policy
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise CapsNetError(f"cannot read {path}: {first_line(err)}") from None
+        if not isinstance(config, dict) or set(config) - {"version_policy"}:
+            raise CapsNetError(f"{path}: only version_policy is read from a model's config.json, got "
+                               f"{', '.join(map(repr, config)) if isinstance(config, dict) else type(config).__name__}")
+        if "version_policy" not in config:
+            return self.default_policy
+        return VersionPolicy.from_json(config["version_policy"], str(path))
+
+
+class OneModel:
+    """`--model DIR`: one model, the name and version its model.json gives, loaded at start and never changed."""
+
+    explicit = False
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._description: ModelDescription | None = None
+
+    def check(self) -> None:
+        self._description = ModelDescription.read(self.folder)
+
+    def model_names(self) -> list[str]:
+        return [self._description.name]
+
+    def read(self, name: str) -> ModelOnDisk:
+        if name != self._description.name:
+            raise ModelNotFound(f"model {name!r} is not served; this server serves {self._description.name!r}")
+        version = self._description.version
+        return ModelOnDisk(name, {version: self.folder}, VersionPolicy("all"), {version: fingerprint(self.folder)})
