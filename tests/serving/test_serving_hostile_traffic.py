@@ -1,5 +1,5 @@
-"""Hostile and edge-case traffic on a real server, found by a review (docs/serving.md, "Limits and failure behaviour"):
-each call gets its precise status and is counted once under it."""
+"""Hostile and edge-case traffic on a real server (docs/serving.md, "Limits and failure behaviour"): each call
+gets its precise status and is counted once under it."""
 
 from __future__ import annotations
 
