@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 16, point 3 (docs/experiments "Prepared for the next GPU session"): four levers for the `paper` model on
-# Fashion-MNIST, two seeds each, all eight runs side by side on one GPU (fifty epochs: about 20 minutes on an
-# H100 with --compile), then the choice on validation (scripts/experiments/summarize.py --choose).
+# Four levers for the `paper` model on Fashion-MNIST (docs/experiments/README.md, "Levers not yet ranked"), two
+# seeds each, all eight runs side by side on one GPU (fifty epochs: about 20 minutes on an H100 with --compile),
+# then the choice on validation (scripts/experiments/summarize.py --choose).
 # Usage: scripts/experiments/fashion_levers.sh [DATA_DIR] [OUT_DIR] [EPOCHS]
 #   defaults: /usr/share/datasets/fashion-mnist (Debian's dataset-fashion-mnist), models/fashion-levers, 50
 #   CAPSNET_DEVICE: cuda (default), cuda:N or cpu; CAPSNET_COMPILE: --compile (default) or empty;

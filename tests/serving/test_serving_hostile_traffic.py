@@ -38,8 +38,8 @@ def slow_backend_server(model_dir):
 
 def test_calls_past_their_deadline_are_counted_deadline_exceeded_not_cancelled(slow_backend_server):
     # The client cancels at its own deadline, which passes a few ms before the server's copy (that one starts when
-    # the request arrives): the server used to count 8-30% of these calls CANCELLED, and drop them from the queue as
-    # "cancelled", though every client saw DEADLINE_EXCEEDED.
+    # the request arrives): a server that trusts the cancellation counts 8-30% of these calls CANCELLED, and drops
+    # them from the queue as "cancelled", though every client saw DEADLINE_EXCEEDED.
     running = slow_backend_server
     request = pb.ClassifyRequest(images=[image_message(IMAGE)])
     rng = random.Random(0)
@@ -73,7 +73,7 @@ def test_calls_past_their_deadline_are_counted_deadline_exceeded_not_cancelled(s
 
 def test_a_handler_failing_unexpectedly_is_counted_unknown_as_its_client_sees_it(server, stub, monkeypatch):
     # A fault of the server's own (here: image decoding raising what no one expected) is answered UNKNOWN by gRPC;
-    # the interceptor used to count it OK, hiding server faults from error-rate alerts.
+    # counted OK, it would hide server faults from error-rate alerts.
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 

@@ -101,7 +101,7 @@ def test_a_resume_mistake_is_one_line_from_rank_0_and_every_rank_exits_2(tmp_pat
 
 
 def test_a_mistake_on_one_rank_stops_every_rank_with_one_line_naming_it(tmp_path):
-    # a data folder missing on one node: that rank used to exit before joining the group, and the others waited
+    # a data folder missing on one node: were that rank to exit before joining the group, the others would wait
     # for it in init_process_group for the group's 30-minute timeout
     ranks = start_ranks(tmp_path, lambda rank: train_argv(
         tmp_path / "model.ckpt", "--epochs", "1", *(("--data", str(tmp_path / "missing")) if rank == 1 else ())))

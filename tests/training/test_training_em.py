@@ -208,9 +208,8 @@ def test_trained_em_tiny_learns_and_is_batch_invariant(trained_em_tiny_checkpoin
     checkpoint = load_checkpoint(trained_em_tiny_checkpoint)
     assert checkpoint.config.arch == "em" and checkpoint.metrics["initial_lr"] == pytest.approx(0.01)
     # measured 54.3% (1 epoch of 57 steps, seed 0, AVX2-only CPU) with the third convolution and the linear
-    # schedule of issue 16's seventh session, which are made for 3 epochs of the full preset; before them
-    # 69.6%; without the second convolution and the batch norms (the first four sessions) 54.8%; with the
-    # 3 iterations before issue 16, 25.4%. Chance is 10%.
+    # schedule, which are made for 3 epochs of the full preset; without them 69.6%; without the second
+    # convolution and the batch norms too 54.8%; with 3 iterations, 25.4%. Chance is 10%.
     assert checkpoint.metrics["test_accuracy"] > 0.45
     model = checkpoint.build_model()
     test = load_embedded().test
