@@ -1,4 +1,4 @@
-"""The performance targets (issue #17), checked against a run's measurements (never by a timed test).
+"""The performance targets, checked against a run's measurements (never by a timed test).
 
 Each check says what was measured, whether it is met, and where it is not, by how much (`short_by`) and
 what bounds it (`bound`), from the same run's profile and server metrics.
