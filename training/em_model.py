@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F

@@ -7,6 +7,7 @@ ONNX with no Loop/If and an image's output does not depend on what it was batche
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -151,7 +152,7 @@ class Decoder(nn.Module):
         super().__init__()
         widths = [config.num_classes * config.digit_caps_dim, *config.decoder_hidden]
         layers: list[nn.Module] = []
-        for width_in, width_out in zip(widths[:-1], widths[1:]):
+        for width_in, width_out in itertools.pairwise(widths):
             layers += [nn.Linear(width_in, width_out), nn.ReLU(inplace=True)]
         layers += [nn.Linear(widths[-1], config.input_size), nn.Sigmoid()]
         self.net = nn.Sequential(*layers)

@@ -76,7 +76,7 @@ def run_inprocess(plans: dict[str, BackendPlan], threads: int, images: np.ndarra
     return {
         "threads": threads,
         "schedule": {"seconds": schedule.seconds, "rounds": schedule.rounds},
-        "accuracy_images": int(len(eval_labels)),
+        "accuracy_images": len(eval_labels),
         "skipped": skipped,
         "backends": {
             name: {"description": worker.description, "accuracy": accuracy[name], **memory[name]}

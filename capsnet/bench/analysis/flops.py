@@ -98,7 +98,7 @@ def _conv(node: onnx.NodeProto, shapes) -> int:
 
 
 def _matmul(node: onnx.NodeProto, shapes) -> int:
-    a, b = shapes[node.input[0]], shapes[node.input[1]]
+    a = shapes[node.input[0]]
     inner = a[-1] if len(a) > 1 else a[0]
     return 2 * math.prod(shapes[node.output[0]]) * inner
 
