@@ -379,7 +379,8 @@ class ModelManager:
         for service in replaced + dropped:
             self._retire(model, service)
         log.info("model %s serves versions %s (default %s)%s", model.name, ", ".join(self.versions(model.name)),
-                 model.default.spec.version, f"; closing {', '.join(s.spec.version for s in replaced + dropped)} "
+                 model.default.spec.version if model.default else "none",
+                 f"; closing {', '.join(s.spec.version for s in replaced + dropped)} "
                  "once their requests are answered" if replaced or dropped else "")
         return failures
 
