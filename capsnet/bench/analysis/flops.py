@@ -114,7 +114,7 @@ def _einsum(node: onnx.NodeProto, shapes) -> int:
     operands = equation.split("->")[0].split(",")
     if len(operands) != 2 or "." in equation:
         raise CapsNetError(f"cannot count FLOPs of Einsum {equation!r}: only two operands without ellipsis")
-    sizes = {}
+    sizes: dict[str, int] = {}
     for letters, name in zip(operands, node.input):
         sizes.update(zip(letters, shapes[name]))
     return 2 * math.prod(sizes.values())
