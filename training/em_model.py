@@ -172,6 +172,8 @@ class ClassCaps(EMCapsLayer):
     """Class capsules: every position of an input type shares its transforms, and the votes get the
     position's scaled (row, column) centre added to their first two entries (coordinate addition)."""
 
+    coordinate_offsets: Tensor  # (H, W, 1, 1, 16), a buffer
+
     def __init__(self, in_types: int, grid: tuple[int, int], num_classes: int, config: CapsNetConfig):
         super().__init__(in_types, num_classes, config)
         rows = (torch.arange(grid[0], dtype=torch.float32) + 0.5) / grid[0]  # (H,)
