@@ -277,8 +277,8 @@ class CapsNetServer:
         return metrics_http
 
     async def _listen_http(self, plane: kserve.DataPlane, tls: ServerTLS | None) -> kserve_http.KServeHTTP:
-        config = self.config
         assert self.observer is not None and self.max_message_bytes is not None  # set by start() before listening
+        config = self.config
         http = kserve_http.KServeHTTP(plane, self.observer, self.max_message_bytes)
         try:
             await http.start(config.host, config.http_port, None if tls is None else tls.context, STOP_GRACE_S)
