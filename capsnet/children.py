@@ -11,7 +11,7 @@ import ctypes
 import os
 import signal
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
 # Resolved before any fork: the child, between fork and exec, only calls it.

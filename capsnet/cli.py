@@ -77,7 +77,7 @@ def _interrupted(command: str) -> int:
     return 130
 
 
-def _caused_by_interrupt(err: BaseException) -> bool:
+def _caused_by_interrupt(err: BaseException | None) -> bool:
     """Whether a KeyboardInterrupt is in err's __cause__/__context__ chain (each exception visited once)."""
     seen = set()
     while err is not None and id(err) not in seen:

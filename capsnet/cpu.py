@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +66,8 @@ class CpuKind:
         return {"model": self.model, "flags": [f for f in ISA_FLAGS if f in self.flags]}
 
 
-def bf16_autocast_pays(cpu: CpuKind, aten_capability: str, environ: dict[str, str] | None = None) -> tuple[bool, str]:
+def bf16_autocast_pays(cpu: CpuKind, aten_capability: str,
+                       environ: Mapping[str, str] | None = None) -> tuple[bool, str]:
     """(whether bf16 autocast on this CPU runs native bf16 kernels, why).
 
     Without native bf16 (AVX512_BF16 or AMX) torch emulates it, which measured ~17x slower than fp32 on an

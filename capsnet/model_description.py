@@ -315,9 +315,11 @@ class ModelDescription:
         """The description's own fields (a subclass's left out), to build a subclass that adds to them."""
         return {name: getattr(self, name) for name in ModelDescription.__dataclass_fields__}
 
-    def resolve(self, directory: Path, name: str, what: str) -> Path:
+    def resolve(self, directory: Path, name: str | None, what: str) -> Path:
         """`name` inside `directory`, existing, and with the digest model.json records; CapsNetError otherwise."""
         source = directory / SIDECAR_NAME
+        if not name:  # an artifact model.json records as not exported
+            raise CapsNetError(f"{source} is damaged: it lists no file for {what}")
         try:
             root = directory.resolve()
             path = (root / name).resolve()
@@ -392,9 +394,9 @@ class _Reader:
             precision = self.get(entry, "precision", str, where)
             if precision != name.partition("_")[2]:
                 raise self.fail(f"{where}precision is {precision!r}, the variant {name!r} is {name.partition('_')[2]}")
+            measured: dict[str, Any] = {**counts, **{key: float(value) for key, value in numbers.items()}}
             gates[name] = PrecisionGate(precision=precision, computed_by=self.get(entry, "computed_by", str, where),
-                                        measured_on=self.get(entry, "measured_on", str, where), **counts,
-                                        **{key: float(value) for key, value in numbers.items()})
+                                        measured_on=self.get(entry, "measured_on", str, where), **measured)
         return gates
 
     def aoti(self, values: dict) -> tuple[AotiPackage, ...]:

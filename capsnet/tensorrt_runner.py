@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+from typing import Any
 
 import numpy as np
 
@@ -76,7 +77,9 @@ class _Binding:
             check(runtime.cudaFreeHost(self.host_ptr))
             raise
         buffer = (ctypes.c_byte * nbytes).from_address(int(self.host_ptr))
-        self.host = np.frombuffer(buffer, dtype=dtype).reshape(max_batch, *row_shape)  # (max_batch, ...)
+        # ctypes arrays export the buffer protocol, which typeshed's ctypes.Array does not declare
+        self.host = np.frombuffer(buffer, dtype=dtype).reshape(  # type: ignore[call-overload]
+            max_batch, *row_shape)  # (max_batch, ...)
 
     def free(self, runtime) -> None:
         self.host = None  # the view dies with the pinned memory
@@ -93,7 +96,7 @@ class EngineRunner:
         self.input_name, self.output_names, self.max_batch, self.gpu = input_name, tuple(output_names), max_batch, gpu
         self._cudart = cudart()
         self.bindings: dict[str, _Binding] = {}
-        self.stream = None
+        self.stream: Any = None  # a cudaStream_t, created below
         check(self._cudart.cudaSetDevice(gpu))
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)

@@ -29,8 +29,8 @@ def cuda_unavailable_reason(gpu: int) -> str | None:
     return None
 
 
-def gpu_facts(gpu: int) -> tuple[str, str]:
-    """(name, compute capability "major.minor") of CUDA device `gpu`."""
+def gpu_facts(gpu: int | None) -> tuple[str, str]:
+    """(name, compute capability "major.minor") of CUDA device `gpu` (None: the current one)."""
     major, minor = torch.cuda.get_device_capability(gpu)
     return torch.cuda.get_device_name(gpu), f"{major}.{minor}"
 
@@ -98,6 +98,7 @@ class StagedIO:
         with torch.cuda.stream(self.stream):
             for name, output in outputs.items():
                 self.host_outputs[name][:batch].copy_(output[:batch], non_blocking=True)
+        assert self.stream is not None  # made with self.cuda
         self.stream.synchronize()
         return {name: self.host_outputs[name][:batch].numpy().copy() for name in outputs}
 
@@ -149,6 +150,7 @@ class BucketRunner:
                 with torch.cuda.graph(graph, pool=pool, stream=self.io.stream):
                     self.outputs[size] = self._named(self.model(self.inputs[size]))
                 self._graphs[size] = graph
+        assert self.io.stream is not None  # graphs are captured on a GPU only
         self.io.stream.synchronize()
 
     def _named(self, outputs) -> dict[str, torch.Tensor]:

@@ -93,7 +93,9 @@ def run_export(args: argparse.Namespace) -> int:
     description = export_model(args.checkpoint, args.out, **options)
 
     out = Path(args.out)
-    counts = op_counts(onnx.load(str(out / description.artifacts["onnx"])))
+    fp32_name = description.artifacts["onnx"]
+    assert fp32_name is not None  # the FP32 model is always exported
+    counts = op_counts(onnx.load(str(out / fp32_name)))
     parity = description.parity
     written = ", ".join(name for name in description.artifacts.values() if name)
     print(f"wrote {out}: {written}, model.json")

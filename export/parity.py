@@ -6,6 +6,7 @@ PyTorch, ONNX Runtime and TensorRT results compare with one function.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,7 @@ def parity_batches(images_uint8: np.ndarray, batch_sizes=PARITY_BATCH_SIZES) -> 
     """Different images for each batch size, spread evenly over the split."""
     picked = spread(images_uint8, sum(batch_sizes))  # (total, C, H, W)
     bounds = np.cumsum((0, *batch_sizes))
-    return [picked[start:stop] for start, stop in zip(bounds[:-1], bounds[1:])]
+    return [picked[start:stop] for start, stop in itertools.pairwise(bounds)]
 
 
 def torch_outputs(model, batches: list[Batch], names: tuple[str, ...]) -> list[Outputs]:

@@ -51,7 +51,7 @@ def _dims(value: onnx.ValueInfoProto) -> list[int | str | None]:
     ]
 
 
-def _from_batch_only(dim: str, batch_symbol: str | None) -> bool:
+def _from_batch_only(dim: str, batch_symbol: int | str | None) -> bool:
     """A symbolic dim such as "batch" or "144*batch": every name in it is the batch axis's."""
     return all(name == batch_symbol for name in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", dim))
 

@@ -214,6 +214,7 @@ class Batcher:
         for request in copied:
             request.runs.append(run)
             if request.done == len(request.images):
+                assert request.queue_wait is not None  # set when its first run was cut
                 request.future.set_result(BatchOutput(request.outputs, request.queue_wait, request.runs,
                                                       request.arrival))
         self.metrics.compute.observe(ended - started)

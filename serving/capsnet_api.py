@@ -45,7 +45,7 @@ class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
         # Requests are classified concurrently (so they batch together) and answered in order; at most
         # max_batch_size are in progress, which slows a client that sends faster than it is answered.
         slots = asyncio.Semaphore(self.models.config.max_batch_size)
-        pending: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()
+        pending: asyncio.Queue[asyncio.Future | None] = asyncio.Queue()
 
         def end_after_answered(err: Exception) -> None:
             """End the stream with `err` once the requests already in progress are answered."""

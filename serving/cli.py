@@ -200,11 +200,12 @@ def run_predict(args: argparse.Namespace) -> int:
         raise CapsNetError(f"{args.server}: {err.code().name}: {err.details()}") from None
     except OSError as err:
         raise CapsNetError(f"cannot read {err.filename}: {err.strerror}") from None
-    written = [None] * len(predictions)
+    written: list[str | None] = [None] * len(predictions)
     if args.reconstruction is not None:
-        written = reconstruction_paths(args.reconstruction, len(predictions))
-        for target, prediction in zip(written, predictions):
+        targets = reconstruction_paths(args.reconstruction, len(predictions))
+        for target, prediction in zip(targets, predictions):
             write_png(prediction.reconstruction, target)
+        written = list(targets)
     if args.json:
         print(json.dumps([_as_json(path, p, args.poses, png) for path, p, png in zip(args.images, predictions, written)],
                          indent=2))
@@ -233,10 +234,11 @@ def classify_files(client, paths: list[str], server: str, **options) -> list:
         try:
             predictions += client.classify(chunk, **options)
         except grpc.RpcError as err:
-            field = re.match(r"images\[(\d+)\][.\w]*: ", err.details() or "")
+            details = err.details() or ""
+            field = re.match(r"images\[(\d+)\][.\w]*: ", details)
             if err.code() != grpc.StatusCode.INVALID_ARGUMENT or field is None:
                 raise
-            raise CapsNetError(f"{server}: INVALID_ARGUMENT: {chunk[int(field[1])]}: {err.details()[field.end():]}") from None
+            raise CapsNetError(f"{server}: INVALID_ARGUMENT: {chunk[int(field[1])]}: {details[field.end():]}") from None
     return predictions
 
 

@@ -70,8 +70,9 @@ def check_health(target: str, service: str = "", *, timeout: float = 3.0, **tls)
     (UNAVAILABLE when nothing listens, NOT_FOUND for a service it does not know).
     """
     with channel(target, **tls) as health_channel:
-        reply = health_pb2_grpc.HealthStub(health_channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                                timeout=timeout)
+        # types-grpcio-health-checking declares HealthStub without its methods
+        reply = health_pb2_grpc.HealthStub(health_channel).Check(  # type: ignore[attr-defined]
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 

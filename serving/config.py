@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from capsnet.errors import CapsNetError
 from capsnet.serving.repository import VersionPolicy
@@ -152,7 +154,7 @@ class ServerConfig:
         return {f.name: f.default for f in fields(cls) if f.name not in ("model_dir", "model_repository")}
 
     @classmethod
-    def from_sources(cls, flags: dict, env: dict[str, str] | None = None) -> "ServerConfig":
+    def from_sources(cls, flags: dict, env: Mapping[str, str] | None = None) -> "ServerConfig":
         """Flags (None: not given) win over the environment variables of ENV_VARS, which win over defaults."""
         env = os.environ if env is None else env
         values = {name: value for name, value in flags.items() if value is not None}
@@ -167,4 +169,5 @@ class ServerConfig:
         if unknown:
             raise CapsNetError(f"unknown server settings: {', '.join(unknown)}")
         paths = {"model_dir", "model_repository", "tls_cert", "tls_key", "tls_client_ca"}
-        return cls(**{name: Path(value) if name in paths else value for name, value in values.items()})
+        settings: dict[str, Any] = {name: Path(value) if name in paths else value for name, value in values.items()}
+        return cls(**settings)

@@ -6,13 +6,13 @@ import io
 import math
 
 import numpy as np
-from PIL import Image, JpegImagePlugin, PngImagePlugin, UnidentifiedImageError
+from PIL import Image, ImageFile, JpegImagePlugin, PngImagePlugin, UnidentifiedImageError
 
 from capsnet.serving.errors import InvalidInput
 from capsnet.v1 import capsnet_pb2 as pb
 
 PIL_MODES = {1: "L", 3: "RGB"}  # model channels -> the PIL mode encoded images are converted to
-TENSOR_DTYPES = {pb.DATA_TYPE_UINT8: np.dtype("u1"), pb.DATA_TYPE_FLOAT32: np.dtype("<f4")}
+TENSOR_DTYPES: dict[int, np.dtype] = {pb.DATA_TYPE_UINT8: np.dtype("u1"), pb.DATA_TYPE_FLOAT32: np.dtype("<f4")}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -77,6 +77,7 @@ def decode_encoded(data: bytes, field: str, shape: tuple[int, int, int], max_sca
         size = _declared_size(data)
         if size[0] > max_scale * width or size[1] > max_scale * height:
             raise _too_large(field, size, shape, max_scale) from None
+        assert Image.MAX_IMAGE_PIXELS is not None  # Pillow raises this error only when it has a limit
         raise InvalidInput(f"{field}: a {size[0]}x{size[1]} image is too large; expected at most "
                            f"{2 * Image.MAX_IMAGE_PIXELS} pixels (the image decoder's limit)") from None
     except UnidentifiedImageError:  # its text is only the repr of our BytesIO
@@ -92,7 +93,7 @@ def decode_encoded(data: bytes, field: str, shape: tuple[int, int, int], max_sca
     return pixels.transpose(2, 0, 1)  # (3, H, W)
 
 
-def _sixteen_bit(image: Image.Image) -> bool:
+def _sixteen_bit(image: ImageFile.ImageFile) -> bool:
     """Whether Pillow will read 16-bit samples: its raw mode says so ("I;16B", "RGB;16B", ...), wherever the file
     put its IHDR chunk (Pillow accepts chunks before it)."""
     return any(isinstance(tile.args, str) and ";16" in tile.args for tile in image.tile)

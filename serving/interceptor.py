@@ -90,6 +90,7 @@ class _Call(Tracked):
             self.interceptor.open_streams.discard(self)
         else:
             self.interceptor.in_flight.remove(self)
+        assert self.record is not None  # begin() made it
         self.interceptor.observer.end(self.record, code.name)
 
     def refuse(self, context, err: ServingError) -> None:
@@ -120,10 +121,12 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
     async def end_open_streams(self, timeout: float) -> None:
         """Shutdown: end the health Watch and reflection streams (which last as long as their client wants) with
         UNAVAILABLE, so that gRPC's stop does not cancel them (it logs an ERROR traceback for each)."""
+        tasks = {call.task for call in self.open_streams if call.task is not None}  # begin() set each one
         for call in self.open_streams:
             call.ended_by_server = True
-            call.task.cancel()
-        if tasks := {call.task for call in self.open_streams}:
+        for task in tasks:
+            task.cancel()
+        if tasks:
             await asyncio.wait(tasks, timeout=timeout)
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -187,8 +190,9 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                     raise
                 finally:
                     call.end(context)
+            return wrapped
         else:
-            async def wrapped(request, context):
+            async def unary(request, context):
                 call.begin(context)
                 try:
                     if (request := prepare(request, context)) is None:
@@ -208,7 +212,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                     raise
                 finally:
                     call.end(context)
-        return wrapped
+            return unary
 
     @staticmethod
     def _ended_by_shutdown(call: _Call, context) -> bool:
@@ -216,7 +220,7 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         if not call.ended_by_server:
             return False
         task = asyncio.current_task()
-        if hasattr(task, "uncancel"):  # Python 3.11+ counts cancellations; 3.10 needs nothing
+        if task is not None and hasattr(task, "uncancel"):  # Python 3.11+ counts cancellations; 3.10 needs nothing
             task.uncancel()
         call.refuse(context, ServerNotReady("the server is shutting down"))
         return True

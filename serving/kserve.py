@@ -34,7 +34,7 @@ from capsnet.serving.service import InferenceService, ModelSpec
 SERVER_NAME = "capsnet-serve"
 
 # datatype -> (little-endian numpy dtype of its raw bytes, InferTensorContents field of its typed data in gRPC)
-INPUT_DATATYPES = {
+INPUT_DATATYPES: dict[str, tuple[np.dtype, str]] = {
     "FP32": (np.dtype("<f4"), "fp32_contents"),
     "UINT8": (np.dtype("u1"), "uint_contents"),
 }
@@ -291,7 +291,8 @@ class DataPlane:
                                    deadline=request.deadline, arrival=request.arrival)
         arrays = {"probabilities": result.probabilities, "poses": result.poses,
                   "reconstruction": result.reconstruction}
-        return InferResponse(spec.name, spec.version, header.id, {name: arrays[name] for name in names})
+        outputs = {name: array for name in names if (array := arrays[name]) is not None}  # reconstruction: if asked
+        return InferResponse(spec.name, spec.version, header.id, outputs)
 
 
 def _one_repository(name: str) -> None:

@@ -188,7 +188,7 @@ def _encode(answer: kserve.InferResponse, binary: set[str]) -> tuple[bytes, str,
     chunks = []
     document["outputs"] = []
     for name, array in answer.outputs.items():
-        output = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
+        output: dict[str, object] = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
         if name in binary:
             chunks.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
             output["parameters"] = {"binary_data_size": len(chunks[-1])}

@@ -260,7 +260,7 @@ async def burst(target: str, request: pb.ClassifyRequest, calls: int,
                 codes["OK"] += 1
             except grpc.aio.AioRpcError as err:
                 codes[err.code().name] += 1
-                details[err.details().split(":")[0]] += 1
+                details[(err.details() or "").split(":")[0]] += 1
 
         await asyncio.gather(*(one() for _ in range(calls)))
     return codes, details
@@ -273,7 +273,7 @@ def run_inprocess(backend, images: np.ndarray, *, batch_size: int, max_runs: int
                for start in range(0, len(images) - batch_size + 1, batch_size)]
     for index in range(warmup_runs):
         backend.run(batches[index % len(batches)].copy())
-    latencies = []
+    latencies: list[float] = []
     started = time.perf_counter()
     while len(latencies) < max_runs and time.perf_counter() - started < max_seconds:
         batch = batches[len(latencies) % len(batches)].copy()

@@ -378,8 +378,10 @@ class ModelManager:
             service.metrics.record_serving(service.spec)
         for service in replaced + dropped:
             self._retire(model, service)
+        default = model.default
+        assert default is not None  # every selected version serves now, or a refusal held the old ones back
         log.info("model %s serves versions %s (default %s)%s", model.name, ", ".join(self.versions(model.name)),
-                 model.default.spec.version, f"; closing {', '.join(s.spec.version for s in replaced + dropped)} "
+                 default.spec.version, f"; closing {', '.join(s.spec.version for s in replaced + dropped)} "
                  "once their requests are answered" if replaced or dropped else "")
         return failures
 

@@ -215,11 +215,16 @@ class OneModel:
     def check(self) -> None:
         self._description = ModelDescription.read(self.folder)
 
+    @property
+    def description(self) -> ModelDescription:
+        assert self._description is not None, "check() first"
+        return self._description
+
     def model_names(self) -> list[str]:
-        return [self._description.name]
+        return [self.description.name]
 
     def read(self, name: str) -> ModelOnDisk:
-        if name != self._description.name:
-            raise ModelNotFound(f"model {name!r} is not served; this server serves {self._description.name!r}")
-        version = self._description.version
+        if name != self.description.name:
+            raise ModelNotFound(f"model {name!r} is not served; this server serves {self.description.name!r}")
+        version = self.description.version
         return ModelOnDisk(name, {version: self.folder}, VersionPolicy("all"), {version: fingerprint(self.folder)})

@@ -141,7 +141,7 @@ def refusal(check: SelfCheck) -> CapsNetError:
 def best_times(backends: list[Backend], images: np.ndarray, rounds: int) -> list[float]:
     """The fastest of `rounds` runs of `images` by each backend, in seconds (the least disturbed by other work);
     the backends take turns, so a burst of other work on the machine slows them alike instead of one of them."""
-    times = [[] for _ in backends]
+    times: list[list[float]] = [[] for _ in backends]
     for _ in range(rounds):
         for backend, taken in zip(backends, times):
             started = time.perf_counter()

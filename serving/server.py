@@ -167,21 +167,29 @@ class CapsNetServer:
     @property
     def service(self) -> InferenceService:
         """The default version of the server's one model (with several, the first model's)."""
-        return next(iter(self.models.models.values())).default
+        assert self.models is not None, "start() first"
+        service = next(iter(self.models.models.values())).default
+        assert service is not None, "start() loads at least one version"
+        return service
 
     async def start(self, stopping: asyncio.Event | None = None) -> None:
         """Load, listen, warm up, then SERVING unless `stopping` was set meanwhile (a signal during startup:
         stop() follows). CapsNetError when a model, a port or a TLS file is unusable; what was opened is closed."""
         config = self.config
         quiet_client_errors()
-        tls = None if config.tls_cert is None else ServerTLS.load(config.tls_cert, config.tls_key, config.tls_client_ca)
+        tls = (None if config.tls_cert is None or config.tls_key is None  # both or neither: ServerConfig checks
+               else ServerTLS.load(config.tls_cert, config.tls_key, config.tls_client_ca))
         async with contextlib.AsyncExitStack() as opened:
             tracing = self._tracing or Tracing.from_config(config.otlp_endpoint)
             if tracing is not None:
                 opened.callback(tracing.shutdown)  # the last step of stop(): spans of the last requests go out
             self.observer = Observer(self.metrics, access_log=config.log_format == "json", tracing=tracing)
-            source = (OneModel(config.model_dir) if config.model_repository is None
-                      else RepositoryDir(config.model_repository, VersionPolicy.parse(config.version_policy)))
+            source: OneModel | RepositoryDir
+            if config.model_repository is not None:
+                source = RepositoryDir(config.model_repository, VersionPolicy.parse(config.version_policy))
+            else:
+                assert config.model_dir is not None  # ServerConfig holds exactly one of the two
+                source = OneModel(config.model_dir)
             self.models = ModelManager(source, config, self.metrics, self.lifecycle, self._check_spec)
             opened.push_async_callback(self.models.close)
             await self.models.start()
@@ -215,6 +223,7 @@ class CapsNetServer:
                         "at start")
         else:
             log.info("rescanning the model repository %s", self.config.model_repository)
+            assert self.models is not None  # made by start(), before the phase leaves STARTING
             await self.models.rescan()
 
     async def _poll(self) -> None:
@@ -224,6 +233,8 @@ class CapsNetServer:
 
     async def _listen_grpc(self, plane: kserve.DataPlane, tls: ServerTLS | None) -> grpc.aio.Server:
         config = self.config
+        # set by start() before listening
+        assert self.observer is not None and self.max_message_bytes is not None and self.models is not None
         self._interceptor = RequestInterceptor(self.observer, self.max_message_bytes, self.lifecycle.in_flight)
         server = grpc.aio.server(
             interceptors=[self._interceptor],
@@ -266,6 +277,7 @@ class CapsNetServer:
         return metrics_http
 
     async def _listen_http(self, plane: kserve.DataPlane, tls: ServerTLS | None) -> kserve_http.KServeHTTP:
+        assert self.observer is not None and self.max_message_bytes is not None  # set by start() before listening
         config = self.config
         http = kserve_http.KServeHTTP(plane, self.observer, self.max_message_bytes)
         try:
@@ -278,6 +290,7 @@ class CapsNetServer:
 
     async def _close_listeners(self) -> None:
         """gRPC, and REST once it listens, together: the shutdown's last step takes STOP_GRACE_S, not twice that."""
+        assert self._grpc is not None  # registered with the exit stack once gRPC listens
         await asyncio.gather(self._grpc.stop(self._grpc_grace), *([self._http.close()] if self._http else []))
 
     @staticmethod
@@ -307,7 +320,8 @@ class CapsNetServer:
         if self._http is not None:
             await self._http.stop_listening()
         await self._until(max(deadline, time.monotonic() + SETTLE_S), lifecycle.in_flight.quiet(SETTLE_S))
-        await self._interceptor.end_open_streams(STOP_GRACE_S)
+        if self._interceptor is not None:  # None: start() failed before gRPC listened
+            await self._interceptor.end_open_streams(STOP_GRACE_S)
         if not self._cut_short.is_set():
             self._grpc_grace = min(STOP_GRACE_S, max(0.0, deadline - time.monotonic()))
         await self._opened.aclose()
@@ -331,7 +345,7 @@ class CapsNetServer:
         self._cut_short.set()
 
 
-def _address(host: str, port: int) -> str:
+def _address(host: str, port: int | None) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 in brackets
 
 
@@ -355,6 +369,7 @@ async def serve(config: ServerConfig) -> int:
     if stopping.is_set():
         log.info("a signal arrived during startup: stopping without serving")
     else:
+        assert server.models is not None  # start() made it
         served = ", ".join(f"{s.spec.name} {s.spec.version} on {s.spec.backend} ({s.spec.precision})"
                            for s in server.models.services())
         secure = "s" if config.tls_cert else ""

@@ -85,7 +85,8 @@ class Tracing:
         """The record's spans; returns its trace id (hex)."""
         trace, ns = self._trace, self._ns
         parent = (self._propagator.extract({TRACEPARENT: record.traceparent}) if record.traceparent else None)
-        attributes = {"capsnet.api": record.api, "rpc.method": record.method, "capsnet.status": code}
+        attributes: dict[str, str | int] = {"capsnet.api": record.api, "rpc.method": record.method,
+                                            "capsnet.status": code}
         if record.model:
             attributes.update({"capsnet.model": record.model, "capsnet.version": record.version,
                                "capsnet.images": record.images})

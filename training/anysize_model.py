@@ -96,7 +96,8 @@ class AnySizeModel(nn.Module):
     def features(self, images: Tensor) -> Tensor:
         """images (B, C, H, W) in [0, 1] -> backbone features (B, F, H', W'); a size the config does not take is
         a one-line error here rather than a convolution's shape error deep inside."""
-        self.input_sizes.check(*images.shape[1:], what=f"this {self.config.arch} model")
+        _, channels, height, width = images.shape
+        self.input_sizes.check(channels, height, width, what=f"this {self.config.arch} model")
         return self.backbone(self.input_normalisation(images))  # (B, F, H', W')
 
 

@@ -172,13 +172,13 @@ def load_embedded() -> Dataset:
         archive = np.load(f)
         images, labels = archive["images"][:, None], archive["labels"].astype(np.int64)  # (5000, 1, 28, 28)
     rng = np.random.default_rng(0)
-    train_idx, test_idx = [], []
+    train_parts, test_parts = [], []
     for digit in range(10):
         members = rng.permutation(np.flatnonzero(labels == digit))
-        train_idx.append(members[:EMBEDDED_TRAIN_PER_CLASS])
-        test_idx.append(members[EMBEDDED_TRAIN_PER_CLASS:])
-    train_idx = rng.permutation(np.concatenate(train_idx))
-    test_idx = np.sort(np.concatenate(test_idx))
+        train_parts.append(members[:EMBEDDED_TRAIN_PER_CLASS])
+        test_parts.append(members[EMBEDDED_TRAIN_PER_CLASS:])
+    train_idx = rng.permutation(np.concatenate(train_parts))
+    test_idx = np.sort(np.concatenate(test_parts))
     return Dataset(
         "embedded-mnist-5k",
         Split(images[train_idx], labels[train_idx]),
@@ -205,11 +205,11 @@ def with_validation(dataset: Dataset, fraction: float) -> Dataset:
         return dataset
     labels = dataset.train.labels
     rng = np.random.default_rng(VALIDATION_SEED)
-    held = []
+    held_parts = []
     for label in np.unique(labels):
         members = np.flatnonzero(labels == label)
-        held.append(rng.choice(members, size=round(fraction * len(members)), replace=False))
-    held = np.sort(np.concatenate(held))
+        held_parts.append(rng.choice(members, size=round(fraction * len(members)), replace=False))
+    held = np.sort(np.concatenate(held_parts))
     kept = np.setdiff1d(np.arange(len(labels)), held)  # sorted
     if not len(held) or not len(kept):
         raise CapsNetError(f"a validation fraction of {fraction} leaves {len(kept)} training and {len(held)} "

@@ -175,8 +175,9 @@ def check_same_on_every_rank(context: DistributedContext, what: str, value: dict
         return
     values: list[dict[str, object] | None] = [None] * context.world_size
     dist.all_gather_object(values, value)
-    for rank, other in enumerate(values):
-        for key, mine in values[0].items():
+    gathered = [other for other in values if other is not None]  # all_gather_object filled every slot
+    for rank, other in enumerate(gathered):
+        for key, mine in gathered[0].items():
             if other[key] != mine:
                 raise CapsNetError(f"the processes' {what} differ: {key} {mine} in process 0 but {other[key]} in "
                                    f"process {rank} of {context.world_size}; give every process the same")

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -170,6 +171,8 @@ class ConvCaps(EMCapsLayer):
 class ClassCaps(EMCapsLayer):
     """Class capsules: every position of an input type shares its transforms, and the votes get the
     position's scaled (row, column) centre added to their first two entries (coordinate addition)."""
+
+    coordinate_offsets: Tensor  # (H, W, 1, 1, 16), a buffer
 
     def __init__(self, in_types: int, grid: tuple[int, int], num_classes: int, config: CapsNetConfig):
         super().__init__(in_types, num_classes, config)

@@ -7,6 +7,7 @@ ONNX with no Loop/If and an image's output does not depend on what it was batche
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -80,6 +81,7 @@ def route(u_hat: Tensor, iterations: int, variant: str = "sabour", squash_consta
             if detach_agreement:
                 agreement = agreement.detach()
             logits = agreement if (logits is None or variant == "su") else logits + agreement
+    assert v is not None  # iterations >= 1, as CapsNetConfig checks
     if coupling is None:
         return RoutingResult(v, u_hat.new_full((batch, num_in, num_out), 1.0 / (num_out + leaky)))  # (B, I, J)
     return RoutingResult(poses=v, coupling=coupling.transpose(1, 2))  # (B, I, J)
@@ -151,7 +153,7 @@ class Decoder(nn.Module):
         super().__init__()
         widths = [config.num_classes * config.digit_caps_dim, *config.decoder_hidden]
         layers: list[nn.Module] = []
-        for width_in, width_out in zip(widths[:-1], widths[1:]):
+        for width_in, width_out in itertools.pairwise(widths):
             layers += [nn.Linear(width_in, width_out), nn.ReLU(inplace=True)]
         layers += [nn.Linear(widths[-1], config.input_size), nn.Sigmoid()]
         self.net = nn.Sequential(*layers)
@@ -169,6 +171,9 @@ class Decoder(nn.Module):
 class InputNormalisation(nn.Module):
     """The config's per-channel mean/std, applied inside the model so exported graphs take [0, 1] images.
     Buffers, not weights: they come from the config and stay out of the state dict."""
+
+    mean: Tensor  # (1, C, 1, 1)
+    std: Tensor  # (1, C, 1, 1)
 
     def __init__(self, config: CapsNetConfig):
         super().__init__()

@@ -9,12 +9,13 @@ import shlex
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from capsnet.cpu import MAX_THREADS
 from capsnet.errors import CapsNetError
 
 # (full run, --quick) for each setting the user did not give
-DEFAULTS = {
+DEFAULTS: dict[str, tuple[Any, Any]] = {
     "batch_sizes": ((1, 8, 32, 128), (1, 8)),
     "concurrency": ((1, 4, 16, 64), (1, 16)),
     "seconds": (6.0, 0.3),

@@ -54,7 +54,7 @@ def run_inprocess(plans: dict[str, BackendPlan], threads: int, images: np.ndarra
         cells = sorted({(batch, name) for name in workers for batch in plans[name].batch_sizes},
                        key=lambda cell: (cell[0], list(workers).index(cell[1])))
         chunk_seconds = schedule.seconds / schedule.rounds
-        durations = {cell: [] for cell in cells}
+        durations: dict[tuple[int, str], list[float]] = {cell: [] for cell in cells}
         for _ in range(schedule.rounds):
             for batch, name in cells:
                 time.sleep(SETTLE_SECONDS)
@@ -76,7 +76,7 @@ def run_inprocess(plans: dict[str, BackendPlan], threads: int, images: np.ndarra
     return {
         "threads": threads,
         "schedule": {"seconds": schedule.seconds, "rounds": schedule.rounds},
-        "accuracy_images": int(len(eval_labels)),
+        "accuracy_images": len(eval_labels),
         "skipped": skipped,
         "backends": {
             name: {"description": worker.description, "accuracy": accuracy[name], **memory[name]}

@@ -26,17 +26,22 @@ class ServerProcess:
     def __init__(self, flags: list[str]):
         self.command = [sys.executable, "-m", "capsnet", "--log-level", "WARNING", "serve", "--host", "127.0.0.1",
                         "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", *flags]
-        self.target: str | None = None
+        self.target = ""  # HOST:PORT of gRPC, from the ready line
         self.rest_target: str | None = None  # HOST:PORT of KServe REST
         self.metrics_url: str | None = None
-        self._process: subprocess.Popen | None = None
+        self._started: subprocess.Popen[str] | None = None
         self._output: list[str] = []
+
+    @property
+    def _process(self) -> subprocess.Popen[str]:
+        assert self._started is not None, "used outside its `with`"
+        return self._started
 
     def __enter__(self) -> "ServerProcess":
         # Its own session: a Ctrl-C in the terminal reaches only `capsnet bench`, which then stops the server in
         # order (SIGTERM, wait) instead of the server draining on its own while the bench still sends to it. A
         # bench that is killed outright cannot stop it: the kernel sends it SIGTERM then.
-        self._process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        self._started = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                          start_new_session=True, preexec_fn=terminate_with_parent())
         ready = threading.Event()
         threading.Thread(target=self._read_output, args=(ready,), daemon=True).start()
@@ -82,6 +87,7 @@ class ServerProcess:
         from prometheus_client.parser import text_string_to_metric_families
 
         self.check_alive()
+        assert self.metrics_url is not None  # read from the ready line
         try:
             with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
                 text = response.read().decode()
@@ -96,6 +102,7 @@ class ServerProcess:
         return totals
 
     def _read_output(self, ready: threading.Event) -> None:
+        assert self._process.stdout is not None  # a pipe
         for line in self._process.stdout:
             self._output.append(line.rstrip())
             match = _READY.search(line)

@@ -10,7 +10,7 @@ import numpy as np
 
 def time_calls(fn: Callable[[], object], *, min_calls: int, min_seconds: float) -> list[float]:
     """Seconds per call of `fn`, called until both `min_calls` calls and `min_seconds` have passed."""
-    durations = []
+    durations: list[float] = []
     start = time.perf_counter()
     while len(durations) < min_calls or time.perf_counter() - start < min_seconds:
         before = time.perf_counter()

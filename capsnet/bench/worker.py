@@ -9,6 +9,7 @@ Commands: ("time", images, seconds) -> per-call seconds; ("predict", images) -> 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -43,7 +44,8 @@ def serve(conn: Connection, name: str, model_dir: str, threads: int, max_batch: 
                     for _ in range(WARMUP_CALLS):
                         infer(images)
                     warm.add(len(images))
-                conn.send(("ok", time_calls(lambda: infer(images), min_calls=MIN_CALLS_PER_CHUNK, min_seconds=seconds)))
+                conn.send(("ok", time_calls(functools.partial(infer, images), min_calls=MIN_CALLS_PER_CHUNK,
+                                            min_seconds=seconds)))
             elif command == "predict":
                 conn.send(("ok", infer(args[0]).argmax(axis=1)))
             else:  # stop

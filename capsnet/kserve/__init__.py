@@ -17,10 +17,10 @@ POOL = descriptor_pool.DescriptorPool()
 class _PoolsDatabase:
     """A descriptor database over POOL, then the default pool: what gRPC reflection reads."""
 
-    def FindFileByName(self, name: str) -> descriptor_pb2.FileDescriptorProto:  # noqa: N802 (protobuf's names)
+    def FindFileByName(self, name: str) -> descriptor_pb2.FileDescriptorProto:  # protobuf's names
         return self._find("FindFileByName", name)
 
-    def FindFileContainingSymbol(self, symbol: str) -> descriptor_pb2.FileDescriptorProto:  # noqa: N802
+    def FindFileContainingSymbol(self, symbol: str) -> descriptor_pb2.FileDescriptorProto:
         return self._find("FindFileContainingSymbol", symbol)
 
     @staticmethod

@@ -50,7 +50,8 @@ def choose_backend(artifacts: ModelArtifacts, config: ServerConfig) -> tuple[str
     from capsnet.serving.backends.onnxruntime_backend import gpu_providers_installed
     from capsnet.tensorrt_runner import unavailable_reason
 
-    if artifacts.tensorrt_plan is None:
+    no_trt: str | None
+    if artifacts.tensorrt_plan is None or artifacts.tensorrt_info is None:  # both or neither: see load_artifacts
         no_trt = "no TensorRT plan in the model directory"
     elif config.precision not in ("auto", artifacts.tensorrt_info["precision"]):
         no_trt = f"the TensorRT plan is {artifacts.tensorrt_info['precision']}, --precision {config.precision} was asked"

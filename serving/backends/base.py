@@ -23,7 +23,7 @@ class Backend(ABC):
         Called from one worker thread at a time; the arrays returned are the caller's to keep.
         """
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a no-op unless the backend holds memory outside Python)
         """Free what the backend holds outside Python's reach (device and pinned memory); after the last run."""
 
     def warmup(self, batch_sizes: Iterable[int], input_shape: tuple[int, int, int]) -> None:

@@ -25,7 +25,7 @@ class TensorRTBackend(Backend):
 
     def __init__(self, artifacts: ModelArtifacts, precision: str | None, max_batch_size: int, gpu: int = 0):
         plan, info = artifacts.tensorrt_plan, artifacts.tensorrt_info
-        if plan is None:
+        if plan is None or info is None:  # load_artifacts reads the plan's description with the plan
             raise CapsNetError(f"{artifacts.directory} has no TensorRT plan; export it with --tensorrt on the serving GPU")
         problem = unavailable_reason(gpu)
         if problem:

@@ -56,8 +56,8 @@ class TorchBackend(DeviceBackend):
         if precision == "bf16" and not on_gpu and (why := bf16_unavailable_reason()):
             raise CapsNetError(f"--precision bf16: {why}")
         torch.set_num_threads(threads)
-        model = load_checkpoint(artifacts.checkpoint).build_model()
-        config = model.config
+        checkpoint = load_checkpoint(artifacts.checkpoint)
+        model, config = checkpoint.build_model(), checkpoint.config
         if (config.in_channels, config.height, config.width) != artifacts.input_shape:
             raise CapsNetError(f"{artifacts.checkpoint} is for {config.in_channels}x{config.height}x{config.width} "
                                f"images, model.json says {'x'.join(map(str, artifacts.input_shape))}")

@@ -98,7 +98,7 @@ def _conv(node: onnx.NodeProto, shapes) -> int:
 
 
 def _matmul(node: onnx.NodeProto, shapes) -> int:
-    a, b = shapes[node.input[0]], shapes[node.input[1]]
+    a = shapes[node.input[0]]
     inner = a[-1] if len(a) > 1 else a[0]
     return 2 * math.prod(shapes[node.output[0]]) * inner
 
@@ -114,7 +114,7 @@ def _einsum(node: onnx.NodeProto, shapes) -> int:
     operands = equation.split("->")[0].split(",")
     if len(operands) != 2 or "." in equation:
         raise CapsNetError(f"cannot count FLOPs of Einsum {equation!r}: only two operands without ellipsis")
-    sizes = {}
+    sizes: dict[str, int] = {}
     for letters, name in zip(operands, node.input):
         sizes.update(zip(letters, shapes[name]))
     return 2 * math.prod(sizes.values())

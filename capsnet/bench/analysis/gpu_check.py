@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -100,11 +101,11 @@ def peak(args) -> dict:
     kind = device.type.replace("cuda", "gpu")
     size = MATMUL[kind]
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 peak is fp32's, as the fp32 backends run
-    results = {"matmul_size": size}
+    results: dict[str, float] = {"matmul_size": size}
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
         a = torch.randn(size, size, device=device, dtype=dtype)
         b = torch.randn(size, size, device=device, dtype=dtype)
-        seconds = _device_seconds(lambda: torch.mm(a, b), device, repeats=20 if name != "fp32" else 5)
+        seconds = _device_seconds(functools.partial(torch.mm, a, b), device, repeats=20 if name != "fp32" else 5)
         results[f"matmul_{name}_tflops"] = 2 * size**3 / seconds / 1e12
     nbytes = COPY_MIB[kind] * 2**20
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
@@ -145,6 +146,7 @@ def load_spec(spec: str, model_dir: Path, dry_run: bool, max_batch: int, threads
     callable images -> outputs, its description, and its self-check (None for the public reference)."""
     from capsnet.serving.artifacts import load_artifacts
     from capsnet.serving.backends import create_backend  # before self_check, which the backends package imports
+    from capsnet.serving.backends.base import Backend
     from capsnet.serving.self_check import self_check
 
     name, precision, *mode = spec.split(":")
@@ -156,7 +158,7 @@ def load_spec(spec: str, model_dir: Path, dry_run: bool, max_batch: int, threads
         from capsnet.serving.backends.torch_backend import TorchBackend
 
         # on the CPU the buckets are walked too (the GPU's path, with eager runs in place of the graphs)
-        backend = TorchBackend(artifacts, precision, threads, gpu, max_batch, buckets=mode != ["plain"],
+        backend: Backend = TorchBackend(artifacts, precision, threads, gpu, max_batch, buckets=mode != ["plain"],
                                graphs=mode != ["eager"])
     else:
         from capsnet.serving.config import ServerConfig
@@ -207,7 +209,7 @@ def inprocess(args) -> dict:
         backends[spec] = (run, description, check)
         for batch in batches:  # first runs allocate and pick kernels
             run(images[:batch])
-    durations = {(spec, batch): [] for spec in backends for batch in batches}
+    durations: dict[tuple[str, int], list[float]] = {(spec, batch): [] for spec in backends for batch in batches}
     chunk = args.seconds / args.rounds
     for _ in range(args.rounds):  # interleaved: drift in the machine's load lands on every backend alike
         for batch in batches:
@@ -243,7 +245,8 @@ def serve(args) -> dict:
     if not args.cpu_dry_run:
         flags += ["--gpu", "0"]
     started = time.monotonic()
-    cells, result = [], {"flags": flags}
+    cells: list[dict] = []
+    result: dict[str, object] = {"flags": flags}
     with ServerProcess(flags) as server:
         result["startup_s"] = time.monotonic() - started
         with CapsNetClient(server.target) as client:
@@ -253,6 +256,7 @@ def serve(args) -> dict:
         write_part(Path(args.work), "serve", {**result, "cells": cells})
         for api in ("kserve", "kserve-http"):
             target = server.target if api == "kserve" else server.rest_target
+            assert target is not None  # the server was started with REST (--http-port 0)
             for batch in SERVED_BATCHES:
                 for concurrency in args.concurrency:
                     before = server.scrape()

@@ -39,9 +39,12 @@ DESCRIBED_IN = "capsnet/bench/analysis/public_reference.py"
 
 
 class PublicCapsNet(nn.Module):
-    def __init__(self, model: CapsNet):
+    def __init__(self, model: nn.Module):
         """The same network with copies of `model`'s weights, laid out the public way."""
         super().__init__()
+        if not isinstance(model, CapsNet):
+            raise CapsNetError(f"{SOURCE} is the dynamic-routing CapsNet; this checkpoint holds a "
+                               f"{type(model).__name__}")
         cfg = model.config
         if cfg.routing != "sabour" or cfg.squash_constant != 1.0:
             raise CapsNetError(f"{SOURCE} routes as the paper does (b += û·v, squash constant 1); this model uses "

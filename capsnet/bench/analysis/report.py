@@ -94,7 +94,7 @@ def plots(results: dict, out_dir: Path) -> list[Path]:
 
 def _series(rows: list[dict], key: str) -> dict[str, tuple[list, list]]:
     """backend -> (batch sizes, values of `key`), in backend order."""
-    series = {}
+    series: dict[str, tuple[list, list]] = {}
     for row in ordered_rows(rows):
         xs, ys = series.setdefault(row["backend"], ([], []))
         xs.append(row["batch_size"])
@@ -134,7 +134,7 @@ def _log_ticks(axis, values: list[int]) -> None:
 def _plot_grpc(plt, results: dict, out_dir: Path) -> Path:
     rows = results["grpc"]["results"]
     fig, (throughput, latency) = plt.subplots(1, 2, figsize=(12, 4.5))
-    lines = {}
+    lines: dict[str, list[dict]] = {}
     for row in rows:
         label = f"{row['api']}, batching {'on' if row['dynamic_batching'] else 'off'}"
         lines.setdefault(label, []).append(row)
@@ -144,7 +144,7 @@ def _plot_grpc(plt, results: dict, out_dir: Path) -> Path:
         latency.plot(xs, [row["p50_ms"] for row in series], marker="o", color=line.get_color(), label=f"{label} p50")
         latency.plot(xs, [row["p99_ms"] for row in series], marker="x", linestyle=":", color=line.get_color(),
                      label=f"{label} p99")
-    reference = {}
+    reference: dict[int, list[float]] = {}
     for row in rows:
         reference.setdefault(row["concurrency"], []).append(row["inprocess"]["images_per_s"])
     batch_sizes = sorted(reference)

@@ -9,12 +9,13 @@ from pathlib import Path
 import numpy as np
 
 from capsnet.bench.analysis import report
-from capsnet.bench.analysis.flops import count_flops
+from capsnet.bench.analysis.flops import FlopCount, count_flops
 from capsnet.bench.analysis.ortprofile import conv_rate, profile_onnx
 from capsnet.bench.analysis.peak import measure_peak, median_peak
 from capsnet.bench.analysis.targets import evaluate
 from capsnet.bench.inprocess import tile
 from capsnet.bench.suite import Analysis, BenchOptions
+from capsnet.training.config import CapsNetConfig
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,8 @@ class BenchAnalysis(Analysis):
         super().__init__(missing=None)
         self.options = options
         self.peaks: list[dict] = []
-        self.config = self.flops = None
+        self.config: CapsNetConfig | None = None  # both from start()
+        self.flops: FlopCount | None = None
 
     def start(self, artifacts, config) -> None:
         self.config, self.flops = config, count_flops(artifacts.onnx["fp32"])
@@ -35,11 +37,13 @@ class BenchAnalysis(Analysis):
 
     def after_round(self) -> None:
         """The fp32 peak once per interleaved round, so it meets the same load as the backends' cells."""
+        assert self.config is not None, "start() first"
         self.peaks.append(measure_peak(self.config, batch=PEAK_BATCH, threads=self.options.threads,
                                        min_seconds=self.options.peak_seconds))
 
     def after_inprocess(self, inprocess: dict, images: np.ndarray, artifacts) -> dict:
         """The ceiling (each row's share of it goes into the row) and ONNX Runtime's profile of each precision."""
+        assert self.flops is not None, "start() first"
         peak = median_peak(self.peaks)
         ceiling = peak["conv"]["gflops"] * 1e9 / self.flops.total
         for row in inprocess["results"]:
