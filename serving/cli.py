@@ -127,6 +127,9 @@ def register(subparsers) -> None:
                          help=f"server address, HOST[:PORT] (port 8001 if none; default $CAPSNET_SERVER or "
                               f"{DEFAULT_SERVER})")
     predict.add_argument("--top-k", type=int, default=1, metavar="K", help="print the K most probable classes (default 1)")
+    predict.add_argument("--present-threshold", type=float, metavar="P",
+                         help="a class is present when its probability (capsule length) is above P, 0 to 1 "
+                              "(default: the server's, 0.5); every present class is printed")
     predict.add_argument("--poses", action="store_true", help="also print every class capsule's pose vector")
     predict.add_argument("--json", action="store_true", help="print JSON (one object per image, in a list)")
     predict.add_argument("--reconstruction", metavar="PNG",
@@ -187,6 +190,8 @@ def run_predict(args: argparse.Namespace) -> int:
 
     if args.top_k < 1:
         raise CapsNetError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.present_threshold is not None and not 0 <= args.present_threshold <= 1:
+        raise CapsNetError(f"--present-threshold must be 0 to 1, got {args.present_threshold:g}")
     check_client_args(args)
     for path in args.images:
         if not os.path.isfile(path):
@@ -195,7 +200,8 @@ def run_predict(args: argparse.Namespace) -> int:
         with CapsNetClient(args.server, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                            timeout=args.timeout) as client:
             predictions = classify_files(client, args.images, args.server, poses=args.poses, top_k=args.top_k,
-                                         reconstruction=args.reconstruction is not None)
+                                         reconstruction=args.reconstruction is not None,
+                                         present_threshold=args.present_threshold)
     except grpc.RpcError as err:
         raise CapsNetError(f"{args.server}: {err.code().name}: {err.details()}") from None
     except OSError as err:
@@ -211,6 +217,12 @@ def run_predict(args: argparse.Namespace) -> int:
         return 0
     for path, prediction, png in zip(args.images, predictions, written):
         print(f"{path}: {prediction.class_index} {prediction.class_name!r} p={prediction.probability:.4f}")
+        present = ", ".join(f"{index} {name!r} p={probability:.4f}" for index, name, probability in
+                            prediction.present_classes)
+        print(f"  present: {present or 'none'}")
+        if prediction.resized_from:
+            height, width = prediction.resized_from
+            print(f"  resized from {height}x{width} to the model's size, keeping its aspect ratio")
         if png:
             print(f"  reconstruction: {png}")
         for rank, (index, name, probability) in enumerate(prediction.top_classes[1:], start=2):
@@ -311,6 +323,8 @@ def _as_json(path: str, prediction, poses: bool, reconstruction: str | None) -> 
         "probability": prediction.probability,
         "probabilities": prediction.probabilities.tolist(),
         "top_classes": [{"class": i, "name": n, "probability": p} for i, n, p in prediction.top_classes],
+        "present_classes": [{"class": i, "name": n, "probability": p} for i, n, p in prediction.present_classes],
+        "resized_from": list(prediction.resized_from) if prediction.resized_from else None,
     }
     if poses:
         item["poses"] = prediction.poses.tolist()
