@@ -80,6 +80,9 @@ def register(subparsers) -> None:
                             f"{ENV_VARS['http_port']})")
     serve.add_argument("--no-http", dest="http", action="store_false", default=None,
                        help="serve no HTTP/REST: gRPC and /metrics only")
+    serve.add_argument("--no-ui", dest="ui", action="store_false", default=None,
+                       help="serve no page at / of the REST port (it draws or takes images and shows each class's "
+                            "capsule length, through the REST infer endpoint)")
     serve.add_argument("--metrics-port", type=int, metavar="PORT",
                        help=f"Prometheus /metrics port (default {defaults['metrics_port']}; env {ENV_VARS['metrics_port']})")
     serve.add_argument("--backend", choices=BACKENDS,
@@ -167,7 +170,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from capsnet.serving.server import serve
 
     names = ("model_dir model_repository version_policy model_control poll_seconds log_format otlp_endpoint host "
-             "grpc_port http_port http metrics_port backend precision gpu max_batch_size max_queue_delay_us "
+             "grpc_port http_port http ui metrics_port backend precision gpu max_batch_size max_queue_delay_us "
              "max_queue_size max_pending_rpcs threads max_message_bytes max_image_scale tls_cert tls_key tls_client_ca "
              "drain_window_s grace_period_s").split()
     config = ServerConfig.from_sources({name: getattr(args, name) for name in names})

@@ -268,7 +268,7 @@ class CapsNetServer:
 
     async def _listen_http(self, plane: kserve.DataPlane, tls: ServerTLS | None) -> kserve_http.KServeHTTP:
         config = self.config
-        http = kserve_http.KServeHTTP(plane, self.observer, self.max_message_bytes)
+        http = kserve_http.KServeHTTP(plane, self.observer, self.max_message_bytes, ui=config.ui)
         try:
             await http.start(config.host, config.http_port, None if tls is None else tls.context, STOP_GRACE_S)
         except OSError as err:  # asyncio's strerror holds the address again: the errno's own text
