@@ -22,26 +22,15 @@ from capsnet.serving.client import CapsNetClient
 from capsnet.training.data import load_dataset
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc as pb_grpc
-from serving_helpers import ServerThread, server_config
+from serving_helpers import ServerThread, graph_probabilities
 
 SIZES = [(28, 28), (28, 56), (56, 56), (40, 100)]
 RANGE = "14x14 to 256x256"
 
 
 @pytest.fixture(scope="module")
-def any_size_server(shared_tiny_export):
-    running = ServerThread(server_config(shared_tiny_export, precision="fp32"))
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
 def reference(shared_tiny_export):
-    """What the exported FP32 graph answers, run here directly: (N, C, H, W) -> (N, J) probabilities."""
-    import onnxruntime
-
-    session = onnxruntime.InferenceSession(str(shared_tiny_export / "model.onnx"), providers=["CPUExecutionProvider"])
-    return lambda images: session.run(["probabilities"], {"images": images})[0]
+    return graph_probabilities(shared_tiny_export)
 
 
 def pairs(count: int, height: int = 28, width: int = 56, seed: int = 0) -> tuple[np.ndarray, list[set[int]]]:

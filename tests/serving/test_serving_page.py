@@ -14,7 +14,7 @@ from PIL import Image
 
 from capsnet.serving.kserve_http import PAGE
 from capsnet.training.data import load_dataset
-from serving_helpers import ServerThread, server_config
+from serving_helpers import ServerThread, graph_probabilities, server_config
 
 CHROMIUM = Path("/usr/bin/chromium")
 # what keeps Chromium off the network it would otherwise reach for at start (the page itself fetches nothing else)
@@ -36,13 +36,6 @@ needs_browser = pytest.mark.skipif(browser_skip_reason() is not None, reason=str
 
 
 @pytest.fixture(scope="module")
-def any_size_page_server(shared_tiny_export):
-    running = ServerThread(server_config(shared_tiny_export, precision="fp32"))
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
 def browser():
     from playwright.sync_api import sync_playwright
 
@@ -54,13 +47,6 @@ def browser():
 
 def url(server: ServerThread) -> str:
     return f"http://127.0.0.1:{server.server.http_port}/"
-
-
-def graph(model_dir: Path):
-    import onnxruntime
-
-    session = onnxruntime.InferenceSession(str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
-    return lambda images: session.run(["probabilities"], {"images": images})[0]
 
 
 def open_page(browser, server: ServerThread):
@@ -88,8 +74,8 @@ def sent_pixels(page) -> np.ndarray:
 
 
 @needs_browser
-def test_an_uploaded_pair_shows_both_digits_present(any_size_page_server, shared_tiny_export, browser, tmp_path):
-    answer = graph(shared_tiny_export)
+def test_an_uploaded_pair_shows_both_digits_present(any_size_server, shared_tiny_export, browser, tmp_path):
+    answer = graph_probabilities(shared_tiny_export)
     test = load_dataset("embedded").test
     rng = np.random.default_rng(0)
     for _ in range(200):  # the first seeded pair of different digits whose two longest capsules are its classes
@@ -104,7 +90,7 @@ def test_an_uploaded_pair_shows_both_digits_present(any_size_page_server, shared
     path = tmp_path / "pair.png"
     Image.fromarray(pixels).save(path)
 
-    page, requested = open_page(browser, any_size_page_server)
+    page, requested = open_page(browser, any_size_server)
     page.set_input_files("#file", str(path))
     shown_lengths, present = shown(page)
     np.testing.assert_allclose(shown_lengths, lengths, rtol=0, atol=2e-3)  # shown with 3 decimals
@@ -115,15 +101,15 @@ def test_an_uploaded_pair_shows_both_digits_present(any_size_page_server, shared
     page.fill("#threshold", f"{(ranked[1] + ranked[2]) / 2:.4f}")
     _, present = shown(page)
     assert set(present) == digits and len(page.locator(".present.name").all()) == 2
-    assert f"{url(any_size_page_server)}v2/models/capsnet/infer" in requested
-    assert all(request.startswith(url(any_size_page_server)) for request in requested), requested
+    assert f"{url(any_size_server)}v2/models/capsnet/infer" in requested
+    assert all(request.startswith(url(any_size_server)) for request in requested), requested
     page.close()
 
 
 @needs_browser
-def test_digits_drawn_on_a_canvas_of_any_size_get_the_lengths_the_server_answers(any_size_page_server,
+def test_digits_drawn_on_a_canvas_of_any_size_get_the_lengths_the_server_answers(any_size_server,
                                                                                   shared_tiny_export, browser):
-    page, _ = open_page(browser, any_size_page_server)
+    page, _ = open_page(browser, any_size_server)
     page.fill("#height", "40")
     page.fill("#width", "100")
     page.click("#resize")
@@ -138,7 +124,7 @@ def test_digits_drawn_on_a_canvas_of_any_size_get_the_lengths_the_server_answers
     lengths, _ = shown(page)
     image = sent_pixels(page)
     assert image.shape == (1, 1, 40, 100) and image.max() == 1.0  # the strokes are in what was sent
-    np.testing.assert_allclose(lengths, graph(shared_tiny_export)(image)[0], rtol=0, atol=2e-3)
+    np.testing.assert_allclose(lengths, graph_probabilities(shared_tiny_export)(image)[0], rtol=0, atol=2e-3)
     page.close()
 
 
@@ -153,7 +139,7 @@ def test_a_fixed_size_model_gets_the_image_fitted_and_shows_its_reconstruction(s
     assert "resized from 28x56 to the model's 28x28, keeping its aspect ratio" in page.locator("#status").inner_text()
     image = sent_pixels(page)
     assert image.shape == (1, 1, 28, 28) and not image[0, 0, :6].any()  # a strip centred on black, not squashed
-    np.testing.assert_allclose(lengths, graph(model_dir)(image)[0], rtol=0, atol=2e-3)
+    np.testing.assert_allclose(lengths, graph_probabilities(model_dir)(image)[0], rtol=0, atol=2e-3)
     assert page.locator("#reconstruction-box").is_visible()
     page.close()
 
