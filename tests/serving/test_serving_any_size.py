@@ -22,7 +22,7 @@ from capsnet.serving.client import CapsNetClient
 from capsnet.training.data import load_dataset
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc as pb_grpc
-from serving_helpers import ServerThread, graph_probabilities
+from serving_helpers import ServerThread, graph_probabilities, metric, scrape, server_config
 
 SIZES = [(28, 28), (28, 56), (56, 56), (40, 100)]
 RANGE = "14x14 to 256x256"
@@ -182,3 +182,34 @@ def test_a_fixed_size_model_resizes_another_png_keeping_its_aspect_ratio_and_say
         dtype=pb.DATA_TYPE_UINT8, shape=[1, 28, 28], data=fitted.tobytes()))])).results[0]
     assert not expected.resized_from
     np.testing.assert_allclose(answer.probabilities, expected.probabilities, rtol=0, atol=1e-6)
+
+
+def test_a_batch_holds_one_size_and_takes_later_requests_of_that_size_past_others(shared_tiny_export, reference):
+    """Three requests meeting in the queue (a generous delay): 28x28, then 28x56, then 28x28 again. Two backend runs,
+    one per size, the third request joining the first's batch past the second."""
+    running = ServerThread(server_config(shared_tiny_export, precision="fp32", max_batch_size=8,
+                                         max_queue_delay_us=500_000))
+    rng = np.random.default_rng(4)
+    sent = [rng.random((2, 1, 28, 28), dtype=np.float32), rng.random((3, 1, 28, 56), dtype=np.float32),
+            rng.random((2, 1, 28, 28), dtype=np.float32)]
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            stub = pb_grpc.CapsNetServiceStub(channel)
+            before = scrape(running.metrics_url)
+            futures = [stub.Classify.future(pb.ClassifyRequest(images=[pb.Image(tensor=pb.Tensor(
+                dtype=pb.DATA_TYPE_FLOAT32, shape=list(image.shape), data=image.tobytes())) for image in images]),
+                timeout=60) for images in sent]
+            answers = [future.result() for future in futures]
+            after = scrape(running.metrics_url)
+    finally:
+        running.stop()
+    for images, answer in zip(sent, answers):
+        got = np.array([list(result.probabilities) for result in answer.results], dtype=np.float32)
+        np.testing.assert_allclose(got, reference(images), rtol=0, atol=1e-5)
+    def new(name: str, **labels) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    runs = new("capsnet_batch_size_count")
+    three_or_four = new("capsnet_batch_size_bucket", le="4.0") - new("capsnet_batch_size_bucket", le="2.0")
+    # 2 + 2 images of 28x28 in one run, 3 of 28x56 in the other
+    assert runs == 2 and three_or_four == 2 and new("capsnet_batch_size_sum") == 7, f"{runs} runs, {three_or_four} of 3-4"
