@@ -219,13 +219,12 @@ def run_predict(args: argparse.Namespace) -> int:
                          indent=2))
         return 0
     for path, prediction, png in zip(args.images, predictions, written):
-        print(f"{path}: {prediction.class_index} {prediction.class_name!r} p={prediction.probability:.4f}")
-        present = ", ".join(f"{index} {name!r} p={probability:.4f}" for index, name, probability in
-                            prediction.present_classes)
-        print(f"  present: {present or 'none'}")
-        if prediction.resized_from:
-            height, width = prediction.resized_from
-            print(f"  resized from {height}x{width} to the model's size, keeping its aspect ratio")
+        # one line per image: the top class, then every class present (several for an image of several objects)
+        present = ", ".join(f"{index} {name!r}" for index, name, _ in prediction.present_classes) or "none"
+        resized = (f"; resized from {'x'.join(map(str, prediction.resized_from))}, aspect ratio kept"
+                   if prediction.resized_from else "")
+        print(f"{path}: {prediction.class_index} {prediction.class_name!r} p={prediction.probability:.4f}; "
+              f"present: {present}{resized}")
         if png:
             print(f"  reconstruction: {png}")
         for rank, (index, name, probability) in enumerate(prediction.top_classes[1:], start=2):

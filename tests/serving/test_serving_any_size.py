@@ -213,3 +213,12 @@ def test_a_batch_holds_one_size_and_takes_later_requests_of_that_size_past_other
     three_or_four = new("capsnet_batch_size_bucket", le="4.0") - new("capsnet_batch_size_bucket", le="2.0")
     # 2 + 2 images of 28x28 in one run, 3 of 28x56 in the other
     assert runs == 2 and three_or_four == 2 and new("capsnet_batch_size_sum") == 7, f"{runs} runs, {three_or_four} of 3-4"
+
+
+def test_capsnet_predict_says_when_a_fixed_size_model_resized_the_image(server, tmp_path, capsys):
+    images, _ = pairs(1)
+    path = tmp_path / "pair.png"
+    path.write_bytes(png(images[0]))
+    assert main(["predict", str(path), "--server", server.target]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(f"{path}: ") and "; present: " in line and line.endswith("; resized from 28x56, aspect ratio kept")
