@@ -52,6 +52,12 @@ def aoti_name(device: str, precision: str) -> str:
     return f"model.{device}.{precision}.pt2"
 
 
+# A class is present when its probability (capsule length, or a baseline's sigmoid) is above this: each class's score
+# says on its own whether it is in the image, so several can be present at once. Serving's default, and the
+# threshold of the pairs test (training/pairs.py).
+PRESENT_THRESHOLD = 0.5
+
+
 # The precision gate: ONE criterion for every reduced precision (INT8, FP16, BF16), used by export and by the
 # server's self-check. Export accepts a variant whose top-1 accuracy on the model's own test split is at most the
 # export's --max-accuracy-drop below FP32's, and records what the variant does on the 128 reference images: the
@@ -78,6 +84,74 @@ def gate_variant(backend: str, precision: str) -> str | None:
     if precision == "fp32":
         return None
     return f"{'torch' if backend in ('torch', 'aoti') else 'onnx'}_{precision}"
+
+
+@dataclass(frozen=True)
+class InputSizes:
+    """The images a model takes: `channels` channels, a height from min_height to max_height and a width from
+    min_width to max_width, each a multiple of `multiple_of` (1 for the models here: their pooling floors an odd
+    size, so every whole number in between is valid). A fixed-size model has min = max. model.json records it
+    as `input.sizes`; export traces the graph over it and serving refuses any other size naming it."""
+
+    channels: int
+    min_height: int
+    min_width: int
+    max_height: int
+    max_width: int
+    multiple_of: int = 1
+
+    @classmethod
+    def fixed_at(cls, shape: tuple[int, int, int]) -> "InputSizes":
+        channels, height, width = shape
+        return cls(channels, height, width, height, width)
+
+    @property
+    def fixed(self) -> bool:
+        return (self.min_height, self.min_width) == (self.max_height, self.max_width)
+
+    @property
+    def largest(self) -> tuple[int, int, int]:
+        """(C, H, W) of the largest image taken: what message and memory limits are sized for."""
+        return self.channels, self.max_height, self.max_width
+
+    def dims(self, shape: tuple[int, int, int]) -> list[int]:
+        """`shape` (C, H, W) with -1 for a height or width left free, as Triton's config and KServe's metadata
+        give a dimension of any size."""
+        channels, height, width = shape
+        return [channels, height if self.min_height == self.max_height else -1,
+                width if self.min_width == self.max_width else -1]
+
+    def __contains__(self, shape: tuple[int, int, int]) -> bool:
+        """(C, H, W) in sizes."""
+        channels, height, width = shape
+        try:
+            self.check(channels, height, width)
+        except CapsNetError:
+            return False
+        return True
+
+    def describe(self) -> str:
+        """'1x28x28', or '1-channel images of 14x14 to 256x256 (height x width, any in between)'."""
+        if self.fixed:
+            return f"{self.channels}x{self.min_height}x{self.min_width}"
+        step = "any in between" if self.multiple_of == 1 else f"multiples of {self.multiple_of}"
+        return (f"{self.channels}-channel images of {self.min_height}x{self.min_width} to {self.max_height}x"
+                f"{self.max_width} (height x width, {step})")
+
+    def check(self, channels: int, height: int, width: int, what: str = "the model") -> None:
+        """A one-line CapsNetError naming the valid sizes, for an image `what` cannot take. Comparisons only, so a
+        traced forward pass with symbolic H and W turns them into guards its dimension ranges already decide."""
+        # the step is tested only where there is one, so that a traced pass meets no modulo of H and W
+        if not (channels == self.channels and self.min_height <= height <= self.max_height
+                and self.min_width <= width <= self.max_width) or (
+                self.multiple_of != 1 and (height % self.multiple_of or width % self.multiple_of)):
+            raise CapsNetError(f"{what} takes {self.describe()}; got {channels}x{height}x{width}")
+
+    def to_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in INPUT_SIZE_KEYS}
+
+
+INPUT_SIZE_KEYS = ("channels", "min_height", "min_width", "max_height", "max_width", "multiple_of")
 
 
 @dataclass(frozen=True)
@@ -200,6 +274,20 @@ class ModelDescription:
     parity: dict = field(default_factory=dict)  # exported graphs against their reference
     precision_gate: dict[str, PrecisionGate] = field(default_factory=dict)  # GATE_VARIANTS -> what export measured
     aoti: tuple[AotiPackage, ...] = ()  # AOTInductor packages
+    input_sizes: InputSizes | None = None  # the sizes taken; None: input_shape only (filled in by __post_init__)
+
+    def __post_init__(self):
+        if self.input_sizes is None:
+            object.__setattr__(self, "input_sizes", InputSizes.fixed_at(self.input_shape))
+
+    @property
+    def sizes(self) -> InputSizes:
+        assert self.input_sizes is not None  # __post_init__
+        return self.input_sizes
+
+    @property
+    def input_dims(self) -> list[int]:
+        return self.sizes.dims(self.input_shape)
 
     @property
     def output_names(self) -> tuple[str, ...]:
@@ -221,7 +309,7 @@ class ModelDescription:
             "created": self.created,
             "opset": self.opset,
             "input": {"name": self.input_name, "datatype": "FP32", "layout": "NCHW",
-                      "shape": [channels, height, width], "value_range": [0.0, 1.0]},
+                      "shape": [channels, height, width], "sizes": self.sizes.to_dict(), "value_range": [0.0, 1.0]},
             "outputs": [{"name": name, "datatype": "FP32", "shape": list(shape)} for name, shape in self.output_shapes.items()],
             "class_names": list(self.class_names),
             "routing": self.routing,
@@ -307,6 +395,7 @@ class ModelDescription:
             sha256=dict(sha256),
             precision_gate=reader.precision_gate(values),
             aoti=aoti,
+            input_sizes=reader.input_sizes(model_input, input_shape),
             **extra,
             **optional,
         )
@@ -373,6 +462,21 @@ class _Reader:
                 if isinstance(value, bool) or not math.isfinite(value):
                     raise self.fail(f"routing.{key} must be a finite number, got {value!r}")
         return routing
+
+    def input_sizes(self, model_input: dict, shape: tuple[int, int, int]) -> InputSizes:
+        """input.sizes: the sizes taken, which must hold input.shape (the size the reference images have);
+        absent: input.shape only."""
+        if "sizes" not in model_input:
+            return InputSizes.fixed_at(shape)
+        sizes = self.get(model_input, "sizes", dict, "input.")
+        values = {key: self.get(sizes, key, int, "input.sizes.") for key in INPUT_SIZE_KEYS}
+        if min(values.values()) < 1 or values["min_height"] > values["max_height"] or (
+                values["min_width"] > values["max_width"]):
+            raise self.fail(f"input.sizes must be positive with min <= max, got {values}")
+        taken = InputSizes(**values)
+        if shape not in taken:
+            raise self.fail(f"input.shape {list(shape)} is not one of the input.sizes ({taken.describe()})")
+        return taken
 
     def precision_gate(self, values: dict) -> dict[str, PrecisionGate]:
         """The gate's entries; the server compares and counts with them, so each is typed."""

@@ -104,6 +104,11 @@ def run_export(args: argparse.Namespace) -> int:
     diffs = ", ".join(f"{name} {diff:.1e}" for name, diff in parity["onnxruntime"]["max_abs_diff"].items())
     print(f"  ONNX Runtime vs PyTorch, batches {'/'.join(map(str, parity['batch_sizes']))}: max |diff| {diffs}; "
           f"same class {parity['onnxruntime']['argmax_agreement']:.0%}")
+    if "sizes" in parity:
+        worst = {size: max(max(result[what]["max_abs_diff"].values()) for what in ("pytorch", "batch_invariance"))
+                 for size, result in parity["sizes"].items()}
+        print(f"  input: {description.sizes.describe()}; vs PyTorch and alone vs in a batch, max |diff| "
+              f"{', '.join(f'{size} {diff:.1e}' for size, diff in worst.items())}")
     for name, gate in description.precision_gate.items():
         print(f"  precision gate {name}: test accuracy {gate.accuracy_fp32:.2%} -> {gate.accuracy:.2%} "
               f"({gate.accuracy_change_points:+.2f} points, {gate.test_images} images); on the {gate.reference_images} "

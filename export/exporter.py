@@ -39,6 +39,7 @@ from capsnet.export.parity import (
     onnxruntime_probabilities,
     parity_batches,
     spread,
+    tiled,
     torch_outputs,
 )
 from capsnet.export.precision import convolutions_in, measure_gate, require, torch_gates
@@ -80,6 +81,26 @@ from capsnet.training.evaluate import load_checkpoint_data
 log = logging.getLogger(__name__)
 
 REFERENCE_IMAGES = 128  # the self-check's images; the precision gate's figures are measured on them
+# Capsule networks: those of a fixed size, and shared-capsnet, which takes any size
+EXPORTED_ARCHITECTURES = (*CAPSULE_ARCHITECTURES, "shared-capsnet")
+# (H, W) a model of any size is checked at besides its own: one and two digits side by side, four, and a wide
+# image whose backbone grid is neither square nor any multiple of the training size; those it takes
+PARITY_SIZES = ((28, 28), (28, 56), (56, 56), (40, 100))
+SIZE_PARITY_IMAGES = 7
+
+
+def _check_any_size_options(checkpoint: Checkpoint, config: ExportConfig) -> None:
+    """A model of any size has no decoder, and the TensorRT engine and AOTInductor packages are built here for one
+    image size: refused at once, in one line, rather than exported for 28×28 only."""
+    sizes = checkpoint.config.input_sizes
+    if sizes.fixed:
+        return
+    asked = [option for option, wanted in (("--reconstruction", config.reconstruction), ("--tensorrt", config.tensorrt),
+                                           ("--aoti", config.aoti is not None)) if wanted]
+    if asked:
+        raise CapsNetError(f"a {checkpoint.config.arch} model takes {sizes.describe()}; {' and '.join(asked)} "
+                           f"{'is' if len(asked) == 1 else 'are'} for models of one size (it has no decoder, and the "
+                           "engine and packages are built for one size): export its ONNX graphs without them")
 
 
 def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike, **options: Any) -> ModelDescription:
@@ -89,11 +110,12 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
         raise CapsNetError("--out needs a directory, got an empty path")
     checkpoint_path, out_dir = Path(checkpoint_path), Path(out_dir)
     checkpoint = load_checkpoint(checkpoint_path)
-    if checkpoint.config.arch not in CAPSULE_ARCHITECTURES:
+    if checkpoint.config.arch not in EXPORTED_ARCHITECTURES:
         # The artifacts promise capsule poses (EM's 4×4 poses flattened fill the same outputs); a baseline
         # without capsules has none to serve.
         raise CapsNetError(f"{checkpoint_path} is a {checkpoint.config.arch} checkpoint; export takes capsule "
-                           f"networks ({' or '.join(CAPSULE_ARCHITECTURES)})")
+                           f"networks ({', '.join(EXPORTED_ARCHITECTURES)})")
+    _check_any_size_options(checkpoint, config)
     _check_target(out_dir, SIDECAR_NAME)
     triton_model_dir = Path(config.triton_repo) / MODEL_NAME if config.triton_repo else None
     if triton_model_dir is not None:
@@ -162,6 +184,8 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
         "tolerance": FP32_TOLERANCE,
         "onnxruntime": onnx_parity.to_dict(),
     }
+    if not checkpoint.config.input_sizes.fixed:
+        parity["sizes"] = _size_parity(model, fp32_session, dataset, names)
     reference = _write_reference(staging / REFERENCE_NAME, fp32_session, dataset, names)
     # the precision gate: every reduced precision measured on this model's own data, stated in model_description.py
     test = dataset.test
@@ -258,6 +282,32 @@ class _Reference:
     images: np.ndarray  # (128, C, H, W) float32
     outputs: dict[str, np.ndarray]  # FP32 ONNX Runtime outputs on them
     description: dict[str, Any]  # model.json's reference_set
+
+
+def _size_parity(model, session, dataset: Dataset, names: tuple[str, ...]) -> dict[str, Any]:
+    """The graph of a model of any size against PyTorch at each of PARITY_SIZES it takes, on images of real digits
+    (parity.tiled), and each image alone against the batch it came in: a graph whose shapes were mis-traced answers
+    one size right and another wrong, or an image differently beside others."""
+    results = {}
+    sizes = model.config.input_sizes
+    for height, width in PARITY_SIZES:
+        if (sizes.channels, height, width) not in sizes:
+            continue
+        batch = tiled(dataset.test.images, SIZE_PARITY_IMAGES, height, width)  # (7, C, H, W)
+        (batched,) = onnxruntime_outputs(session, [batch], names)
+        size_parity = compare(torch_outputs(model, [batch], names), [batched])
+        alone = onnxruntime_outputs(session, [batch[index:index + 1] for index in range(len(batch))], names)
+        invariance = compare([{name: batched[name][index:index + 1] for name in names} for index in range(len(batch))],
+                             alone)
+        size = f"{height}x{width}"
+        log.info("ONNX Runtime at %s: vs PyTorch %s; alone vs in a batch %s", size, size_parity.describe(),
+                 invariance.describe())
+        for what, result in (("disagrees with PyTorch", size_parity), ("answers an image alone differently from in "
+                                                                       "a batch", invariance)):
+            if not result.passes(FP32_TOLERANCE):
+                raise CapsNetError(f"at {size}, ONNX Runtime {what} beyond {FP32_TOLERANCE:g}: {result.describe()}")
+        results[size] = {"pytorch": size_parity.to_dict(), "batch_invariance": invariance.to_dict()}
+    return results
 
 
 def _write_reference(path: Path, fp32_session, dataset: Dataset, names: tuple[str, ...]) -> _Reference:

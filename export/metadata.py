@@ -43,6 +43,7 @@ def describe(checkpoint: Checkpoint, opset: int, reconstruction: bool, **facts: 
     config = checkpoint.config
     return ModelDescription(
         input_shape=(config.in_channels, config.height, config.width),
+        input_sizes=config.input_sizes,
         class_names=tuple(checkpoint.class_names),
         output_shapes=output_shapes(config, reconstruction),
         routing=routing_description(config),

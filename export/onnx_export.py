@@ -1,7 +1,8 @@
-"""PyTorch → ONNX: the CapsNet as one straight-line graph with a dynamic batch axis.
+"""PyTorch → ONNX: the CapsNet as one straight-line graph with a dynamic batch axis, and for a model of any
+size (training/anysize_model.py) a free height and width over the sizes it takes.
 
 The model's routing is already a fixed number of plain tensor ops, so the exported graph has no
-Loop/If/Scan; `check_graph` proves that, and that every dimension but the batch is static.
+Loop/If/Scan; `check_graph` proves that, and that every other dimension is static.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from capsnet.export.logs import quiet
 from capsnet.model_description import INPUT_NAME, output_names
 
 BATCH_DIM = "batch"
+HEIGHT_DIM, WIDTH_DIM = "height", "width"  # free in the graph of a model of any size
 CONTROL_FLOW_OPS = frozenset({"Loop", "If", "Scan"})
 
 
@@ -51,9 +53,17 @@ def export_program(model, reconstruction: bool, max_batch: int | None = None):
 
     # Batch 2, not 1: the exporter would specialise a size-1 axis to a constant.
     example = torch.rand(2, config.in_channels, config.height, config.width)  # (2, C, H, W)
-    batch = torch.export.Dim(BATCH_DIM, min=1, **({} if max_batch is None else {"max": max_batch}))
-    with quiet("torch.export", "torch._dynamo"):
-        return torch.export.export(InferenceOutputs().eval(), (example,), dynamic_shapes={INPUT_NAME: {0: batch}})
+    dims = {0: torch.export.Dim(BATCH_DIM, min=1, **({} if max_batch is None else {"max": max_batch}))}
+    sizes = config.input_sizes
+    if not sizes.fixed:  # a model of any size: height and width stay symbolic over the sizes it takes
+        dims[2] = torch.export.Dim(HEIGHT_DIM, min=sizes.min_height, max=sizes.max_height)
+        dims[3] = torch.export.Dim(WIDTH_DIM, min=sizes.min_width, max=sizes.max_width)
+    # A model of any size is traced size-obliviously, as torch.onnx.export traces a module: a reshape's choice
+    # between a view and a copy otherwise guards that the backbone grid is not one position, which the smallest
+    # valid image gives. The fixed-size models are traced as they always were (there it adds a batch guard).
+    with quiet("torch.export", "torch._dynamo"), torch.fx.experimental._config.patch(
+            backed_size_oblivious=not sizes.fixed):
+        return torch.export.export(InferenceOutputs().eval(), (example,), dynamic_shapes={INPUT_NAME: dims})
 
 
 def export_onnx(program, path: Path, opset: int, reconstruction: bool) -> onnx.ModelProto:
@@ -76,7 +86,7 @@ def export_onnx(program, path: Path, opset: int, reconstruction: bool) -> onnx.M
             verbose=False,
         )
     exported = onnx.load(str(path))
-    if _name_batch_axis(exported):
+    if _name_input_axes(exported):
         onnx.save(exported, str(path))
     written = graph_opset(exported)
     if written != opset:
@@ -85,17 +95,20 @@ def export_onnx(program, path: Path, opset: int, reconstruction: bool) -> onnx.M
     return exported
 
 
-def _name_batch_axis(model: onnx.ModelProto) -> bool:
-    """Name the batch axis BATCH_DIM wherever it appears (inputs, outputs, intermediate shapes such as 144*s34):
-    the exported program calls it by a generated symbol. Returns whether anything was renamed."""
-    symbol = model.graph.input[0].type.tensor_type.shape.dim[0].dim_param
-    if not symbol or symbol == BATCH_DIM:
+def _name_input_axes(model: onnx.ModelProto) -> bool:
+    """Name the batch axis BATCH_DIM, and a free height and width HEIGHT_DIM and WIDTH_DIM, wherever they appear
+    (inputs, outputs, intermediate shapes such as 144*s34): the exported program calls them by generated symbols.
+    Returns whether anything was renamed."""
+    dims = model.graph.input[0].type.tensor_type.shape.dim
+    names = {dims[index].dim_param: name for index, name in ((0, BATCH_DIM), (2, HEIGHT_DIM), (3, WIDTH_DIM))
+             if dims[index].dim_param and dims[index].dim_param != name}
+    if not names:
         return False
-    pattern = re.compile(rf"\b{re.escape(symbol)}\b")
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
     for value in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
         for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param:
-                dim.dim_param = pattern.sub(BATCH_DIM, dim.dim_param)
+                dim.dim_param = pattern.sub(lambda match: names[match.group(1)], dim.dim_param)
     return True
 
 
@@ -109,7 +122,12 @@ def check_graph(model: onnx.ModelProto) -> None:
     control_flow = sorted(CONTROL_FLOW_OPS & set(op_counts(model)))
     if control_flow:
         raise CapsNetError(f"the exported ONNX graph has control flow ({', '.join(control_flow)}); routing must be unrolled")
-    for value in [*model.graph.input, *model.graph.output]:
+    # a model of any size takes a free height and width; every output's shape follows from the batch alone
+    takes_free = {2: HEIGHT_DIM, 3: WIDTH_DIM}
+    for value, free in [*((value, takes_free) for value in model.graph.input),
+                        *((value, {}) for value in model.graph.output)]:
         dims = value.type.tensor_type.shape.dim
-        if not dims or any(not dim.HasField("dim_value") for dim in dims[1:]):
-            raise CapsNetError(f"the exported ONNX graph's {value.name!r} has a dynamic dimension besides the batch")
+        if not dims or any(not dim.HasField("dim_value") and dim.dim_param != free.get(index)
+                           for index, dim in enumerate(dims[1:], start=1)):
+            raise CapsNetError(f"the exported ONNX graph's {value.name!r} has a dynamic dimension besides the batch"
+                               f"{' and a free height and width' if free else ''}")

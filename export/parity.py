@@ -52,6 +52,18 @@ def parity_batches(images_uint8: np.ndarray, batch_sizes=PARITY_BATCH_SIZES) -> 
     return [picked[start:stop] for start, stop in itertools.pairwise(bounds)]
 
 
+def tiled(images_uint8: np.ndarray, count: int, height: int, width: int) -> Batch:
+    """`count` images of height × width, each a grid of the split's images side by side and one above the other,
+    cut to size (a 28×56 image holds two digits, 56×56 four, 40×100 three and parts of four more), as [0, 1] floats:
+    real strokes at every position of a size a model of any size takes."""
+    channels, tile_height, tile_width = images_uint8.shape[1:]
+    rows, columns = -(-height // tile_height), -(-width // tile_width)
+    tiles = spread(images_uint8, count * rows * columns)  # (count*rows*columns, C, h, w)
+    grid = tiles.reshape(count, rows, columns, channels, tile_height, tile_width)
+    grid = grid.transpose(0, 3, 1, 4, 2, 5).reshape(count, channels, rows * tile_height, columns * tile_width)
+    return np.ascontiguousarray(grid[:, :, :height, :width])  # (count, C, H, W)
+
+
 def torch_outputs(model, batches: list[Batch], names: tuple[str, ...]) -> list[Outputs]:
     import torch
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from capsnet.export.config import TritonConfig
+from capsnet.model_description import InputSizes
 
 CONFIG_NAME = "config.pbtxt"
 MODEL_VERSION_DIR = "1"
@@ -24,10 +25,17 @@ def _tensor_entry(name: str, datatype: str, dims: list[int]) -> str:
             f'    dims: [ {", ".join(map(str, dims))} ]\n  }}')
 
 
+def input_dims(model_input: dict[str, Any]) -> list[int]:
+    """model.json's input as Triton's dims: [C, H, W], with -1 for a height or width that input.sizes leaves free."""
+    shape = tuple(model_input["shape"])
+    sizes = InputSizes(**model_input["sizes"]) if "sizes" in model_input else InputSizes.fixed_at(shape)
+    return sizes.dims(shape)
+
+
 def config_pbtxt(sidecar: dict[str, Any], model_format: str, config: TritonConfig) -> str:
     platform, _ = PLATFORMS[model_format]
     model_input = sidecar["input"]
-    inputs = [_tensor_entry(model_input["name"], model_input["datatype"], model_input["shape"])]
+    inputs = [_tensor_entry(model_input["name"], model_input["datatype"], input_dims(model_input))]
     outputs = [_tensor_entry(out["name"], out["datatype"], out["shape"]) for out in sidecar["outputs"]]
     preferred = sorted({size for size in config.preferred_batch_sizes if size <= config.max_batch_size})
     lines = [

@@ -4,10 +4,12 @@ set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 # System tools the tests drive for real: Prometheus (scrapes the server), nginx (gRPC load balancer),
+# Chromium (the page at / of the REST port, driven by Playwright from the dev extra, which downloads no browser)
 # and Fashion-MNIST IDX files (the real IDX loader test).
 missing=()
 command -v prometheus >/dev/null || missing+=(prometheus)
 command -v nginx >/dev/null || missing+=(nginx-light)
+[ -x /usr/bin/chromium ] || missing+=(chromium)
 [ -d /usr/share/datasets/fashion-mnist ] || missing+=(dataset-fashion-mnist)
 if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then

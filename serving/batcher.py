@@ -5,7 +5,9 @@ oldest request has waited max_queue_delay; it takes images from the head of the 
 a request across two batches, so batches are full under load. One batch runs at a time, in a worker
 thread, so the event loop keeps accepting and queueing requests meanwhile (they form the next batch).
 Every image is computed independently of its batch-mates (the model has no cross-sample state), so
-the split and the grouping change nothing in the results.
+the split and the grouping change nothing in the results. A model of any size gets requests of several image sizes;
+a batch holds one size (the oldest waiting request's), as a batch is one tensor, and padding an image to another size
+changes what a capsule model answers (blank positions vote under some presets).
 """
 
 from __future__ import annotations
@@ -169,13 +171,18 @@ class Batcher:
                 return
 
     def _take_batch(self) -> list[tuple[_Request, int, int]]:
-        """Up to max_batch_size images from the head of the queue: (request, start, stop) slices."""
-        parts, count, now = [], 0, time.monotonic()
-        while self._queue and count < self.config.max_batch_size:
-            request = self._queue[0]
+        """Up to max_batch_size images of the oldest request's size, from the head of the queue on: (request, start,
+        stop) slices. A model of any size is run on one size per batch; requests of other sizes keep their place."""
+        parts, count, now, size = [], 0, time.monotonic(), None
+        for request in list(self._queue):
+            if count >= self.config.max_batch_size:
+                break
             if request.taken == 0 and request.deadline is not None and request.deadline <= now:
                 # Its caller is about to hear DEADLINE_EXCEEDED: do not spend compute on it.
                 self._drop(request, "deadline")
+                continue
+            size = size or request.images.shape[1:]
+            if request.images.shape[1:] != size:
                 continue
             take = min(len(request.images) - request.taken, self.config.max_batch_size - count)
             parts.append((request, request.taken, request.taken + take))
@@ -183,7 +190,7 @@ class Batcher:
             count += take
             self._queued_images -= take
             if request.taken == len(request.images):
-                self._queue.popleft()
+                self._queue.remove(request)
         self.metrics.queue_depth.set(len(self._queue))
         return parts
 

@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 from google.protobuf.duration_pb2 import Duration
 
+from capsnet.model_description import PRESENT_THRESHOLD
 from capsnet.serving.errors import InvalidInput, ServerNotReady
 from capsnet.serving.images import decode_images
 from capsnet.serving.lifecycle import SHUTTING_DOWN
@@ -101,6 +102,8 @@ class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
                                     argmax_agreement=check.argmax_agreement, max_abs_diff=check.max_abs_diff,
                                     passed=check.passed, cpu=check.cpu),
             choice=spec.choice,
+            input_sizes=[spec.sizes.channels, spec.sizes.min_height, spec.sizes.min_width, spec.sizes.max_height,
+                         spec.sizes.max_width],
         )
 
     async def _classify(self, request: pb.ClassifyRequest, context, started: float) -> pb.ClassifyResponse:
@@ -109,38 +112,80 @@ class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
             if request.top_k > len(spec.class_names):
                 raise InvalidInput(f"top_k: expected 0 to {len(spec.class_names)} (the number of classes), got "
                                    f"{request.top_k}")
+            threshold = present_threshold(request)
             service.check_arrival(started)
             service.check_batch_size(len(request.images), "images")
             if any(image.WhichOneof("data") == "encoded" for image in request.images):
                 # PNG/JPEG decoding can take milliseconds: off the event loop.
-                images = await asyncio.to_thread(decode_images, request.images, spec.input_shape, self.max_image_scale)
+                decoded = await asyncio.to_thread(decode_images, request.images, spec.sizes, spec.input_shape,
+                                                  self.max_image_scale)
             else:
-                images = decode_images(request.images, spec.input_shape, self.max_image_scale)
+                decoded = decode_images(request.images, spec.sizes, spec.input_shape, self.max_image_scale)
             remaining = context.time_remaining()
-            result = await service.infer(images, field="images", reconstruction=request.include_reconstruction,
-                                         deadline=None if remaining is None else time.monotonic() + remaining,
-                                         arrival=started)
-            return _response(spec, request, result, started)
+            deadline = None if remaining is None else time.monotonic() + remaining
+            # one tensor per image size (a model of any size may be sent several in one request), inferred together
+            by_size: dict[tuple[int, ...], list[int]] = {}
+            for index, image in enumerate(decoded.images):
+                by_size.setdefault(image.shape, []).append(index)
+            results = await asyncio.gather(*(
+                service.infer(np.stack([decoded.images[index] for index in indices]), field="images",
+                              reconstruction=request.include_reconstruction, deadline=deadline, arrival=started)
+                for indices in by_size.values()))
+            return _response(spec, request, _in_request_order(list(by_size.values()), results), threshold,
+                             decoded.resized_from, started)
 
 
-def _response(spec: ModelSpec, request: pb.ClassifyRequest, result: InferenceResult,
-              started: float) -> pb.ClassifyResponse:
+def present_threshold(request: pb.ClassifyRequest) -> float:
+    """The request's present_threshold, or the default; InvalidInput outside [0, 1]."""
+    if not request.HasField("present_threshold"):
+        return PRESENT_THRESHOLD
+    threshold = request.present_threshold
+    if not 0 <= threshold <= 1:  # `not`: NaN is refused too
+        raise InvalidInput(f"present_threshold: expected 0 to 1 (a capsule length), got {threshold:g}")
+    return threshold
+
+
+def _in_request_order(groups: list[list[int]], results: list[InferenceResult]) -> InferenceResult:
+    """The results of each size's images (`groups`: their indices in the request) as one, in the request's order."""
+    if len(results) == 1:
+        return results[0]
+    order = np.argsort(np.concatenate(groups), kind="stable")  # (N,): request index -> row of the concatenation
+
+    def joined(arrays: list[np.ndarray | None]) -> np.ndarray | None:
+        return None if arrays[0] is None else np.concatenate(arrays)[order]
+
+    return InferenceResult(
+        probabilities=joined([result.probabilities for result in results]),
+        poses=joined([result.poses for result in results]),
+        reconstruction=joined([result.reconstruction for result in results]),
+        queue_seconds=max(result.queue_seconds for result in results),  # the sizes waited side by side
+        compute_seconds=sum(result.compute_seconds for result in results),
+    )
+
+
+def _response(spec: ModelSpec, request: pb.ClassifyRequest, result: InferenceResult, threshold: float,
+              resized_from: list, started: float) -> pb.ClassifyResponse:
     classes, pose_dim = len(spec.class_names), spec.pose_dim
     predicted = result.probabilities.argmax(axis=1)  # (N,)
-    top = np.argsort(-result.probabilities, axis=1, kind="stable")[:, :request.top_k]  # (N, k)
+    ranked = np.argsort(-result.probabilities, axis=1, kind="stable")  # (N, J): most probable first
     response = pb.ClassifyResponse(model_name=spec.name, model_version=spec.version, request_id=request.request_id)
     for index, probabilities in enumerate(result.probabilities):
         item = response.results.add(probabilities=probabilities.tolist(), predicted_class=int(predicted[index]),
-                                    predicted_name=spec.class_names[predicted[index]])
+                                    predicted_name=spec.class_names[predicted[index]],
+                                    resized_from=resized_from[index] or ())
         if not request.exclude_poses:
             item.poses.shape[:] = (classes, pose_dim)
             item.poses.values[:] = result.poses[index].ravel().tolist()
         if result.reconstruction is not None:
             item.reconstruction.shape[:] = spec.input_shape
             item.reconstruction.values[:] = result.reconstruction[index].tolist()
-        for label in top[index]:
+        for label in ranked[index, :request.top_k]:
             item.top_classes.add(index=int(label), name=spec.class_names[label],
                                  probability=float(probabilities[label]))
+        for label in ranked[index]:
+            if probabilities[label] > threshold:
+                item.present_classes.add(index=int(label), name=spec.class_names[label],
+                                         probability=float(probabilities[label]))
     response.timing.queue.CopyFrom(_duration(result.queue_seconds))
     response.timing.compute.CopyFrom(_duration(result.compute_seconds))
     response.timing.total.CopyFrom(_duration(time.monotonic() - started))

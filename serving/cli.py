@@ -80,6 +80,9 @@ def register(subparsers) -> None:
                             f"{ENV_VARS['http_port']})")
     serve.add_argument("--no-http", dest="http", action="store_false", default=None,
                        help="serve no HTTP/REST: gRPC and /metrics only")
+    serve.add_argument("--no-ui", dest="ui", action="store_false", default=None,
+                       help="serve no page at / of the REST port (it draws or takes images and shows each class's "
+                            "capsule length, through the REST infer endpoint)")
     serve.add_argument("--metrics-port", type=int, metavar="PORT",
                        help=f"Prometheus /metrics port (default {defaults['metrics_port']}; env {ENV_VARS['metrics_port']})")
     serve.add_argument("--backend", choices=BACKENDS,
@@ -127,6 +130,9 @@ def register(subparsers) -> None:
                          help=f"server address, HOST[:PORT] (port 8001 if none; default $CAPSNET_SERVER or "
                               f"{DEFAULT_SERVER})")
     predict.add_argument("--top-k", type=int, default=1, metavar="K", help="print the K most probable classes (default 1)")
+    predict.add_argument("--present-threshold", type=float, metavar="P",
+                         help="a class is present when its probability (capsule length) is above P, 0 to 1 "
+                              "(default: the server's, 0.5); every present class is printed")
     predict.add_argument("--poses", action="store_true", help="also print every class capsule's pose vector")
     predict.add_argument("--json", action="store_true", help="print JSON (one object per image, in a list)")
     predict.add_argument("--reconstruction", metavar="PNG",
@@ -164,7 +170,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from capsnet.serving.server import serve
 
     names = ("model_dir model_repository version_policy model_control poll_seconds log_format otlp_endpoint host "
-             "grpc_port http_port http metrics_port backend precision gpu max_batch_size max_queue_delay_us "
+             "grpc_port http_port http ui metrics_port backend precision gpu max_batch_size max_queue_delay_us "
              "max_queue_size max_pending_rpcs threads max_message_bytes max_image_scale tls_cert tls_key tls_client_ca "
              "drain_window_s grace_period_s").split()
     config = ServerConfig.from_sources({name: getattr(args, name) for name in names})
@@ -187,6 +193,8 @@ def run_predict(args: argparse.Namespace) -> int:
 
     if args.top_k < 1:
         raise CapsNetError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.present_threshold is not None and not 0 <= args.present_threshold <= 1:
+        raise CapsNetError(f"--present-threshold must be 0 to 1, got {args.present_threshold:g}")
     check_client_args(args)
     for path in args.images:
         if not os.path.isfile(path):
@@ -195,7 +203,8 @@ def run_predict(args: argparse.Namespace) -> int:
         with CapsNetClient(args.server, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                            timeout=args.timeout) as client:
             predictions = classify_files(client, args.images, args.server, poses=args.poses, top_k=args.top_k,
-                                         reconstruction=args.reconstruction is not None)
+                                         reconstruction=args.reconstruction is not None,
+                                         present_threshold=args.present_threshold)
     except grpc.RpcError as err:
         raise CapsNetError(f"{args.server}: {err.code().name}: {err.details()}") from None
     except OSError as err:
@@ -211,7 +220,12 @@ def run_predict(args: argparse.Namespace) -> int:
                          indent=2))
         return 0
     for path, prediction, png in zip(args.images, predictions, written):
-        print(f"{path}: {prediction.class_index} {prediction.class_name!r} p={prediction.probability:.4f}")
+        # one line per image: the top class, then every class present (several for an image of several objects)
+        present = ", ".join(f"{index} {name!r}" for index, name, _ in prediction.present_classes) or "none"
+        resized = (f"; resized from {'x'.join(map(str, prediction.resized_from))}, aspect ratio kept"
+                   if prediction.resized_from else "")
+        print(f"{path}: {prediction.class_index} {prediction.class_name!r} p={prediction.probability:.4f}; "
+              f"present: {present}{resized}")
         if png:
             print(f"  reconstruction: {png}")
         for rank, (index, name, probability) in enumerate(prediction.top_classes[1:], start=2):
@@ -313,6 +327,8 @@ def _as_json(path: str, prediction, poses: bool, reconstruction: str | None) -> 
         "probability": prediction.probability,
         "probabilities": prediction.probabilities.tolist(),
         "top_classes": [{"class": i, "name": n, "probability": p} for i, n, p in prediction.top_classes],
+        "present_classes": [{"class": i, "name": n, "probability": p} for i, n, p in prediction.present_classes],
+        "resized_from": list(prediction.resized_from) if prediction.resized_from else None,
     }
     if poses:
         item["poses"] = prediction.poses.tolist()

@@ -4,7 +4,7 @@
     from capsnet.serving.client import CapsNetClient
     with CapsNetClient("127.0.0.1:8001") as client:
         for p in client.classify(["digit.png"], top_k=3):
-            print(p.class_name, p.probability)
+            print(p.class_name, p.probability, [name for _, name, _ in p.present_classes])
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ class Prediction:
     poses: np.ndarray | None  # (J, D); None when not asked
     reconstruction: np.ndarray | None  # (C, H, W); None when not asked
     top_classes: list[tuple[int, str, float]]  # (index, name, probability), most probable first
+    # every class over the request's present threshold (capsule length > 0.5 by default), most probable first:
+    # several at once for an image of several objects
+    present_classes: list[tuple[int, str, float]]
+    resized_from: tuple[int, int] | None  # (H, W) of an encoded image resized to a fixed-size model's; None: not
 
 
 def image_message(image: bytes | bytearray | memoryview | str | os.PathLike | np.ndarray) -> pb.Image:
@@ -88,9 +92,12 @@ class CapsNetClient:
         self.stub = pb_grpc.CapsNetServiceStub(self.channel)
         self.timeout = timeout
 
-    def classify(self, images, *, poses: bool = True, reconstruction: bool = False, top_k: int = 0) -> list[Prediction]:
+    def classify(self, images, *, poses: bool = True, reconstruction: bool = False, top_k: int = 0,
+                 present_threshold: float | None = None) -> list[Prediction]:
+        """`present_threshold`: the length over which a class is present (None: the server's default, 0.5)."""
         request = pb.ClassifyRequest(images=[image_message(image) for image in images], exclude_poses=not poses,
-                                     include_reconstruction=reconstruction, top_k=top_k)
+                                     include_reconstruction=reconstruction, top_k=top_k,
+                                     present_threshold=present_threshold)
         response = self.stub.Classify(request, timeout=self.timeout)
         return [_prediction(result) for result in response.results]
 
@@ -126,4 +133,6 @@ def _prediction(result: pb.Classification) -> Prediction:
         poses=_array(result.poses),
         reconstruction=_array(result.reconstruction),
         top_classes=[(score.index, score.name, score.probability) for score in result.top_classes],
+        present_classes=[(score.index, score.name, score.probability) for score in result.present_classes],
+        resized_from=tuple(result.resized_from) or None,
     )

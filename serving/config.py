@@ -53,6 +53,10 @@ class ServerConfig:
     http_port: int = 8000  # KServe v2 REST
     metrics_port: int = 8002
     http: bool = True  # whether to serve KServe v2 REST at all
+    # A page at / of the REST port to draw or drop images and see each class's capsule length: a static file that
+    # only calls the infer endpoint any client calls, so it opens nothing new. Off (--no-ui) for a port that
+    # should answer the protocol alone.
+    ui: bool = True
     backend: str = "auto"
     # auto: INT8 where exported, self-checked and faster on this CPU, else FP32 (TensorRT: the plan's)
     precision: str = "auto"

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import io
 import math
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image, ImageFile, JpegImagePlugin, PngImagePlugin, UnidentifiedImageError
 
+from capsnet.model_description import InputSizes
 from capsnet.serving.errors import InvalidInput
 from capsnet.v1 import capsnet_pb2 as pb
 
@@ -16,42 +18,62 @@ TENSOR_DTYPES: dict[int, np.dtype] = {pb.DATA_TYPE_UINT8: np.dtype("u1"), pb.DAT
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def max_encoded_bytes(shape: tuple[int, int, int], max_scale: int) -> int:
-    """What the message limit budgets for one encoded image: the largest accepted canvas as 8-bit pixels of
+def max_encoded_bytes(shape: tuple[int, int, int]) -> int:
+    """What the message limit budgets for one encoded image of at most `shape` (largest_encoded): 8-bit pixels of
     the model's channels, uncompressed (a PNG stored without compression; real images compress well below)."""
     channels, height, width = shape
-    return (max_scale * height) * (max_scale * width * channels + 1)  # + 1: PNG's filter byte per row
+    return height * (width * channels + 1)  # + 1: PNG's filter byte per row
 
 
-def decode_images(images, shape: tuple[int, int, int], max_scale: int) -> np.ndarray:
-    """Repeated `Image` -> (N, C, H, W) float32; values are checked later, by the service.
+def largest_encoded(sizes: InputSizes, shape: tuple[int, int, int], max_scale: int) -> tuple[int, int, int]:
+    """(C, H, W) of the largest encoded image taken: `max_scale` times a fixed-size model's size (it is resized),
+    a model of any size's largest (it is taken as it is, or refused)."""
+    channels, height, width = shape
+    return (channels, max_scale * height, max_scale * width) if sizes.fixed else sizes.largest
 
-    Encoded images may be at most `max_scale` times the model's height and width: the header says
-    so before any pixel is decoded, so a small file declaring a huge canvas costs nothing.
+
+class Decoded(NamedTuple):
+    """A request's images: each (C, H, W) float32 (sizes may differ for a model of any size), and the (H, W) an
+    encoded image had where it was resized to the model's size (None: taken as it is)."""
+    images: list[np.ndarray]
+    resized_from: list[tuple[int, int] | None]
+
+
+def decode_images(images, sizes: InputSizes, shape: tuple[int, int, int], max_scale: int) -> Decoded:
+    """Repeated `Image` -> Decoded; values are checked later, by the service.
+
+    A model of any size takes each image at its own size, which must be one of `sizes`. A fixed-size model of
+    `shape` takes an encoded image of another size resized to fit, keeping its aspect ratio (bilinear, centred on
+    black), and says so in `resized_from`; it may be at most `max_scale` times the model's height and width: the
+    header says so before any pixel is decoded, so a small file declaring a huge canvas costs nothing.
     """
-    batch = np.empty((len(images), *shape), dtype=np.float32)  # (N, C, H, W)
+    decoded = Decoded([], [])
     for index, image in enumerate(images):
         field = f"images[{index}]"
         kind = image.WhichOneof("data")
         if kind == "encoded":
-            batch[index] = decode_encoded(image.encoded, f"{field}.encoded", shape, max_scale)
+            pixels, resized_from = decode_encoded(image.encoded, f"{field}.encoded", sizes, shape, max_scale)
         elif kind == "tensor":
-            batch[index] = decode_tensor(image.tensor, f"{field}.tensor", shape)
+            pixels, resized_from = decode_tensor(image.tensor, f"{field}.tensor", sizes), None
         else:
             raise InvalidInput(f"{field}: no data; expected encoded (PNG/JPEG bytes) or tensor")
-    return batch
+        decoded.images.append(pixels)
+        decoded.resized_from.append(resized_from)
+    return decoded
 
 
-def decode_tensor(tensor: pb.Tensor, field: str, shape: tuple[int, int, int]) -> np.ndarray:
+def decode_tensor(tensor: pb.Tensor, field: str, sizes: InputSizes) -> np.ndarray:
     dtype = TENSOR_DTYPES.get(tensor.dtype)
     if dtype is None:
         got = pb.DataType.Name(tensor.dtype) if tensor.dtype in pb.DataType.values() else str(tensor.dtype)
         raise InvalidInput(f"{field}.dtype: expected DATA_TYPE_UINT8 or DATA_TYPE_FLOAT32, got {got}")
-    if tuple(tensor.shape) != shape:
-        raise InvalidInput(f"{field}.shape: expected {list(shape)} (the model's C, H, W), got {list(tensor.shape)}")
-    expected = math.prod(shape) * dtype.itemsize
-    if len(tensor.data) != expected:
-        raise InvalidInput(f"{field}.data: expected {expected} bytes for {pb.DataType.Name(tensor.dtype)} shape "
+    shape = tuple(tensor.shape)
+    if len(shape) != 3 or shape not in sizes:
+        expected = f"{list(sizes.largest)} (the model's C, H, W)" if sizes.fixed else f"[C, H, W] ({sizes.describe()})"
+        raise InvalidInput(f"{field}.shape: expected {expected}, got {list(tensor.shape)}")
+    expected_bytes = math.prod(shape) * dtype.itemsize
+    if len(tensor.data) != expected_bytes:
+        raise InvalidInput(f"{field}.data: expected {expected_bytes} bytes for {pb.DataType.Name(tensor.dtype)} shape "
                            f"{list(shape)}, got {len(tensor.data)}")
     values = np.frombuffer(tensor.data, dtype=dtype).reshape(shape)  # (C, H, W)
     if dtype == np.uint8:
@@ -59,14 +81,20 @@ def decode_tensor(tensor: pb.Tensor, field: str, shape: tuple[int, int, int]) ->
     return values
 
 
-def decode_encoded(data: bytes, field: str, shape: tuple[int, int, int], max_scale: int) -> np.ndarray:
-    """PNG/JPEG -> the model's channels (L or RGB) -> resized to H x W (bilinear) -> [0, 1]."""
+def decode_encoded(data: bytes, field: str, sizes: InputSizes, shape: tuple[int, int, int],
+                   max_scale: int) -> tuple[np.ndarray, tuple[int, int] | None]:
+    """PNG/JPEG -> the model's channels (L or RGB) -> [0, 1]; a fixed-size model's resized to fit H x W (keeping its
+    aspect ratio), with the (H, W) it had, a model of any size's as it is."""
     channels, height, width = shape
     if channels not in PIL_MODES:
         raise InvalidInput(f"{field}: the model takes {channels}-channel input; send it as a tensor")
+    _, limit_height, limit_width = largest_encoded(sizes, shape, max_scale)
     try:
         with Image.open(io.BytesIO(data), formats=["PNG", "JPEG"]) as image:  # reads the header only
-            if image.width > max_scale * width or image.height > max_scale * height:
+            if not sizes.fixed and (channels, image.height, image.width) not in sizes:
+                raise InvalidInput(f"{field}: a {image.width}x{image.height} image (width x height); the model takes "
+                                   f"{sizes.describe()}")
+            if image.width > limit_width or image.height > limit_height:
                 raise _too_large(field, image.size, shape, max_scale)
             if image.format == "PNG" and _sixteen_bit(image):
                 # PIL would cut 16-bit RGB to 8 bits and clip 16-bit grey to 0..255, not scale them
@@ -75,7 +103,7 @@ def decode_encoded(data: bytes, field: str, shape: tuple[int, int, int], max_sca
             converted = image.convert(PIL_MODES[channels])  # decodes
     except Image.DecompressionBombError:  # Pillow's own limit, met before ours when --max-image-scale is large
         size = _declared_size(data)
-        if size[0] > max_scale * width or size[1] > max_scale * height:
+        if size[0] > limit_width or size[1] > limit_height:
             raise _too_large(field, size, shape, max_scale) from None
         assert Image.MAX_IMAGE_PIXELS is not None  # Pillow raises this error only when it has a limit
         raise InvalidInput(f"{field}: a {size[0]}x{size[1]} image is too large; expected at most "
@@ -85,12 +113,24 @@ def decode_encoded(data: bytes, field: str, shape: tuple[int, int, int], max_sca
     except (OSError, SyntaxError, ValueError) as err:
         raise InvalidInput(f"{field}: cannot decode ({len(data)} bytes): expected a PNG or JPEG file "
                            f"({type(err).__name__}: {err})") from None
-    if converted.size != (width, height):
-        converted = converted.resize((width, height), Image.Resampling.BILINEAR)
+    resized_from = None
+    if sizes.fixed and converted.size != (width, height):
+        resized_from = (converted.height, converted.width)
+        converted = fit(converted, width, height)
     pixels = np.asarray(converted, dtype=np.float32) / np.float32(255)  # (H, W) or (H, W, 3)
     if channels == 1:
-        return pixels[None]  # (1, H, W)
-    return pixels.transpose(2, 0, 1)  # (3, H, W)
+        return pixels[None], resized_from  # (1, H, W)
+    return pixels.transpose(2, 0, 1), resized_from  # (3, H, W)
+
+
+def fit(image: Image.Image, width: int, height: int) -> Image.Image:
+    """`image` scaled (bilinear) to fit width x height keeping its aspect ratio, centred on black: a 28x56 pair of
+    digits becomes a 14x28 strip in a 28x28 image, not two squashed digits."""
+    scale = min(width / image.width, height / image.height)
+    size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+    canvas = Image.new(image.mode, (width, height))  # black
+    canvas.paste(image.resize(size, Image.Resampling.BILINEAR), ((width - size[0]) // 2, (height - size[1]) // 2))
+    return canvas
 
 
 def _sixteen_bit(image: ImageFile.ImageFile) -> bool:

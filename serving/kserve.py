@@ -29,7 +29,7 @@ from capsnet import __version__
 from capsnet.serving.errors import InvalidInput, Unauthenticated
 from capsnet.serving.lifecycle import Lifecycle
 from capsnet.serving.model_manager import ModelManager, ModelRef
-from capsnet.serving.service import InferenceService, ModelSpec
+from capsnet.serving.service import InferenceService, ModelSpec, check_image_shape
 
 SERVER_NAME = "capsnet-serve"
 
@@ -61,7 +61,7 @@ def model_metadata(spec: ModelSpec, versions: list[str]) -> dict:
         "name": spec.name,
         "versions": versions,
         "platform": spec.platform,
-        "inputs": [{"name": spec.input_name, "datatype": "FP32", "shape": [-1, *spec.input_shape]}],
+        "inputs": [{"name": spec.input_name, "datatype": "FP32", "shape": [-1, *spec.input_dims]}],
         "outputs": [{"name": name, "datatype": "FP32", "shape": [-1, *shape]}
                     for name, shape in spec.output_shapes.items()],
     }
@@ -75,7 +75,7 @@ def model_config(service: InferenceService) -> dict:
         "name": spec.name,
         "platform": spec.platform,
         "max_batch_size": spec.max_batch_size,
-        "input": [{"name": spec.input_name, "data_type": "TYPE_FP32", "dims": list(spec.input_shape)}],
+        "input": [{"name": spec.input_name, "data_type": "TYPE_FP32", "dims": spec.input_dims}],
         "output": [{"name": name, "data_type": "TYPE_FP32", "dims": list(shape)}
                    for name, shape in spec.output_shapes.items()],
         "dynamic_batching": {"max_queue_delay_microseconds": round(service.batcher.config.max_queue_delay_s * 1e6)},
@@ -174,8 +174,7 @@ def check_input(spec: ModelSpec, inputs: list[InferInput]) -> InputTensor:
         raise InvalidInput(f"inputs[0].datatype: expected one of {', '.join(INPUT_DATATYPES)}, got {datatype!r}")
     if min(shape, default=0) < 0:
         raise InvalidInput(f"inputs[0].shape: dimensions must be >= 0, got {shape}")
-    if len(shape) != 4 or tuple(shape[1:]) != spec.input_shape:
-        raise InvalidInput(f"inputs[0].shape: expected shape [N, {', '.join(map(str, spec.input_shape))}], got {shape}")
+    check_image_shape(spec, shape, "inputs[0].shape")
     return InputTensor(datatype, shape, math.prod(shape))
 
 

@@ -30,6 +30,8 @@ import logging
 import ssl
 import time
 
+from importlib import resources
+
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -40,6 +42,7 @@ from capsnet.serving.kserve_http_codec import BINARY_HEADER, RestDecoder
 from capsnet.serving.lifecycle import Tracked
 from capsnet.serving.observe import CURRENT, TRACEPARENT, Observer, RequestRecord
 
+PAGE = resources.files("capsnet.serving") / "ui" / "index.html"  # shipped in the package (pyproject's package-data)
 log = logging.getLogger(__name__)
 
 API = "kserve_http"
@@ -74,7 +77,8 @@ AIOHTTP_SERVER_LOG = logging.getLogger("aiohttp.server")
 class KServeHTTP:
     """The REST endpoint: an aiohttp application over the data plane, started and stopped by the server."""
 
-    def __init__(self, plane: kserve.DataPlane, observer: Observer, max_body_bytes: int):
+    def __init__(self, plane: kserve.DataPlane, observer: Observer, max_body_bytes: int, ui: bool = True):
+        """`ui`: serve the page (serving/ui/index.html) at /."""
         self._plane = plane
         self._observer = observer
         self._bodies = BodyReader(max_body_bytes)
@@ -92,6 +96,8 @@ class KServeHTTP:
             ("POST", "/v2/repository/models/{model}/load", "RepositoryModelLoad", self._repository_load),
             ("POST", "/v2/repository/models/{model}/unload", "RepositoryModelUnload", self._repository_unload),
         ]
+        if ui:
+            routes.append(("GET", "/", "Page", self._page))
         for prefix in (model, model + "/versions/{version}"):
             routes += [
                 ("GET", prefix, "ModelMetadata", self._model_metadata),
@@ -181,6 +187,15 @@ class KServeHTTP:
             if request.transport is not None:
                 request.transport.abort()
         return response
+
+    async def _page(self, request: web.Request) -> web.Response:
+        """The page to draw or drop images and see each class's capsule length: one static file, which calls the
+        infer endpoint above like any client. Its policy lets it reach this server only, so nothing is fetched
+        from elsewhere even if the file were changed to."""
+        return web.Response(body=PAGE.read_bytes(), content_type="text/html", charset="utf-8", headers={
+            "Content-Security-Policy": "default-src 'none'; connect-src 'self'; img-src 'self' blob: data:; "
+                                       "script-src 'unsafe-inline'; style-src 'unsafe-inline'",
+            "Cache-Control": "no-cache"})
 
     async def _server_live(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self._plane.live else 400)

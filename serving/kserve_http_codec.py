@@ -50,7 +50,7 @@ class RestDecoder:
 
     async def header(self, spec: ModelSpec) -> kserve.InferHeader:
         text, self._binary = _split_body(self._body, self._header_length)
-        max_values = spec.max_batch_size * math.prod(spec.input_shape)  # a full batch of images
+        max_values = spec.max_batch_size * math.prod(spec.sizes.largest)  # a full batch of the largest images
         if (commas := text.count(b",")) > max_values + JSON_FIELD_COMMAS:
             raise InvalidInput(f"request body: the JSON holds {commas} commas, more than a full batch of "
                                f"{spec.max_batch_size} images has values ({max_values}); send fewer images "

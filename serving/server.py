@@ -36,7 +36,7 @@ from capsnet.errors import CapsNetError
 from capsnet.kserve import reflection_pool
 from capsnet.serving import capsnet_api, kserve, kserve_grpc, kserve_http
 from capsnet.serving.config import GRPC_INT_MAX, ServerConfig
-from capsnet.serving.images import max_encoded_bytes
+from capsnet.serving.images import largest_encoded, max_encoded_bytes
 from capsnet.serving.interceptor import RequestInterceptor
 from capsnet.serving.lifecycle import Lifecycle, Phase
 from capsnet.serving.metrics import Metrics
@@ -102,7 +102,8 @@ def quiet_client_errors() -> None:
 def message_limit(spec: ModelSpec, max_image_scale: int) -> int:
     """The default --max-message-bytes: a full batch of the largest accepted images, as float32 tensors or
     encoded (max_encoded_bytes), or of their float32 outputs, whichever is largest, with framing."""
-    per_image = max(_float32_image_bytes(spec), max_encoded_bytes(spec.input_shape, max_image_scale))
+    per_image = max(_float32_image_bytes(spec), max_encoded_bytes(largest_encoded(spec.sizes, spec.input_shape,
+                                                                                   max_image_scale)))
     return spec.max_batch_size * (per_image + IMAGE_OVERHEAD_BYTES) + MESSAGE_OVERHEAD_BYTES
 
 
@@ -113,9 +114,9 @@ def least_message_limit(spec: ModelSpec) -> int:
 
 
 def _float32_image_bytes(spec: ModelSpec) -> int:
-    """One image as a float32 tensor (KServe FP32, raw or typed; our tensor), or its float32 outputs."""
+    """The largest image as a float32 tensor (KServe FP32, raw or typed; our tensor), or its float32 outputs."""
     output_values = sum(math.prod(shape) for shape in spec.output_shapes.values())
-    return 4 * max(math.prod(spec.input_shape), output_values)
+    return 4 * max(math.prod(spec.sizes.largest), output_values)  # a model of any size: its largest image
 
 
 def checked_message_limit(config: ServerConfig, specs: list[ModelSpec]) -> int:
@@ -279,7 +280,7 @@ class CapsNetServer:
     async def _listen_http(self, plane: kserve.DataPlane, tls: ServerTLS | None) -> kserve_http.KServeHTTP:
         assert self.observer is not None and self.max_message_bytes is not None  # set by start() before listening
         config = self.config
-        http = kserve_http.KServeHTTP(plane, self.observer, self.max_message_bytes)
+        http = kserve_http.KServeHTTP(plane, self.observer, self.max_message_bytes, ui=config.ui)
         try:
             await http.start(config.host, config.http_port, None if tls is None else tls.context, STOP_GRACE_S)
         except OSError as err:  # asyncio's strerror holds the address again: the errno's own text

@@ -77,6 +77,19 @@ def _startup_step(what: str, max_batch_size: int):
                            "a smaller one needs less memory)") from None
 
 
+def check_image_shape(spec: ModelDescription, shape: list[int], field: str) -> None:
+    """`shape` [N, C, H, W] is of images the model takes: its one size, or for a model of any size a height and
+    width in its range; InvalidInput naming the valid sizes otherwise. Every API's request path comes here before
+    any data is decoded."""
+    sizes = spec.sizes
+    if sizes.fixed:
+        expected = f"[N, {', '.join(map(str, spec.input_shape))}]"
+    else:
+        expected = f"[N, {sizes.channels}, H, W] ({sizes.describe()})"
+    if len(shape) != 4 or tuple(shape[1:]) not in sizes:
+        raise InvalidInput(f"{field}: expected shape {expected}, got {shape}")
+
+
 def _load(folder: Path, config: ServerConfig) -> tuple[ModelArtifacts, LoadedBackend]:
     """An export folder's files, checked, and its backend, self-checked (blocking: run in a worker thread)."""
     artifacts = load_artifacts(folder)
@@ -166,16 +179,11 @@ class InferenceService:
                                "split them over several requests")
 
     def validate_images(self, images: np.ndarray, field: str) -> np.ndarray:
-        spec = self.spec
-        expected = f"[N, {', '.join(map(str, spec.input_shape))}]"
         if images.dtype != np.float32:
             raise InvalidInput(f"{field}: expected float32 values, got {images.dtype}")
-        if images.ndim != 4:
-            raise InvalidInput(f"{field}: expected shape {expected}, got {list(images.shape)}")
+        check_image_shape(self.spec, list(images.shape), field)
         count = images.shape[0]
         self.check_batch_size(count, field)
-        if images.shape[1:] != spec.input_shape:
-            raise InvalidInput(f"{field}: expected shape {expected}, got {list(images.shape)}")
         if 0 <= images.min() and images.max() <= 1:  # the common case, in two reductions (False with NaN)
             return images
         rows = images.reshape(count, -1)  # (N, C*H*W)

@@ -107,6 +107,20 @@ def trained_gap_cnn_tiny_checkpoint(tmp_path_factory) -> Path:
     return train_any_size_tiny(tmp_path_factory.mktemp("trained-gap-cnn-tiny") / "model.ckpt", "gap-cnn-tiny")
 
 
+@pytest.fixture(scope="session")
+def shared_tiny_export(trained_shared_tiny_checkpoint, tmp_path_factory) -> Path:
+    """`capsnet export --int8 --triton` of the `shared-tiny` model: ONNX graphs with a free height and width, shared
+    by the export and serving tests (the Triton repository is beside it, in triton/). The INT8 gate is opened wide,
+    as in the fixed-size export fixture: how many points so small a model loses depends on the host's kernels."""
+    from capsnet.cli import main
+
+    root = tmp_path_factory.mktemp("shared-tiny-export")
+    code = main(["export", str(trained_shared_tiny_checkpoint), "--out", str(root / "model"), "--int8",
+                 "--max-accuracy-drop", "100", "--triton", str(root / "triton")])
+    assert code == 0
+    return root / "model"
+
+
 @pytest.fixture()
 def copy_of(tmp_path):
     """Copy a file into this test's tmp dir (tests may damage it)."""

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from capsnet.errors import CapsNetError
+from capsnet.model_description import InputSizes
 
 ROUTING_VARIANTS = ("sabour", "leaky", "su")
 # em: training/em_model.py; cnn-baseline: training/cnn_baseline.py; shared-capsnet and gap-cnn:
@@ -18,46 +19,6 @@ CAPSULE_ARCHITECTURES = ("capsnet", "em")
 # do not depend on the number of positions.
 ANY_SIZE_ARCHITECTURES = ("shared-capsnet", "gap-cnn")
 EM_POSE_SIZE = 16  # EM capsules carry 4×4 pose matrices
-
-
-@dataclass(frozen=True)
-class InputSizes:
-    """The images a model takes: `channels` channels, a height from min_height to max_height and a width from
-    min_width to max_width, every whole number of pixels in between (no stride or divisibility constraint: the
-    backbone's pooling floors an odd size). A fixed-size model has min = max."""
-
-    channels: int
-    min_height: int
-    min_width: int
-    max_height: int
-    max_width: int
-
-    @property
-    def fixed(self) -> bool:
-        return (self.min_height, self.min_width) == (self.max_height, self.max_width)
-
-    def __contains__(self, shape: tuple[int, int, int]) -> bool:
-        """(C, H, W) in sizes."""
-        channels, height, width = shape
-        return (channels == self.channels and self.min_height <= height <= self.max_height
-                and self.min_width <= width <= self.max_width)
-
-    def describe(self) -> str:
-        """'1x28x28', or '1-channel images of 14x14 to 256x256 (any height and width in between)'."""
-        if self.fixed:
-            return f"{self.channels}x{self.min_height}x{self.min_width}"
-        return (f"{self.channels}-channel images of {self.min_height}x{self.min_width} to {self.max_height}x"
-                f"{self.max_width} (height x width, any in between)")
-
-    def check(self, channels: int, height: int, width: int, what: str = "the model") -> None:
-        """A one-line CapsNetError naming the valid sizes, for an image `what` cannot take. Comparisons only, so a
-        traced forward pass with symbolic H and W turns them into guards its dimension ranges already decide."""
-        if not (channels == self.channels and self.min_height <= height <= self.max_height
-                and self.min_width <= width <= self.max_width):
-            raise CapsNetError(f"{what} takes {self.describe()}; got {channels}x{height}x{width}")
-
-    def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)

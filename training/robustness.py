@@ -15,9 +15,9 @@ import argparse
 import json
 from pathlib import Path
 
+from capsnet.model_description import PRESENT_THRESHOLD  # noqa: F401 (the one default, which serving uses too)
 from capsnet.training.cli import CHECKPOINT_DATA_HELP, DEVICE_HELP
 
-PRESENT_THRESHOLD = 0.5
 # The pairs are built in memory at once, about 6 kB each for 28x28 images (200,000: 1.2 GB, 20 s): this many
 # is 6 GB; 10**12 asked numpy for terabytes and ended in a traceback.
 MAX_PAIRS = 1_000_000

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63\x61psnet/v1/capsnet.proto\x12\ncapsnet.v1\x1a\x1egoogle/protobuf/duration.proto\"\xb9\x01\n\x0f\x43lassifyRequest\x12!\n\x06images\x18\x01 \x03(\x0b\x32\x11.capsnet.v1.Image\x12\x15\n\rexclude_poses\x18\x02 \x01(\x08\x12\x1e\n\x16include_reconstruction\x18\x03 \x01(\x08\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\nmodel_name\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\t\"H\n\x05Image\x12\x11\n\x07\x65ncoded\x18\x01 \x01(\x0cH\x00\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.capsnet.v1.TensorH\x00\x42\x06\n\x04\x64\x61ta\"J\n\x06Tensor\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.capsnet.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xa8\x01\n\x10\x43lassifyResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.capsnet.v1.Classification\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12(\n\x06timing\x18\x04 \x01(\x0b\x32\x18.capsnet.v1.ServerTiming\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\xdc\x01\n\x0e\x43lassification\x12\x15\n\rprobabilities\x18\x01 \x03(\x02\x12\x17\n\x0fpredicted_class\x18\x02 \x01(\x05\x12\x16\n\x0epredicted_name\x18\x03 \x01(\t\x12%\n\x05poses\x18\x04 \x01(\x0b\x32\x16.capsnet.v1.FloatArray\x12.\n\x0ereconstruction\x18\x05 \x01(\x0b\x32\x16.capsnet.v1.FloatArray\x12+\n\x0btop_classes\x18\x06 \x03(\x0b\x32\x16.capsnet.v1.ClassScore\"+\n\nFloatArray\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x0e\n\x06values\x18\x02 \x03(\x02\">\n\nClassScore\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0bprobability\x18\x03 \x01(\x02\"\x8e\x01\n\x0cServerTiming\x12(\n\x05queue\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07\x63ompute\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05total\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"@\n\x13GetModelInfoRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"\xb8\x02\n\x14GetModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\ninput_name\x18\x03 \x01(\t\x12\x13\n\x0binput_shape\x18\x04 \x03(\x03\x12\x13\n\x0b\x63lass_names\x18\x05 \x03(\t\x12\x10\n\x08pose_dim\x18\x06 \x01(\x05\x12\x14\n\x0coutput_names\x18\x07 \x03(\t\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12\x11\n\tprecision\x18\n \x01(\t\x12$\n\x07routing\x18\x0b \x01(\x0b\x32\x13.capsnet.v1.Routing\x12)\n\nself_check\x18\x0c \x01(\x0b\x32\x15.capsnet.v1.SelfCheck\x12\x0e\n\x06\x63hoice\x18\r \x01(\t\"\xd5\x01\n\tSelfCheck\x12\x11\n\tprecision\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x01(\x05\x12\x18\n\x10\x61rgmax_agreement\x18\x03 \x01(\x02\x12;\n\x0cmax_abs_diff\x18\x04 \x03(\x0b\x32%.capsnet.v1.SelfCheck.MaxAbsDiffEntry\x12\x0e\n\x06passed\x18\x05 \x01(\x08\x12\x0b\n\x03\x63pu\x18\x06 \x01(\t\x1a\x31\n\x0fMaxAbsDiffEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"G\n\x07Routing\x12\x0f\n\x07variant\x18\x01 \x01(\t\x12\x12\n\niterations\x18\x02 \x01(\x05\x12\x17\n\x0fsquash_constant\x18\x03 \x01(\x02*Q\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\x01\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x02\x32\xfb\x01\n\x0e\x43\x61psNetService\x12\x45\n\x08\x43lassify\x12\x1b.capsnet.v1.ClassifyRequest\x1a\x1c.capsnet.v1.ClassifyResponse\x12O\n\x0e\x43lassifyStream\x12\x1b.capsnet.v1.ClassifyRequest\x1a\x1c.capsnet.v1.ClassifyResponse(\x01\x30\x01\x12Q\n\x0cGetModelInfo\x12\x1f.capsnet.v1.GetModelInfoRequest\x1a .capsnet.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63\x61psnet/v1/capsnet.proto\x12\ncapsnet.v1\x1a\x1egoogle/protobuf/duration.proto\"\xef\x01\n\x0f\x43lassifyRequest\x12!\n\x06images\x18\x01 \x03(\x0b\x32\x11.capsnet.v1.Image\x12\x15\n\rexclude_poses\x18\x02 \x01(\x08\x12\x1e\n\x16include_reconstruction\x18\x03 \x01(\x08\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\nmodel_name\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\t\x12\x1e\n\x11present_threshold\x18\x08 \x01(\x02H\x00\x88\x01\x01\x42\x14\n\x12_present_threshold\"H\n\x05Image\x12\x11\n\x07\x65ncoded\x18\x01 \x01(\x0cH\x00\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.capsnet.v1.TensorH\x00\x42\x06\n\x04\x64\x61ta\"J\n\x06Tensor\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.capsnet.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xa8\x01\n\x10\x43lassifyResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.capsnet.v1.Classification\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12(\n\x06timing\x18\x04 \x01(\x0b\x32\x18.capsnet.v1.ServerTiming\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\xa3\x02\n\x0e\x43lassification\x12\x15\n\rprobabilities\x18\x01 \x03(\x02\x12\x17\n\x0fpredicted_class\x18\x02 \x01(\x05\x12\x16\n\x0epredicted_name\x18\x03 \x01(\t\x12%\n\x05poses\x18\x04 \x01(\x0b\x32\x16.capsnet.v1.FloatArray\x12.\n\x0ereconstruction\x18\x05 \x01(\x0b\x32\x16.capsnet.v1.FloatArray\x12+\n\x0btop_classes\x18\x06 \x03(\x0b\x32\x16.capsnet.v1.ClassScore\x12/\n\x0fpresent_classes\x18\x07 \x03(\x0b\x32\x16.capsnet.v1.ClassScore\x12\x14\n\x0cresized_from\x18\x08 \x03(\x03\"+\n\nFloatArray\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x0e\n\x06values\x18\x02 \x03(\x02\">\n\nClassScore\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0bprobability\x18\x03 \x01(\x02\"\x8e\x01\n\x0cServerTiming\x12(\n\x05queue\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07\x63ompute\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05total\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"@\n\x13GetModelInfoRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"\xcd\x02\n\x14GetModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\ninput_name\x18\x03 \x01(\t\x12\x13\n\x0binput_shape\x18\x04 \x03(\x03\x12\x13\n\x0b\x63lass_names\x18\x05 \x03(\t\x12\x10\n\x08pose_dim\x18\x06 \x01(\x05\x12\x14\n\x0coutput_names\x18\x07 \x03(\t\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12\x11\n\tprecision\x18\n \x01(\t\x12$\n\x07routing\x18\x0b \x01(\x0b\x32\x13.capsnet.v1.Routing\x12)\n\nself_check\x18\x0c \x01(\x0b\x32\x15.capsnet.v1.SelfCheck\x12\x0e\n\x06\x63hoice\x18\r \x01(\t\x12\x13\n\x0binput_sizes\x18\x0e \x03(\x03\"\xd5\x01\n\tSelfCheck\x12\x11\n\tprecision\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x01(\x05\x12\x18\n\x10\x61rgmax_agreement\x18\x03 \x01(\x02\x12;\n\x0cmax_abs_diff\x18\x04 \x03(\x0b\x32%.capsnet.v1.SelfCheck.MaxAbsDiffEntry\x12\x0e\n\x06passed\x18\x05 \x01(\x08\x12\x0b\n\x03\x63pu\x18\x06 \x01(\t\x1a\x31\n\x0fMaxAbsDiffEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"G\n\x07Routing\x12\x0f\n\x07variant\x18\x01 \x01(\t\x12\x12\n\niterations\x18\x02 \x01(\x05\x12\x17\n\x0fsquash_constant\x18\x03 \x01(\x02*Q\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\x01\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x02\x32\xfb\x01\n\x0e\x43\x61psNetService\x12\x45\n\x08\x43lassify\x12\x1b.capsnet.v1.ClassifyRequest\x1a\x1c.capsnet.v1.ClassifyResponse\x12O\n\x0e\x43lassifyStream\x12\x1b.capsnet.v1.ClassifyRequest\x1a\x1c.capsnet.v1.ClassifyResponse(\x01\x30\x01\x12Q\n\x0cGetModelInfo\x12\x1f.capsnet.v1.GetModelInfoRequest\x1a .capsnet.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,34 +34,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SELFCHECK_MAXABSDIFFENTRY']._loaded_options = None
   _globals['_SELFCHECK_MAXABSDIFFENTRY']._serialized_options = b'8\001'
-  _globals['_DATATYPE']._serialized_start=1728
-  _globals['_DATATYPE']._serialized_end=1809
+  _globals['_DATATYPE']._serialized_start=1874
+  _globals['_DATATYPE']._serialized_end=1955
   _globals['_CLASSIFYREQUEST']._serialized_start=73
-  _globals['_CLASSIFYREQUEST']._serialized_end=258
-  _globals['_IMAGE']._serialized_start=260
-  _globals['_IMAGE']._serialized_end=332
-  _globals['_TENSOR']._serialized_start=334
-  _globals['_TENSOR']._serialized_end=408
-  _globals['_CLASSIFYRESPONSE']._serialized_start=411
-  _globals['_CLASSIFYRESPONSE']._serialized_end=579
-  _globals['_CLASSIFICATION']._serialized_start=582
-  _globals['_CLASSIFICATION']._serialized_end=802
-  _globals['_FLOATARRAY']._serialized_start=804
-  _globals['_FLOATARRAY']._serialized_end=847
-  _globals['_CLASSSCORE']._serialized_start=849
-  _globals['_CLASSSCORE']._serialized_end=911
-  _globals['_SERVERTIMING']._serialized_start=914
-  _globals['_SERVERTIMING']._serialized_end=1056
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1058
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1122
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1125
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1437
-  _globals['_SELFCHECK']._serialized_start=1440
-  _globals['_SELFCHECK']._serialized_end=1653
-  _globals['_SELFCHECK_MAXABSDIFFENTRY']._serialized_start=1604
-  _globals['_SELFCHECK_MAXABSDIFFENTRY']._serialized_end=1653
-  _globals['_ROUTING']._serialized_start=1655
-  _globals['_ROUTING']._serialized_end=1726
-  _globals['_CAPSNETSERVICE']._serialized_start=1812
-  _globals['_CAPSNETSERVICE']._serialized_end=2063
+  _globals['_CLASSIFYREQUEST']._serialized_end=312
+  _globals['_IMAGE']._serialized_start=314
+  _globals['_IMAGE']._serialized_end=386
+  _globals['_TENSOR']._serialized_start=388
+  _globals['_TENSOR']._serialized_end=462
+  _globals['_CLASSIFYRESPONSE']._serialized_start=465
+  _globals['_CLASSIFYRESPONSE']._serialized_end=633
+  _globals['_CLASSIFICATION']._serialized_start=636
+  _globals['_CLASSIFICATION']._serialized_end=927
+  _globals['_FLOATARRAY']._serialized_start=929
+  _globals['_FLOATARRAY']._serialized_end=972
+  _globals['_CLASSSCORE']._serialized_start=974
+  _globals['_CLASSSCORE']._serialized_end=1036
+  _globals['_SERVERTIMING']._serialized_start=1039
+  _globals['_SERVERTIMING']._serialized_end=1181
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1183
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1247
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1250
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1583
+  _globals['_SELFCHECK']._serialized_start=1586
+  _globals['_SELFCHECK']._serialized_end=1799
+  _globals['_SELFCHECK_MAXABSDIFFENTRY']._serialized_start=1750
+  _globals['_SELFCHECK_MAXABSDIFFENTRY']._serialized_end=1799
+  _globals['_ROUTING']._serialized_start=1801
+  _globals['_ROUTING']._serialized_end=1872
+  _globals['_CAPSNETSERVICE']._serialized_start=1958
+  _globals['_CAPSNETSERVICE']._serialized_end=2209
 # @@protoc_insertion_point(module_scope)

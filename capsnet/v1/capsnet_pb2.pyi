@@ -20,7 +20,7 @@ DATA_TYPE_UINT8: DataType
 DATA_TYPE_FLOAT32: DataType
 
 class ClassifyRequest(_message.Message):
-    __slots__ = ("images", "exclude_poses", "include_reconstruction", "top_k", "request_id", "model_name", "model_version")
+    __slots__ = ("images", "exclude_poses", "include_reconstruction", "top_k", "request_id", "model_name", "model_version", "present_threshold")
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_POSES_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_RECONSTRUCTION_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class ClassifyRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     images: _containers.RepeatedCompositeFieldContainer[Image]
     exclude_poses: bool
     include_reconstruction: bool
@@ -35,7 +36,8 @@ class ClassifyRequest(_message.Message):
     request_id: str
     model_name: str
     model_version: str
-    def __init__(self, images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., exclude_poses: bool = ..., include_reconstruction: bool = ..., top_k: _Optional[int] = ..., request_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
+    present_threshold: float
+    def __init__(self, images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., exclude_poses: bool = ..., include_reconstruction: bool = ..., top_k: _Optional[int] = ..., request_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., present_threshold: _Optional[float] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("encoded", "tensor")
@@ -70,20 +72,24 @@ class ClassifyResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[Classification, _Mapping]]] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., timing: _Optional[_Union[ServerTiming, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Classification(_message.Message):
-    __slots__ = ("probabilities", "predicted_class", "predicted_name", "poses", "reconstruction", "top_classes")
+    __slots__ = ("probabilities", "predicted_class", "predicted_name", "poses", "reconstruction", "top_classes", "present_classes", "resized_from")
     PROBABILITIES_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_CLASS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_NAME_FIELD_NUMBER: _ClassVar[int]
     POSES_FIELD_NUMBER: _ClassVar[int]
     RECONSTRUCTION_FIELD_NUMBER: _ClassVar[int]
     TOP_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    RESIZED_FROM_FIELD_NUMBER: _ClassVar[int]
     probabilities: _containers.RepeatedScalarFieldContainer[float]
     predicted_class: int
     predicted_name: str
     poses: FloatArray
     reconstruction: FloatArray
     top_classes: _containers.RepeatedCompositeFieldContainer[ClassScore]
-    def __init__(self, probabilities: _Optional[_Iterable[float]] = ..., predicted_class: _Optional[int] = ..., predicted_name: _Optional[str] = ..., poses: _Optional[_Union[FloatArray, _Mapping]] = ..., reconstruction: _Optional[_Union[FloatArray, _Mapping]] = ..., top_classes: _Optional[_Iterable[_Union[ClassScore, _Mapping]]] = ...) -> None: ...
+    present_classes: _containers.RepeatedCompositeFieldContainer[ClassScore]
+    resized_from: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, probabilities: _Optional[_Iterable[float]] = ..., predicted_class: _Optional[int] = ..., predicted_name: _Optional[str] = ..., poses: _Optional[_Union[FloatArray, _Mapping]] = ..., reconstruction: _Optional[_Union[FloatArray, _Mapping]] = ..., top_classes: _Optional[_Iterable[_Union[ClassScore, _Mapping]]] = ..., present_classes: _Optional[_Iterable[_Union[ClassScore, _Mapping]]] = ..., resized_from: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FloatArray(_message.Message):
     __slots__ = ("shape", "values")
@@ -122,7 +128,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("name", "version", "input_name", "input_shape", "class_names", "pose_dim", "output_names", "max_batch_size", "backend", "precision", "routing", "self_check", "choice")
+    __slots__ = ("name", "version", "input_name", "input_shape", "class_names", "pose_dim", "output_names", "max_batch_size", "backend", "precision", "routing", "self_check", "choice", "input_sizes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INPUT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +142,7 @@ class GetModelInfoResponse(_message.Message):
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     SELF_CHECK_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SIZES_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     input_name: str
@@ -149,7 +156,8 @@ class GetModelInfoResponse(_message.Message):
     routing: Routing
     self_check: SelfCheck
     choice: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., input_name: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., class_names: _Optional[_Iterable[str]] = ..., pose_dim: _Optional[int] = ..., output_names: _Optional[_Iterable[str]] = ..., max_batch_size: _Optional[int] = ..., backend: _Optional[str] = ..., precision: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., self_check: _Optional[_Union[SelfCheck, _Mapping]] = ..., choice: _Optional[str] = ...) -> None: ...
+    input_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., input_name: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., class_names: _Optional[_Iterable[str]] = ..., pose_dim: _Optional[int] = ..., output_names: _Optional[_Iterable[str]] = ..., max_batch_size: _Optional[int] = ..., backend: _Optional[str] = ..., precision: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., self_check: _Optional[_Union[SelfCheck, _Mapping]] = ..., choice: _Optional[str] = ..., input_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SelfCheck(_message.Message):
     __slots__ = ("precision", "images", "argmax_agreement", "max_abs_diff", "passed", "cpu")

@@ -81,7 +81,7 @@ def test_export_refuses_a_checkpoint_without_capsules(tmp_path, capsys, random_c
 
     baseline = random_checkpoint(preset("tiny", arch="cnn-baseline"), "baseline.ckpt")
     line = _export_error([str(baseline), "--out", str(tmp_path / "out")], capsys)
-    assert "cnn-baseline checkpoint" in line and "export takes capsule networks (capsnet or em)" in line
+    assert "cnn-baseline checkpoint" in line and "export takes capsule networks (capsnet, em, shared-capsnet)" in line
     assert not (tmp_path / "out").exists()
 
 

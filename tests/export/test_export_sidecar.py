@@ -27,7 +27,10 @@ def test_export_sidecar_describes_the_checkpoint(tiny_export):
     identity = (sidecar["format"], sidecar["format_version"], sidecar["name"], sidecar["version"])
     assert identity == ("capsnet-model", 3, "capsnet", "1")
     assert sidecar["input"] == {"name": "images", "datatype": "FP32", "layout": "NCHW",
-                                "shape": [config.in_channels, config.height, config.width], "value_range": [0.0, 1.0]}
+                                "shape": [config.in_channels, config.height, config.width], "value_range": [0.0, 1.0],
+                                "sizes": {"channels": config.in_channels, "min_height": config.height,
+                                          "max_height": config.height, "min_width": config.width,
+                                          "max_width": config.width, "multiple_of": 1}}
     assert sidecar["outputs"] == [
         {"name": "probabilities", "datatype": "FP32", "shape": [config.num_classes]},
         {"name": "poses", "datatype": "FP32", "shape": [config.num_classes, config.digit_caps_dim]},

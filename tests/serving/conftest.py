@@ -40,6 +40,15 @@ def server(model_dir):
 
 
 @pytest.fixture(scope="session")
+def any_size_server(shared_tiny_export):
+    """A server of the `shared-tiny` export, a model of any image size, at FP32 (the answers are compared with the
+    FP32 graph)."""
+    running = ServerThread(server_config(shared_tiny_export, precision="fp32"))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
 def channel(server):
     with grpc.insecure_channel(server.target) as ch:
         yield ch

@@ -74,6 +74,15 @@ def onnxruntime_reference(model_dir: Path, images):
     return create_backend("onnxruntime", "fp32", load_artifacts(model_dir), server_config(model_dir)).run(images)
 
 
+def graph_probabilities(model_dir: Path):
+    """The exported FP32 graph run directly in ONNX Runtime, apart from the server's backends:
+    (N, C, H, W) float32 -> (N, J) probabilities."""
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    return lambda images: session.run(["probabilities"], {"images": images})[0]
+
+
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
     """The exposition at `url` as {(sample name, sorted label items): value}."""
     with urllib.request.urlopen(url, timeout=10) as response:

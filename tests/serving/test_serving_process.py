@@ -248,6 +248,7 @@ def test_predict_prints_classes_without_importing_torch(server, tmp_path):
     assert lines[-1] == "torch not imported"
     assert lines[0].startswith(f"{paths[0]}: ") and " p=" in lines[0]
     assert lines[1].startswith("  #2: ") and sum(line.startswith("  pose ") for line in lines) == 20
+    assert "; present: " in lines[0]  # the classes over 0.5, or none
 
     as_json = run("--json")
     assert as_json.returncode == 0, as_json.stderr
