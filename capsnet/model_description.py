@@ -121,7 +121,7 @@ class InputSizes:
         return [channels, height if self.min_height == self.max_height else -1,
                 width if self.min_width == self.max_width else -1]
 
-    def __contains__(self, shape: tuple[int, int, int]) -> bool:
+    def __contains__(self, shape: tuple[int, ...]) -> bool:
         """(C, H, W) in sizes."""
         channels, height, width = shape
         try:

@@ -61,8 +61,8 @@ def export_program(model, reconstruction: bool, max_batch: int | None = None):
     # A model of any size is traced size-obliviously, as torch.onnx.export traces a module: a reshape's choice
     # between a view and a copy otherwise guards that the backbone grid is not one position, which the smallest
     # valid image gives. The fixed-size models are traced as they always were (there it adds a batch guard).
-    with quiet("torch.export", "torch._dynamo"), torch.fx.experimental._config.patch(
-            backed_size_oblivious=not sizes.fixed):
+    with quiet("torch.export", "torch._dynamo"), torch.fx.experimental._config.patch(  # type: ignore[attr-defined]
+            backed_size_oblivious=not sizes.fixed):  # (torch adds patch() to its config modules at import time)
         return torch.export.export(InferenceOutputs().eval(), (example,), dynamic_shapes={INPUT_NAME: dims})
 
 

@@ -151,13 +151,14 @@ def _in_request_order(groups: list[list[int]], results: list[InferenceResult]) -
         return results[0]
     order = np.argsort(np.concatenate(groups), kind="stable")  # (N,): request index -> row of the concatenation
 
-    def joined(arrays: list[np.ndarray | None]) -> np.ndarray | None:
-        return None if arrays[0] is None else np.concatenate(arrays)[order]
+    def joined(arrays: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(arrays)[order]
 
+    reconstructions = [result.reconstruction for result in results if result.reconstruction is not None]
     return InferenceResult(
         probabilities=joined([result.probabilities for result in results]),
         poses=joined([result.poses for result in results]),
-        reconstruction=joined([result.reconstruction for result in results]),
+        reconstruction=joined(reconstructions) if reconstructions else None,  # one model: all or none have one
         queue_seconds=max(result.queue_seconds for result in results),  # the sizes waited side by side
         compute_seconds=sum(result.compute_seconds for result in results),
     )

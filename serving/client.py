@@ -134,5 +134,5 @@ def _prediction(result: pb.Classification) -> Prediction:
         reconstruction=_array(result.reconstruction),
         top_classes=[(score.index, score.name, score.probability) for score in result.top_classes],
         present_classes=[(score.index, score.name, score.probability) for score in result.present_classes],
-        resized_from=tuple(result.resized_from) or None,
+        resized_from=(result.resized_from[0], result.resized_from[1]) if result.resized_from else None,
     )
