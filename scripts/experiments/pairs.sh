@@ -4,8 +4,8 @@
 # scored on single test digits and on pairs of different test digits side by side (28x56); then the summary.
 # Usage: scripts/experiments/pairs.sh MNIST_DIR [EPOCHS] [OUT_DIR]   (defaults: 3, models/pairs)
 # Runs that already have their last checkpoint, and scores already written, are skipped, so the script can be
-# stopped and restarted; two runs go side by side with one thread each (on a shared 2-core machine that trained
-# faster than one run on two threads).
+# stopped and restarted; two runs go side by side with one thread each, the next starting as soon as one ends (on a
+# shared 2-core machine that trained faster than one run on two threads).
 set -euo pipefail
 data="${1:?usage: scripts/experiments/pairs.sh MNIST_DIR [EPOCHS] [OUT_DIR]}"
 epochs="${2:-3}"
@@ -16,11 +16,9 @@ train() {  # train PRESET SEED
   nice -n 10 capsnet train --data "$data" --preset "$1" --epochs "$epochs" --batch-size 128 --seed "$2" \
     --threads 1 --no-progress --out "$out/$1-seed$2.ckpt" > "$out/$1-seed$2.log"
 }
-for seed in 0 1 2; do
-  train shared "$seed" &
-  train gap-cnn "$seed"
-  wait
-done
+export -f train
+export data epochs out
+for seed in 0 1 2; do printf 'shared %s\ngap-cnn %s\n' "$seed" "$seed"; done | xargs -P 2 -L 1 bash -c 'train "$@"' _
 for run in "$out"/*-seed?.ckpt; do
   scores="${run%.ckpt}.pairs.json"
   [[ -f "$scores" ]] || OMP_NUM_THREADS=2 nice -n 10 capsnet eval "$run" --data "$data" --pairs side-by-side --json \
