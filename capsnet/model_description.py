@@ -30,6 +30,9 @@ MODEL_VERSION = "1"
 INPUT_NAME = "images"
 OUTPUT_NAMES = ("probabilities", "poses")
 RECONSTRUCTION_NAME = "reconstruction"
+# Where Triton's model config carries the class names (its `parameters`, free-form strings): a client such as the
+# page at / names the classes from it, since KServe v2 metadata has no place for them.
+CLASS_NAMES_PARAMETER = "class_names"
 
 CHECKPOINT_NAME = "model.ckpt"
 ONNX_NAME = "model.onnx"
@@ -573,3 +576,7 @@ def read_plan_info(path: Path) -> dict:
                            "like \"9.0\", precision fp32|fp16|int8 and integers 1 <= min_batch <= opt_batch <= max_batch")
     return info
 
+
+def class_names_parameters(class_names: tuple[str, ...] | list[str]) -> dict[str, dict[str, str]]:
+    """Triton model config `parameters` naming the classes: a JSON list, index for index with the probabilities."""
+    return {CLASS_NAMES_PARAMETER: {"string_value": json.dumps(list(class_names), ensure_ascii=False)}}

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from capsnet.export.config import TritonConfig
-from capsnet.model_description import InputSizes
+from capsnet.model_description import InputSizes, class_names_parameters
 
 CONFIG_NAME = "config.pbtxt"
 MODEL_VERSION_DIR = "1"
@@ -49,6 +49,9 @@ def config_pbtxt(sidecar: dict[str, Any], model_format: str, config: TritonConfi
         f"  max_queue_delay_microseconds: {config.max_queue_delay_us}\n"
         "}",
     ]
+    for key, value in class_names_parameters(sidecar["class_names"]).items():
+        text = value["string_value"].replace("\\", "\\\\").replace('"', '\\"')  # a protobuf text-format string
+        lines.append(f'parameters {{\n  key: "{key}"\n  value: {{ string_value: "{text}" }}\n}}')
     if model_format == "plan":
         lines.append("instance_group [\n  {\n    kind: KIND_GPU\n    count: 1\n  }\n]")  # engines run on GPUs only
     return "\n".join(lines) + "\n"

@@ -26,6 +26,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from capsnet import __version__
+from capsnet.model_description import class_names_parameters
 from capsnet.serving.errors import InvalidInput, Unauthenticated
 from capsnet.serving.lifecycle import Lifecycle
 from capsnet.serving.model_manager import ModelManager, ModelRef
@@ -79,6 +80,7 @@ def model_config(service: InferenceService) -> dict:
         "output": [{"name": name, "data_type": "TYPE_FP32", "dims": list(shape)}
                    for name, shape in spec.output_shapes.items()],
         "dynamic_batching": {"max_queue_delay_microseconds": round(service.batcher.config.max_queue_delay_s * 1e6)},
+        "parameters": class_names_parameters(spec.class_names),
     }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import onnx
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
@@ -27,6 +29,7 @@ def test_export_triton_repository_for_onnxruntime(tiny_export):
         {"name": "reconstruction", "data_type": "TYPE_FP32", "dims": ["784"]},
     ]
     assert config["dynamic_batching"] == {"preferred_batch_size": [32, 256], "max_queue_delay_microseconds": "100"}
+    assert json.loads(config["parameters"]["class_names"]["string_value"]) == tiny_export.sidecar["class_names"]
     assert sorted(path.name for path in model_dir.iterdir()) == ["1", "config.pbtxt"]
     assert (model_dir / "1" / "model.onnx").read_bytes() == (tiny_export.out / "model.onnx").read_bytes()
 
@@ -53,3 +56,9 @@ def test_export_triton_config_declares_the_onnx_graphs_interface(tiny_export):
 
     assert config["input"] == declared(graph.input)
     assert config["output"] == declared(graph.output)
+
+
+def test_export_triton_config_keeps_class_names_with_quotes_and_accents(tiny_export):
+    names = ['T-shirt/top', 'a "quoted" class', 'back\\slash', 'Sandale à talon']
+    config = _parse_model_config(config_pbtxt({**tiny_export.sidecar, "class_names": names}, "onnx", TritonConfig()))
+    assert json.loads(config["parameters"]["class_names"]["string_value"]) == names

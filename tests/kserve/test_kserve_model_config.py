@@ -24,6 +24,8 @@ EXPECTED_OUTPUTS = [
     {"name": "poses", "data_type": "TYPE_FP32", "dims": ["10", "16"]},
     {"name": "reconstruction", "data_type": "TYPE_FP32", "dims": ["784"]},
 ]
+# The class names, in the parameters Triton keeps for free-form settings: the digits, as JSON
+EXPECTED_PARAMETERS = {"class_names": {"string_value": json.dumps([str(digit) for digit in range(10)])}}
 
 
 @pytest.fixture
@@ -37,7 +39,8 @@ def test_tritonclient_get_model_config_as_json(triton):
     config = triton.get_model_config("capsnet", as_json=True)["config"]
     # MessageToJson leaves out defaults: the server's max_queue_delay_us of 0 makes dynamic_batching {}.
     assert config == {"name": "capsnet", "platform": "onnxruntime_onnx", "max_batch_size": MAX_BATCH_SIZE,
-                      "input": EXPECTED_INPUTS, "output": EXPECTED_OUTPUTS, "dynamic_batching": {}}
+                      "input": EXPECTED_INPUTS, "output": EXPECTED_OUTPUTS, "dynamic_batching": {},
+                      "parameters": EXPECTED_PARAMETERS}
     assert triton.get_model_config("capsnet", "1", as_json=True)["config"] == config
 
 
@@ -50,6 +53,7 @@ def test_tritonclient_get_model_config_message(triton):
     assert config.dynamic_batching.max_queue_delay_microseconds == 0
     assert [(tensor.name, tensor.data_type, list(tensor.dims)) for tensor in config.input] == [
         ("images", triton_config_pb2.TYPE_FP32, [1, 28, 28])]
+    assert json.loads(config.parameters["class_names"].string_value) == [str(digit) for digit in range(10)]
 
 
 def test_the_config_follows_the_servers_settings(start_kserve):

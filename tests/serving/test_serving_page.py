@@ -3,6 +3,8 @@ uploaded, or digits drawn, and what the page shows read back against what the ex
 
 from __future__ import annotations
 
+import json
+
 import shutil
 import urllib.error
 import urllib.request
@@ -101,6 +103,10 @@ def test_an_uploaded_pair_shows_both_digits_present(any_size_server, shared_tiny
     page.fill("#threshold", f"{(ranked[1] + ranked[2]) / 2:.4f}")
     _, present = shown(page)
     assert set(present) == digits and len(page.locator(".present.name").all()) == 2
+    # the classes are named as model.json names them, which the page reads from Triton's model config
+    names = json.loads((shared_tiny_export / "model.json").read_text())["class_names"]
+    assert page.locator(".name").all_inner_texts() == names
+    assert page.locator("#present").inner_text() == "present: " + ", ".join(names[index] for index in present)
     assert f"{url(any_size_server)}v2/models/capsnet/infer" in requested
     assert all(request.startswith(url(any_size_server)) for request in requested), requested
     page.close()
