@@ -110,6 +110,10 @@ def process_group(context: DistributedContext, device: torch.device) -> Iterator
         raise CapsNetError(f"cannot join the process group of {context.world_size}: {str(err).splitlines()[0]}") from None
     try:
         yield
+        # Every rank leaves the group together: a rank that ended its process while a peer was still in the group
+        # (rank 0 writing the last checkpoints) aborted in gloo's teardown now and then (SIGABRT, "terminate called
+        # without an active exception"), failing a run whose training had succeeded.
+        dist.barrier()
     except RuntimeError as err:
         # A peer that exits (its own error, a kill) breaks the next collective here: say so in one line, not a traceback
         if not _peer_lost(err):
