@@ -24,12 +24,20 @@ SIDECAR_NAME = "model.json"
 FORMAT_NAME = "capsnet-model"
 # 2: file hashes, the self-check reference set, the INT8 gate's data and CPU, the FP16 gate
 # 3: AOTInductor packages; one precision gate for INT8, FP16 and BF16, measured per model (`precision_gate`)
-FORMAT_VERSION = 3
+# 4: a model without capsules (the CNN baselines): `probabilities` may be its only output and `routing` null. A model
+#    with poses and routing means what it meant in 3 and is written as 3, so that servers reading 3 only still load
+#    it; one without is written as 4, which they refuse by its version rather than as damaged.
+FORMAT_VERSION = 4
+FORMAT_VERSION_WITH_CAPSULES = 3
 MODEL_NAME = "capsnet"
 MODEL_VERSION = "1"
 INPUT_NAME = "images"
-OUTPUT_NAMES = ("probabilities", "poses")
+PROBABILITIES_NAME = "probabilities"
+POSES_NAME = "poses"
 RECONSTRUCTION_NAME = "reconstruction"
+# every output a model may have, in model.json's order: probabilities always, poses for a model with capsules, the
+# decoder's reconstruction when exported with it
+OUTPUT_NAMES = (PROBABILITIES_NAME, POSES_NAME, RECONSTRUCTION_NAME)
 # Where Triton's model config carries the class names (its `parameters`, free-form strings): a client such as the
 # page at / names the classes from it, since KServe v2 metadata has no place for them.
 CLASS_NAMES_PARAMETER = "class_names"
@@ -218,10 +226,6 @@ def gate_criterion() -> dict[str, Any]:
             "diff_slack": GATE_DIFF_SLACK}
 
 
-def output_names(reconstruction: bool) -> tuple[str, ...]:
-    return OUTPUT_NAMES + ((RECONSTRUCTION_NAME,) if reconstruction else ())
-
-
 def file_sha256(path: str | os.PathLike) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -261,8 +265,10 @@ class AotiPackage:
 class ModelDescription:
     input_shape: tuple[int, int, int]  # (C, H, W), float32 in [0, 1], NCHW
     class_names: tuple[str, ...]
-    output_shapes: dict[str, tuple[int, ...]]  # without the batch axis: probabilities (J,), poses (J, D)[, reconstruction]
-    routing: dict  # {"variant", "iterations", "squash_constant"}, or EM's {"variant": "em", "iterations", "inverse_temperature"}
+    output_shapes: dict[str, tuple[int, ...]]  # without the batch axis: probabilities (J,)[, poses (J, D)][, reconstruction]
+    # {"variant", "iterations", "squash_constant"}, or EM's {"variant": "em", "iterations", "inverse_temperature"};
+    # {} for a model without routing (written as null)
+    routing: dict
     artifacts: dict[str, str | None]  # ARTIFACT_KEYS -> file name in the model directory (None: not exported)
     opset: int
     name: str = MODEL_NAME
@@ -298,14 +304,21 @@ class ModelDescription:
 
     @property
     def pose_dim(self) -> int:
-        return self.output_shapes["poses"][1]
+        """The length of each class's pose vector; 0 for a model without poses."""
+        poses = self.output_shapes.get(POSES_NAME)
+        return poses[1] if poses else 0
+
+    @property
+    def format_version(self) -> int:
+        """The oldest format that describes this model (FORMAT_VERSION's comment)."""
+        return FORMAT_VERSION_WITH_CAPSULES if self.pose_dim and self.routing else FORMAT_VERSION
 
     def to_json(self, with_hashes: bool = True) -> dict[str, Any]:
         """model.json's content; without the hashes it is what each ONNX file embeds (a file cannot hold its own hash)."""
         channels, height, width = self.input_shape
         values = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "name": self.name,
             "version": self.version,
             "exporter_version": self.exporter_version,
@@ -315,7 +328,7 @@ class ModelDescription:
                       "shape": [channels, height, width], "sizes": self.sizes.to_dict(), "value_range": [0.0, 1.0]},
             "outputs": [{"name": name, "datatype": "FP32", "shape": list(shape)} for name, shape in self.output_shapes.items()],
             "class_names": list(self.class_names),
-            "routing": self.routing,
+            "routing": self.routing or None,
             "artifacts": {key: self.artifacts.get(key) for key in ARTIFACT_KEYS},
             "sha256": self.sha256,
             "reference_set": self.reference_set,
@@ -353,9 +366,11 @@ class ModelDescription:
         reader = _Reader(source)
         if not isinstance(values, dict) or values.get("format") != FORMAT_NAME:
             raise reader.fail(f"'format' is not {FORMAT_NAME!r}")
-        if values.get("format_version") != FORMAT_VERSION:
-            raise CapsNetError(f"{source} has format version {values.get('format_version')!r}; this capsnet-serve reads "
-                               f"version {FORMAT_VERSION} (re-export the checkpoint with `capsnet export`)")
+        version = values.get("format_version")
+        if type(version) is not int or version not in (FORMAT_VERSION_WITH_CAPSULES, FORMAT_VERSION):
+            raise CapsNetError(f"{source} has format version {version!r}; this capsnet-serve reads versions "
+                               f"{FORMAT_VERSION_WITH_CAPSULES} and {FORMAT_VERSION} (re-export the checkpoint with "
+                               "`capsnet export`)")
         model_input = reader.get(values, "input", dict)
         input_shape = tuple(reader.get(model_input, "shape", list, "input."))
         if len(input_shape) != 3 or not all(isinstance(d, int) and d > 0 for d in input_shape):
@@ -365,7 +380,7 @@ class ModelDescription:
         class_names = tuple(reader.get(values, "class_names", list))
         if not class_names or not all(isinstance(n, str) for n in class_names):
             raise reader.fail("class_names must be a non-empty list of strings")
-        output_shapes = reader.output_shapes(values, len(class_names), input_shape)
+        output_shapes = reader.output_shapes(values, len(class_names), input_shape, version)
         artifacts = reader.get(values, "artifacts", dict)
         for key, name in artifacts.items():
             if key not in ARTIFACT_KEYS or not (name is None or isinstance(name, str)):
@@ -387,7 +402,7 @@ class ModelDescription:
             input_shape=input_shape,
             class_names=class_names,
             output_shapes=output_shapes,
-            routing=reader.routing(values),
+            routing=reader.routing(values, version),
             artifacts={key: artifacts.get(key) for key in ARTIFACT_KEYS},
             opset=reader.get(values, "opset", int),
             name=reader.get(values, "name", str),
@@ -451,9 +466,11 @@ class _Reader:
             raise self.fail(f"{where}{key!r} has the wrong type ({type(value).__name__})")
         return value
 
-    def routing(self, values: dict) -> dict:
+    def routing(self, values: dict, version: int) -> dict:
         """The routing facts GetModelInfo sends as a proto (string variant, int32 iterations, float constants):
-        a wrong type there would pass startup and fail every GetModelInfo call."""
+        a wrong type there would pass startup and fail every GetModelInfo call. Null from version 4: no routing."""
+        if version >= FORMAT_VERSION and self.get(values, "routing", (dict, type(None))) is None:
+            return {}
         routing = dict(self.get(values, "routing", dict))
         self.get(routing, "variant", str, "routing.")
         iterations = self.get(routing, "iterations", int, "routing.")
@@ -529,8 +546,11 @@ class _Reader:
                 parity=dict(self.get(entry, "parity", dict, where))))
         return tuple(packages)
 
-    def output_shapes(self, values: dict, classes: int, input_shape: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
-        shapes = {}
+    def output_shapes(self, values: dict, classes: int, input_shape: tuple[int, int, int],
+                      version: int) -> dict[str, tuple[int, ...]]:
+        """Each output's shape: probabilities [J], then poses [J, D] (required before version 4), and the
+        reconstruction [C*H*W]."""
+        shapes: dict[str, tuple[int, ...]] = {}
         for index, output in enumerate(self.get(values, "outputs", list)):
             if not isinstance(output, dict):
                 raise self.fail(f"outputs[{index}] is not an object")
@@ -538,12 +558,19 @@ class _Reader:
             if not all(isinstance(d, int) and d > 0 for d in shape):
                 raise self.fail(f"outputs[{index}].shape must be positive integers, got {shape}")
             name = self.get(output, "name", str, f"outputs[{index}].")
-            if name not in output_names(reconstruction=True):  # every backend returns only these
-                raise self.fail(f"outputs[{index}].name {name!r} is not one of {', '.join(output_names(reconstruction=True))}")
+            if name not in OUTPUT_NAMES:  # every backend returns only these
+                raise self.fail(f"outputs[{index}].name {name!r} is not one of {', '.join(OUTPUT_NAMES)}")
+            if name in shapes:
+                raise self.fail(f"outputs[{index}].name {name!r} is listed twice")
             shapes[name] = tuple(shape)
-        poses = shapes.get("poses", ())
-        if shapes.get("probabilities") != (classes,) or len(poses) != 2 or poses[0] != classes:
-            raise self.fail(f"outputs must include probabilities [{classes}] and poses [{classes}, D]")
+        if shapes.get(PROBABILITIES_NAME) != (classes,):
+            raise self.fail(f"outputs must include probabilities [{classes}]")
+        poses = shapes.get(POSES_NAME)
+        if poses is None and version < FORMAT_VERSION:
+            raise self.fail(f"outputs must include poses [{classes}, D] in format version {version} (a model without "
+                            f"poses is format version {FORMAT_VERSION})")
+        if poses is not None and (len(poses) != 2 or poses[0] != classes):
+            raise self.fail(f"output poses must have shape [{classes}, D], got {list(poses)}")
         channels, height, width = input_shape
         if RECONSTRUCTION_NAME in shapes and shapes[RECONSTRUCTION_NAME] != (channels * height * width,):
             raise self.fail(f"output reconstruction must have shape [{channels * height * width}]")

@@ -28,7 +28,7 @@ from capsnet.errors import CapsNetError
 from capsnet.export.config import EngineConfig, ExportConfig
 from capsnet.export import aoti
 from capsnet.export.fp16 import convert_fp16
-from capsnet.export.metadata import describe, embed_metadata
+from capsnet.export.metadata import describe, embed_metadata, output_shapes
 from capsnet.export.onnx_export import check_graph, export_onnx, export_program, graph_opset, op_counts
 from capsnet.export.parity import (
     FP32_TOLERANCE,
@@ -62,14 +62,12 @@ from capsnet.model_description import (
     ONNX_NAME,
     PLAN_INFO_NAME,
     PLAN_NAME,
-    RECONSTRUCTION_NAME,
     REFERENCE_NAME,
     SIDECAR_NAME,
     AotiPackage,
     ModelDescription,
     PrecisionGate,
     file_sha256,
-    output_names,
 )
 from capsnet.tensorrt_runner import unavailable_reason
 from capsnet.torch_runner import cuda_unavailable_reason
@@ -81,26 +79,28 @@ from capsnet.training.evaluate import load_checkpoint_data
 log = logging.getLogger(__name__)
 
 REFERENCE_IMAGES = 128  # the self-check's images; the precision gate's figures are measured on them
-# Capsule networks: those of a fixed size, and shared-capsnet, which takes any size
-EXPORTED_ARCHITECTURES = (*CAPSULE_ARCHITECTURES, "shared-capsnet")
 # (H, W) a model of any size is checked at besides its own: one and two digits side by side, four, and a wide
 # image whose backbone grid is neither square nor any multiple of the training size; those it takes
 PARITY_SIZES = ((28, 28), (28, 56), (56, 56), (40, 100))
 SIZE_PARITY_IMAGES = 7
 
 
-def _check_any_size_options(checkpoint: Checkpoint, config: ExportConfig) -> None:
-    """A model of any size has no decoder, and the TensorRT engine and AOTInductor packages are built here for one
-    image size: refused at once, in one line, rather than exported for 28×28 only."""
-    sizes = checkpoint.config.input_sizes
-    if sizes.fixed:
-        return
-    asked = [option for option, wanted in (("--reconstruction", config.reconstruction), ("--tensorrt", config.tensorrt),
-                                           ("--aoti", config.aoti is not None)) if wanted]
-    if asked:
-        raise CapsNetError(f"a {checkpoint.config.arch} model takes {sizes.describe()}; {' and '.join(asked)} "
-                           f"{'is' if len(asked) == 1 else 'are'} for models of one size (it has no decoder, and the "
-                           "engine and packages are built for one size): export its ONNX graphs without them")
+def _check_model_options(checkpoint: Checkpoint, config: ExportConfig) -> None:
+    """What the model cannot be exported with, refused at once in one line: a model of any size has no decoder, and
+    the TensorRT engine and AOTInductor packages are built here for one image size (rather than exported for 28×28
+    only); a CNN baseline has no decoder either."""
+    arch, sizes = checkpoint.config.arch, checkpoint.config.input_sizes
+    if not sizes.fixed:
+        asked = [option for option, wanted in (("--reconstruction", config.reconstruction),
+                                               ("--tensorrt", config.tensorrt), ("--aoti", config.aoti is not None))
+                 if wanted]
+        if asked:
+            raise CapsNetError(f"a {arch} model takes {sizes.describe()}; {' and '.join(asked)} "
+                               f"{'is' if len(asked) == 1 else 'are'} for models of one size (it has no decoder, and "
+                               "the engine and packages are built for one size): export its ONNX graphs without them")
+    if config.reconstruction and arch not in CAPSULE_ARCHITECTURES:
+        raise CapsNetError(f"a {arch} model has no decoder, so no reconstruction: --reconstruction is for "
+                           f"{' and '.join(CAPSULE_ARCHITECTURES)} models; export it without")
 
 
 def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike, **options: Any) -> ModelDescription:
@@ -110,12 +110,7 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
         raise CapsNetError("--out needs a directory, got an empty path")
     checkpoint_path, out_dir = Path(checkpoint_path), Path(out_dir)
     checkpoint = load_checkpoint(checkpoint_path)
-    if checkpoint.config.arch not in EXPORTED_ARCHITECTURES:
-        # The artifacts promise capsule poses (EM's 4×4 poses flattened fill the same outputs); a baseline
-        # without capsules has none to serve.
-        raise CapsNetError(f"{checkpoint_path} is a {checkpoint.config.arch} checkpoint; export takes capsule "
-                           f"networks ({', '.join(EXPORTED_ARCHITECTURES)})")
-    _check_any_size_options(checkpoint, config)
+    _check_model_options(checkpoint, config)
     _check_target(out_dir, SIDECAR_NAME)
     triton_model_dir = Path(config.triton_repo) / MODEL_NAME if config.triton_repo else None
     if triton_model_dir is not None:
@@ -161,11 +156,12 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
     """Write every artifact into `staging`; returns the description and why no engine was built, if so."""
     checkpoint = _staged_checkpoint(checkpoint_path, checkpoint, staging)
     model = checkpoint.build_model()
-    names = output_names(config.reconstruction)
+    # a CNN baseline's only output is its probabilities: no poses, as it has no capsules
+    names = tuple(output_shapes(checkpoint.config, config.reconstruction))
     variants = {"fp32": staging / ONNX_NAME}
     # one exported program: the ONNX file and the AOTInductor packages are both made from it
-    program = export_program(model, config.reconstruction, config.max_batch if config.aoti else None)
-    exported = export_onnx(program, variants["fp32"], config.opset, config.reconstruction)
+    program = export_program(model, names, config.max_batch if config.aoti else None)
+    exported = export_onnx(program, variants["fp32"], config.opset, names)
     counts = op_counts(exported)
     log.info("ONNX opset %d, %d nodes: %s", graph_opset(exported), sum(counts.values()),
              ", ".join(f"{op} {n}" for op, n in counts.most_common()))
@@ -355,14 +351,14 @@ def _compile_aoti(staging: Path, program, checkpoint: Checkpoint, config: Export
         else:  # the checkpoint with its convolutions in fp16/bf16, as the torch backend runs it
             model = checkpoint.build_model()
             convolutions_in(model, precision)
-            source = export_program(model, config.reconstruction, config.max_batch)
+            source = export_program(model, names, config.max_batch)
         if device == "cuda":
             source = aoti.move_program(source, target)
         path = aoti.package_path(staging, device, precision)
         package = aoti.compile_package(source, path, device, precision, gpu, 1, config.max_batch)
         model_config = checkpoint.config
         runner = AotiRunner(path, torch.device(target), (model_config.in_channels, model_config.height, model_config.width),
-                            _output_rows(checkpoint, names), config.max_batch)
+                            output_shapes(model_config, config.reconstruction), config.max_batch)
         if precision == "fp32":
             checked = [batch for batch in batches if len(batch) <= config.max_batch]
             expected = [outputs for batch, outputs in zip(batches, pytorch_outputs) if len(batch) <= config.max_batch]
@@ -392,12 +388,6 @@ def _gate_package(runner, reference: _Reference, gate: PrecisionGate, max_batch:
                            f"{gate.describe_bounds()}")
     return {"reference": "the precision gate", "argmax_agreement": agreement, "max_abs_diff": difference,
             "images": len(probabilities)}
-
-
-def _output_rows(checkpoint: Checkpoint, names: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
-    from capsnet.export.metadata import output_shapes
-
-    return output_shapes(checkpoint.config, RECONSTRUCTION_NAME in names)
 
 
 def _build_tensorrt(staging: Path, variants: dict[str, Path], model_config, dataset, names: tuple[str, ...],

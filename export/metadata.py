@@ -14,22 +14,26 @@ from typing import Any
 import onnx
 
 from capsnet import __version__
-from capsnet.model_description import ModelDescription, output_names
+from capsnet.model_description import POSES_NAME, PROBABILITIES_NAME, RECONSTRUCTION_NAME, ModelDescription
 from capsnet.training.checkpoint import Checkpoint
 
 
 def output_shapes(config, reconstruction: bool) -> dict[str, tuple[int, ...]]:
-    """Each output's shape without the batch axis."""
-    shapes = {
-        "probabilities": (config.num_classes,),
-        "poses": (config.num_classes, config.digit_caps_dim),
-        "reconstruction": (config.input_size,),
-    }
-    return {name: shapes[name] for name in output_names(reconstruction)}
+    """The outputs the graphs declare, each shape without the batch axis: the probabilities, a capsule network's
+    poses (a CNN baseline has none: its only output is the probabilities), and the reconstruction if asked."""
+    shapes: dict[str, tuple[int, ...]] = {PROBABILITIES_NAME: (config.num_classes,)}
+    if config.has_capsules:
+        shapes[POSES_NAME] = (config.num_classes, config.digit_caps_dim)
+    if reconstruction:
+        shapes[RECONSTRUCTION_NAME] = (config.input_size,)
+    return shapes
 
 
 def routing_description(config) -> dict[str, Any]:
-    """The sidecar's `routing`: dynamic routing's variant and squash constant, or EM routing's λ."""
+    """The sidecar's `routing`: dynamic routing's variant and squash constant, EM routing's λ, or nothing for a
+    model without routing."""
+    if not config.has_capsules:
+        return {}
     if config.arch == "em":
         return {"variant": "em", "iterations": config.routing_iterations,
                 "inverse_temperature": config.em_inverse_temperature}

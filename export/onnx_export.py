@@ -16,7 +16,7 @@ import onnx
 from capsnet.errors import CapsNetError
 from capsnet.export.config import check_opset
 from capsnet.export.logs import quiet
-from capsnet.model_description import INPUT_NAME, output_names
+from capsnet.model_description import INPUT_NAME
 
 BATCH_DIM = "batch"
 HEIGHT_DIM, WIDTH_DIM = "height", "width"  # free in the graph of a model of any size
@@ -32,13 +32,13 @@ def op_counts(model: onnx.ModelProto) -> Counter:
     return Counter(node.op_type for node in model.graph.node)
 
 
-def export_program(model, reconstruction: bool, max_batch: int | None = None):
-    """`model` (a CapsNet in eval mode) as a torch.export program of the outputs the graph declares, its batch axis
-    dynamic from 1 to `max_batch` (None: no bound). The ONNX file and the AOTInductor packages are made from it."""
+def export_program(model, names: tuple[str, ...], max_batch: int | None = None):
+    """`model` (a CapsNet in eval mode) as a torch.export program of the outputs `names` (those the graph declares,
+    metadata.output_shapes), its batch axis dynamic from 1 to `max_batch` (None: no bound). The ONNX file and the
+    AOTInductor packages are made from it."""
     import torch
 
     config = model.config
-    names = output_names(reconstruction)
 
     class InferenceOutputs(torch.nn.Module):
         """Only the outputs the graph declares; the decoder is masked by the predicted class."""
@@ -66,12 +66,12 @@ def export_program(model, reconstruction: bool, max_batch: int | None = None):
         return torch.export.export(InferenceOutputs().eval(), (example,), dynamic_shapes={INPUT_NAME: dims})
 
 
-def export_onnx(program, path: Path, opset: int, reconstruction: bool) -> onnx.ModelProto:
-    """Write the exported program (export_program) to `path` and return the checked ONNX model."""
+def export_onnx(program, path: Path, opset: int, names: tuple[str, ...]) -> onnx.ModelProto:
+    """Write the exported program (export_program) of the outputs `names` to `path` and return the checked ONNX
+    model."""
     import torch
 
     check_opset(opset)
-    names = output_names(reconstruction)
     # torch warns about optional torchvision ops; onnxscript and onnx_ir narrate their passes
     with quiet("torch.onnx", "onnxscript", "onnx_ir"):
         torch.onnx.export(

@@ -154,11 +154,15 @@ def _in_request_order(groups: list[list[int]], results: list[InferenceResult]) -
     def joined(arrays: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(arrays)[order]
 
-    reconstructions = [result.reconstruction for result in results if result.reconstruction is not None]
+    def joined_if_any(arrays: list[np.ndarray | None]) -> np.ndarray | None:
+        """Poses or reconstructions: one model answered every size, so all of them have them or none has."""
+        present = [array for array in arrays if array is not None]
+        return joined(present) if present else None
+
     return InferenceResult(
         probabilities=joined([result.probabilities for result in results]),
-        poses=joined([result.poses for result in results]),
-        reconstruction=joined(reconstructions) if reconstructions else None,  # one model: all or none have one
+        poses=joined_if_any([result.poses for result in results]),
+        reconstruction=joined_if_any([result.reconstruction for result in results]),
         queue_seconds=max(result.queue_seconds for result in results),  # the sizes waited side by side
         compute_seconds=sum(result.compute_seconds for result in results),
     )
@@ -174,7 +178,7 @@ def _response(spec: ModelSpec, request: pb.ClassifyRequest, result: InferenceRes
         item = response.results.add(probabilities=probabilities.tolist(), predicted_class=int(predicted[index]),
                                     predicted_name=spec.class_names[predicted[index]],
                                     resized_from=resized_from[index] or ())
-        if not request.exclude_poses:
+        if not request.exclude_poses and result.poses is not None:  # a CNN baseline has none: left empty
             item.poses.shape[:] = (classes, pose_dim)
             item.poses.values[:] = result.poses[index].ravel().tolist()
         if result.reconstruction is not None:

@@ -202,6 +202,8 @@ def run_predict(args: argparse.Namespace) -> int:
     try:
         with CapsNetClient(args.server, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                            timeout=args.timeout) as client:
+            if args.poses:
+                check_poses(client, args.server)
             predictions = classify_files(client, args.images, args.server, poses=args.poses, top_k=args.top_k,
                                          reconstruction=args.reconstruction is not None,
                                          present_threshold=args.present_threshold)
@@ -234,6 +236,14 @@ def run_predict(args: argparse.Namespace) -> int:
             for index, pose in enumerate(prediction.poses):
                 print(f"  pose {index}: " + " ".join(f"{v:+.4f}" for v in pose))
     return 0
+
+
+def check_poses(client, server: str) -> None:
+    """--poses for a model without poses (a CNN baseline) is one line naming what it serves, not empty poses."""
+    info = client.model_info()
+    if not info.pose_dim:
+        raise CapsNetError(f"{server}: --poses: model {info.name!r} has no poses (its outputs: "
+                           f"{', '.join(info.output_names)}); leave --poses out")
 
 
 def classify_files(client, paths: list[str], server: str, **options) -> list:

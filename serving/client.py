@@ -29,7 +29,7 @@ class Prediction:
     class_name: str
     probability: float
     probabilities: np.ndarray  # (J,)
-    poses: np.ndarray | None  # (J, D); None when not asked
+    poses: np.ndarray | None  # (J, D); None when not asked, or for a model without poses (GetModelInfo's pose_dim 0)
     reconstruction: np.ndarray | None  # (C, H, W); None when not asked
     top_classes: list[tuple[int, str, float]]  # (index, name, probability), most probable first
     # every class over the request's present threshold (capsule length > 0.5 by default), most probable first:

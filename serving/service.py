@@ -57,7 +57,7 @@ class ModelSpec(ModelDescription):
 @dataclass
 class InferenceResult:
     probabilities: np.ndarray  # (N, J) float32
-    poses: np.ndarray  # (N, J, D) float32
+    poses: np.ndarray | None  # (N, J, D) float32; None for a model without poses (a CNN baseline)
     reconstruction: np.ndarray | None  # (N, C*H*W) float32, only when asked
     queue_seconds: float  # waiting for a batch
     compute_seconds: float  # backend runs that included these images
@@ -225,7 +225,7 @@ class InferenceService:
             record.answered(len(images), output)
         return InferenceResult(
             probabilities=output.outputs["probabilities"],
-            poses=output.outputs["poses"],
+            poses=output.outputs.get("poses"),
             reconstruction=output.outputs["reconstruction"] if reconstruction else None,
             queue_seconds=output.queue_wait,
             compute_seconds=output.compute,

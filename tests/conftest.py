@@ -107,18 +107,31 @@ def trained_gap_cnn_tiny_checkpoint(tmp_path_factory) -> Path:
     return train_any_size_tiny(tmp_path_factory.mktemp("trained-gap-cnn-tiny") / "model.ckpt", "gap-cnn-tiny")
 
 
-@pytest.fixture(scope="session")
-def shared_tiny_export(trained_shared_tiny_checkpoint, tmp_path_factory) -> Path:
-    """`capsnet export --int8 --triton` of the `shared-tiny` model: ONNX graphs with a free height and width, shared
-    by the export and serving tests (the Triton repository is beside it, in triton/). The INT8 gate is opened wide,
-    as in the fixed-size export fixture: how many points so small a model loses depends on the host's kernels."""
+def export_any_size_tiny(checkpoint: Path, root: Path, *options: str) -> Path:
+    """`capsnet export --int8 --triton` of an any-size tiny model into root/model, the Triton repository beside it in
+    root/triton. The INT8 gate is opened wide, as in the fixed-size export fixture: how many points so small a model
+    loses depends on the host's kernels."""
     from capsnet.cli import main
 
-    root = tmp_path_factory.mktemp("shared-tiny-export")
-    code = main(["export", str(trained_shared_tiny_checkpoint), "--out", str(root / "model"), "--int8",
-                 "--max-accuracy-drop", "100", "--triton", str(root / "triton")])
+    code = main(["export", str(checkpoint), "--out", str(root / "model"), "--int8", "--max-accuracy-drop", "100",
+                 "--triton", str(root / "triton"), *options])
     assert code == 0
     return root / "model"
+
+
+@pytest.fixture(scope="session")
+def shared_tiny_export(trained_shared_tiny_checkpoint, tmp_path_factory) -> Path:
+    """The `shared-tiny` model exported: ONNX graphs with a free height and width, shared by the export and serving
+    tests."""
+    return export_any_size_tiny(trained_shared_tiny_checkpoint, tmp_path_factory.mktemp("shared-tiny-export"))
+
+
+@pytest.fixture(scope="session")
+def gap_cnn_tiny_export(trained_gap_cnn_tiny_checkpoint, tmp_path_factory) -> Path:
+    """The `gap-cnn-tiny` model exported with its FP16 graph too: a CNN baseline of any size, whose only output is
+    its probabilities."""
+    return export_any_size_tiny(trained_gap_cnn_tiny_checkpoint, tmp_path_factory.mktemp("gap-cnn-tiny-export"),
+                                "--fp16")
 
 
 @pytest.fixture()

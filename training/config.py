@@ -15,6 +15,8 @@ ARCHITECTURES = ("capsnet", "em", "cnn-baseline", "shared-capsnet", "gap-cnn")
 # Those with capsule poses, a decoder and a fixed capsule grid to export, serve and draw; the CNN baselines have
 # no capsules, and shared-capsnet no decoder nor a fixed number of capsules.
 CAPSULE_ARCHITECTURES = ("capsnet", "em")
+# The CNN baselines: one sigmoid per class, and no poses, routing or decoder (their forward's are empty or zero)
+CNN_ARCHITECTURES = ("cnn-baseline", "gap-cnn")
 # Those whose input is any height and width within `input_sizes`: fully convolutional up to a layer whose weights
 # do not depend on the number of positions.
 ANY_SIZE_ARCHITECTURES = ("shared-capsnet", "gap-cnn")
@@ -215,6 +217,11 @@ class CapsNetConfig:
     @property
     def input_size(self) -> int:
         return self.in_channels * self.height * self.width
+
+    @property
+    def has_capsules(self) -> bool:
+        """Class capsules with poses and routing, which export and serving then describe; not the CNN baselines."""
+        return self.arch not in CNN_ARCHITECTURES
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -76,12 +76,12 @@ def test_export_error_from_the_command_line(tmp_path):
     assert result.stderr.strip().splitlines() == [expected]
 
 
-def test_export_refuses_a_checkpoint_without_capsules(tmp_path, capsys, random_checkpoint):
+def test_export_refuses_a_reconstruction_of_a_model_without_a_decoder(tmp_path, capsys, random_checkpoint):
     from capsnet.training.config import preset
 
-    baseline = random_checkpoint(preset("tiny", arch="cnn-baseline"), "baseline.ckpt")
-    line = _export_error([str(baseline), "--out", str(tmp_path / "out")], capsys)
-    assert "cnn-baseline checkpoint" in line and "export takes capsule networks (capsnet, em, shared-capsnet)" in line
+    baseline = random_checkpoint(preset("tiny", arch="cnn-baseline", reconstruction_weight=0.0), "baseline.ckpt")
+    line = _export_error([str(baseline), "--out", str(tmp_path / "out"), "--reconstruction"], capsys)
+    assert "a cnn-baseline model has no decoder, so no reconstruction" in line
     assert not (tmp_path / "out").exists()
 
 

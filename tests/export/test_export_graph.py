@@ -59,8 +59,8 @@ def test_export_graph_is_small_and_straight(graph):
 def test_export_graph_unrolls_the_checkpoints_iteration_count(tmp_path):
     torch.manual_seed(0)
     model = CapsNet(preset("tiny", routing_iterations=5)).eval()
-    exported = export_onnx(export_program(model, reconstruction=False), tmp_path / "model.onnx", opset=18,
-                           reconstruction=False)
+    names = ("probabilities", "poses")
+    exported = export_onnx(export_program(model, names), tmp_path / "model.onnx", opset=18, names=names)
     counts = op_counts(exported)
     assert not CONTROL_FLOW_OPS & set(counts)
     assert counts["Softmax"] == 4  # iterations - 1

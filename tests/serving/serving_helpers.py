@@ -5,19 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import json
 import re
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
+from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.server import CapsNetServer
+from capsnet.training.data import load_dataset
 
 READY_LINE = re.compile(r"ready: .* grpcs?://[^:]+:(\d+) metrics http://[^:]+:(\d+)/metrics")
 
@@ -199,3 +205,44 @@ def rss_bytes() -> int:
 
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def pairs(count: int, height: int = 28, width: int = 56, seed: int = 0) -> tuple[np.ndarray, list[set[int]]]:
+    """`count` images of two test digits of different classes side by side, padded with black to height x width:
+    (count, 1, H, W) float32 and each image's two classes."""
+    test = load_dataset("embedded").test
+    rng = np.random.default_rng(seed)
+    images, classes = np.zeros((count, 1, height, width), dtype=np.float32), []
+    for image in images:
+        first = rng.integers(len(test.labels))
+        second = rng.choice(np.flatnonzero(test.labels != test.labels[first]))
+        image[0, :28, :56] = np.concatenate([test.images[first][0], test.images[second][0]], axis=1) / 255
+        classes.append({int(test.labels[first]), int(test.labels[second])})
+    return images, classes
+
+
+def png(image: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.round(image[0] * 255).astype(np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def rest(served, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    """A request to the REST port of `served` (a ServerThread): (HTTP status, JSON answer or {} for none)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{served.server.http_port}{path}", data=data, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            text = response.read()
+            return response.status, json.loads(text) if text else {}
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def rest_infer(server: ServerThread, images: np.ndarray, outputs: list[str] | None = None) -> tuple[int, dict]:
+    """KServe v2 REST inference of FP32 `images`, asking for `outputs` by name (None: every output)."""
+    body: dict = {"inputs": [{"name": "images", "datatype": "FP32", "shape": list(images.shape),
+                              "data": images.ravel().tolist()}]}
+    if outputs is not None:
+        body["outputs"] = [{"name": name} for name in outputs]
+    return rest(server, "POST", "/v2/models/capsnet/infer", body)

@@ -4,10 +4,7 @@ fixed-size model resizing another PNG keeping its aspect ratio, and saying so.""
 
 from __future__ import annotations
 
-import io
 import json
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -22,7 +19,7 @@ from capsnet.serving.client import CapsNetClient
 from capsnet.training.data import load_dataset
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc as pb_grpc
-from serving_helpers import ServerThread, graph_probabilities, metric, scrape, server_config
+from serving_helpers import ServerThread, graph_probabilities, metric, pairs, png, rest_infer, scrape, server_config
 
 SIZES = [(28, 28), (28, 56), (56, 56), (40, 100)]
 RANGE = "14x14 to 256x256"
@@ -31,38 +28,6 @@ RANGE = "14x14 to 256x256"
 @pytest.fixture(scope="module")
 def reference(shared_tiny_export):
     return graph_probabilities(shared_tiny_export)
-
-
-def pairs(count: int, height: int = 28, width: int = 56, seed: int = 0) -> tuple[np.ndarray, list[set[int]]]:
-    """`count` images of two test digits of different classes side by side, padded with black to height x width:
-    (count, 1, H, W) float32 and each image's two classes."""
-    test = load_dataset("embedded").test
-    rng = np.random.default_rng(seed)
-    images, classes = np.zeros((count, 1, height, width), dtype=np.float32), []
-    for image in images:
-        first = rng.integers(len(test.labels))
-        second = rng.choice(np.flatnonzero(test.labels != test.labels[first]))
-        image[0, :28, :56] = np.concatenate([test.images[first][0], test.images[second][0]], axis=1) / 255
-        classes.append({int(test.labels[first]), int(test.labels[second])})
-    return images, classes
-
-
-def png(image: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(np.round(image[0] * 255).astype(np.uint8)).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def rest_infer(server: ServerThread, images: np.ndarray) -> tuple[int, dict]:
-    body = {"inputs": [{"name": "images", "datatype": "FP32", "shape": list(images.shape),
-                        "data": images.ravel().tolist()}]}
-    request = urllib.request.Request(f"http://127.0.0.1:{server.server.http_port}/v2/models/capsnet/infer",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def test_kserve_grpc_and_rest_answer_every_valid_size_as_the_graph_does(any_size_server, reference):

@@ -87,7 +87,9 @@ def other_models(tmp_path_factory) -> dict[str, Path]:
     files = {}
     for name, overrides in {"5-classes": {"num_classes": 5}, "32x32": {"height": 32, "width": 32}}.items():
         checkpoint = _random_checkpoint(out / f"{name}.ckpt", **overrides)
-        export_onnx(export_program(load_checkpoint(checkpoint).build_model().eval(), True), out / f"{name}.onnx", 18, True)
+        names = ("probabilities", "poses", "reconstruction")
+        export_onnx(export_program(load_checkpoint(checkpoint).build_model().eval(), names), out / f"{name}.onnx", 18,
+                    names)
         files[f"{name}.ckpt"], files[f"{name}.onnx"] = checkpoint, out / f"{name}.onnx"
     return files
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
 
 import grpc
 import numpy as np
@@ -22,7 +20,7 @@ from capsnet.serving.errors import InvalidInput
 from capsnet.serving.repository import VersionPolicy, check_name
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
-from serving_helpers import add_version, metric, repository_server, scrape, wait_until
+from serving_helpers import add_version, metric, repository_server, rest, scrape, wait_until
 
 IMAGES = np.random.default_rng(5).random((2, 1, 28, 28), dtype=np.float32)  # (2, 1, 28, 28)
 BAD_NAMES = ["../outside", "..", "a/b", "victim/../../outside", "x\x00y", "/etc", "a" * 10240, "", ".hidden"]
@@ -94,17 +92,6 @@ def served(repository):
 @pytest.fixture(scope="module")
 def triton(served):
     return served.triton
-
-
-def rest(served, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{served.server.http_port}{path}", data=data, method=method)
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            text = response.read()
-            return response.status, json.loads(text) if text else {}
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
 
 
 def infer(triton, model: str, version: str = "") -> str:
