@@ -20,7 +20,7 @@ from capsnet.training.checkpoint import load_checkpoint
 
 RUN_NAME = re.compile(r"(?P<preset>.+)-seed(?P<seed>\d+)\.pairs\.json$")
 EPOCHS_FILE = "pairs-mnist-{epochs}-epochs-per-epoch-cpu.jsonl"
-SCORES_FILE = "pairs-mnist-side-by-side-test-scores-cpu.jsonl"
+SCORES_FILE = "pairs-mnist-{epochs}-epochs-side-by-side-test-scores-cpu.jsonl"
 FIGURES = (("accuracy", "single digits"), ("top2_accuracy", "top-2 set"),
            ("top2_both_present_accuracy", "top-2, both > 0.5"))
 
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
         print(f"pairs_summary: no <preset>-seed<N>.pairs.json in {runs_dir}", file=sys.stderr)
         return 2
     epochs = max(line["epoch"] for line in epoch_lines)
-    for name, lines in ((EPOCHS_FILE.format(epochs=epochs), epoch_lines), (SCORES_FILE, score_lines)):
+    for name, lines in ((EPOCHS_FILE.format(epochs=epochs), epoch_lines), (SCORES_FILE.format(epochs=epochs), score_lines)):
         (docs_dir / name).write_text("".join(json.dumps(line) + "\n" for line in lines))
     print("| model | seed | chosen epoch | validation | " + " | ".join(label for _, label in FIGURES) + " |")
     print("|---|---|---|---|" + "---|" * len(FIGURES))
