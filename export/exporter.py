@@ -133,7 +133,7 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
             triton_staging = _staging_dir(triton_model_dir, beside=_outside_repository(triton_model_dir.parent))
             model_format = "plan" if description.artifacts["tensorrt"] else "onnx"
             model_file = staging / (PLAN_NAME if model_format == "plan" else ONNX_NAME)
-            write_model_directory(triton_staging, description.to_json(), model_file, model_format, config.triton())
+            write_model_directory(triton_staging, description, model_file, model_format, config.triton())
         _publish(staging, out_dir)
         if triton_staging is not None and triton_model_dir is not None:  # both or neither
             _publish(triton_staging, triton_model_dir)

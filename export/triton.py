@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 from capsnet.export.config import TritonConfig
-from capsnet.model_description import InputSizes, class_names_parameters
+from capsnet.model_description import ModelDescription, class_names_parameters
 
 CONFIG_NAME = "config.pbtxt"
 MODEL_VERSION_DIR = "1"
@@ -25,21 +24,13 @@ def _tensor_entry(name: str, datatype: str, dims: list[int]) -> str:
             f'    dims: [ {", ".join(map(str, dims))} ]\n  }}')
 
 
-def input_dims(model_input: dict[str, Any]) -> list[int]:
-    """model.json's input as Triton's dims: [C, H, W], with -1 for a height or width that input.sizes leaves free."""
-    shape = tuple(model_input["shape"])
-    sizes = InputSizes(**model_input["sizes"]) if "sizes" in model_input else InputSizes.fixed_at(shape)
-    return sizes.dims(shape)
-
-
-def config_pbtxt(sidecar: dict[str, Any], model_format: str, config: TritonConfig) -> str:
+def config_pbtxt(description: ModelDescription, model_format: str, config: TritonConfig) -> str:
     platform, _ = PLATFORMS[model_format]
-    model_input = sidecar["input"]
-    inputs = [_tensor_entry(model_input["name"], model_input["datatype"], input_dims(model_input))]
-    outputs = [_tensor_entry(out["name"], out["datatype"], out["shape"]) for out in sidecar["outputs"]]
+    inputs = [_tensor_entry(description.input_name, "FP32", description.input_dims)]
+    outputs = [_tensor_entry(name, "FP32", list(shape)) for name, shape in description.output_shapes.items()]
     preferred = sorted({size for size in config.preferred_batch_sizes if size <= config.max_batch_size})
     lines = [
-        f'name: "{sidecar["name"]}"',
+        f'name: "{description.name}"',
         f'platform: "{platform}"',
         f"max_batch_size: {config.max_batch_size}",
         "input [\n" + ",\n".join(inputs) + "\n]",
@@ -49,7 +40,7 @@ def config_pbtxt(sidecar: dict[str, Any], model_format: str, config: TritonConfi
         f"  max_queue_delay_microseconds: {config.max_queue_delay_us}\n"
         "}",
     ]
-    for key, value in class_names_parameters(sidecar["class_names"]).items():
+    for key, value in class_names_parameters(description.class_names).items():
         text = value["string_value"].replace("\\", "\\\\").replace('"', '\\"')  # a protobuf text-format string
         lines.append(f'parameters {{\n  key: "{key}"\n  value: {{ string_value: "{text}" }}\n}}')
     if model_format == "plan":
@@ -57,11 +48,11 @@ def config_pbtxt(sidecar: dict[str, Any], model_format: str, config: TritonConfi
     return "\n".join(lines) + "\n"
 
 
-def write_model_directory(model_dir: Path, sidecar: dict[str, Any], model_file: Path, model_format: str,
+def write_model_directory(model_dir: Path, description: ModelDescription, model_file: Path, model_format: str,
                           config: TritonConfig) -> None:
     """Fill `model_dir` (REPO/<name>) with config.pbtxt and version 1 of the model."""
     _, file_name = PLATFORMS[model_format]
     version_dir = model_dir / MODEL_VERSION_DIR
     version_dir.mkdir(parents=True)
     shutil.copyfile(model_file, version_dir / file_name)
-    (model_dir / CONFIG_NAME).write_text(config_pbtxt(sidecar, model_format, config))
+    (model_dir / CONFIG_NAME).write_text(config_pbtxt(description, model_format, config))

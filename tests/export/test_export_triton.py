@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import onnx
 from google.protobuf import json_format, text_format
@@ -10,6 +11,7 @@ from tritonclient.grpc import model_config_pb2
 
 from capsnet.export.config import TritonConfig
 from capsnet.export.triton import config_pbtxt
+from capsnet.model_description import ModelDescription
 
 
 def _parse_model_config(text: str) -> dict:
@@ -35,7 +37,7 @@ def test_export_triton_repository_for_onnxruntime(tiny_export):
 
 
 def test_export_triton_config_for_a_tensorrt_plan(tiny_export):
-    text = config_pbtxt(tiny_export.sidecar, "plan", TritonConfig(max_batch_size=64, preferred_batch_sizes=(8, 64, 128),
+    text = config_pbtxt(ModelDescription.from_json(tiny_export.sidecar, "model.json"), "plan", TritonConfig(max_batch_size=64, preferred_batch_sizes=(8, 64, 128),
                                                                   max_queue_delay_us=250))
     config = _parse_model_config(text)
     assert config["platform"] == "tensorrt_plan" and config["max_batch_size"] == 64
@@ -60,5 +62,6 @@ def test_export_triton_config_declares_the_onnx_graphs_interface(tiny_export):
 
 def test_export_triton_config_keeps_class_names_with_quotes_and_accents(tiny_export):
     names = ['T-shirt/top', 'a "quoted" class', 'back\\slash', 'Sandale à talon']
-    config = _parse_model_config(config_pbtxt({**tiny_export.sidecar, "class_names": names}, "onnx", TritonConfig()))
+    description = replace(ModelDescription.from_json(tiny_export.sidecar, "model.json"), class_names=tuple(names))
+    config = _parse_model_config(config_pbtxt(description, "onnx", TritonConfig()))
     assert json.loads(config["parameters"]["class_names"]["string_value"]) == names
