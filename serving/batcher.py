@@ -174,12 +174,13 @@ class Batcher:
         """Up to max_batch_size images of the oldest request's size, from the head of the queue on: (request, start,
         stop) slices. A model of any size is run on one size per batch; requests of other sizes keep their place."""
         parts, count, now, size = [], 0, time.monotonic(), None
-        for request in list(self._queue):
+        expired: list[_Request] = []  # these two leave the queue after the walk, which must not change it
+        taken: list[_Request] = []
+        for request in self._queue:
             if count >= self.config.max_batch_size:
                 break
             if request.taken == 0 and request.deadline is not None and request.deadline <= now:
-                # Its caller is about to hear DEADLINE_EXCEEDED: do not spend compute on it.
-                self._drop(request, "deadline")
+                expired.append(request)  # its caller is about to hear DEADLINE_EXCEEDED: no compute spent on it
                 continue
             size = size or request.images.shape[1:]
             if request.images.shape[1:] != size:
@@ -190,7 +191,11 @@ class Batcher:
             count += take
             self._queued_images -= take
             if request.taken == len(request.images):
-                self._queue.remove(request)
+                taken.append(request)
+        for request in expired:
+            self._drop(request, "deadline")
+        for request in taken:  # from the head of the queue unless another size waits before it
+            self._queue.remove(request)
         self.metrics.queue_depth.set(len(self._queue))
         return parts
 

@@ -82,6 +82,7 @@ class KServeHTTP:
         self._plane = plane
         self._observer = observer
         self._bodies = BodyReader(max_body_bytes)
+        self._page_bytes = PAGE.read_bytes() if ui else b""  # read once: the file ships with the package
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
         app = web.Application(client_max_size=max_body_bytes, middlewares=[self._middleware])
@@ -192,7 +193,7 @@ class KServeHTTP:
         """The page to draw or drop images and see each class's capsule length: one static file, which calls the
         infer endpoint above like any client. Its policy lets it reach this server only, so nothing is fetched
         from elsewhere even if the file were changed to."""
-        return web.Response(body=PAGE.read_bytes(), content_type="text/html", charset="utf-8", headers={
+        return web.Response(body=self._page_bytes, content_type="text/html", charset="utf-8", headers={
             "Content-Security-Policy": "default-src 'none'; connect-src 'self'; img-src 'self' blob: data:; "
                                        "script-src 'unsafe-inline'; style-src 'unsafe-inline'",
             "Cache-Control": "no-cache"})
