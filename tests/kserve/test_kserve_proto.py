@@ -13,7 +13,9 @@ from capsnet.kserve import model_config_pb2 as our_model_config_pb2
 
 SERVED_RPCS = [
     "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "ModelConfig",
-    "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"]
+    "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload", "SystemSharedMemoryStatus",
+    "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister", "CudaSharedMemoryStatus", "CudaSharedMemoryRegister",
+    "CudaSharedMemoryUnregister"]
 
 
 def file_proto(serialized: bytes) -> descriptor_pb2.FileDescriptorProto:
