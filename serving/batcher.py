@@ -19,16 +19,33 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, Union
 
 import numpy as np
 
 from capsnet.serving.backends.base import Backend
-from capsnet.serving.errors import BackendUnusable, DeadlineExceeded, InferenceError, QueueFull, past_deadline
+from capsnet.serving.errors import (BackendUnusable, DeadlineExceeded, InferenceError, QueueFull, ServingError,
+                                    past_deadline)
 from capsnet.serving.metrics import VersionMetrics
 from capsnet.serving.statistics import ModelStatistics
 
 log = logging.getLogger(__name__)
+
+
+class ImageSource(Protocol):
+    """A request's images not yet in memory (in a client's shared-memory region): read by the batcher straight into
+    the batch it runs, in its worker thread, so that they are copied once."""
+
+    shape: tuple[int, ...]  # (N, C, H, W)
+
+    def __len__(self) -> int:
+        """N"""
+
+    def read(self, out: np.ndarray, start: int, stop: int) -> None:
+        """Images [start, stop) into `out`, float32 (stop - start, C, H, W); a ServingError fails their request."""
+
+
+Images = Union[np.ndarray, ImageSource]
 
 
 @dataclass(frozen=True)
@@ -55,7 +72,7 @@ class BatchRun(NamedTuple):
 
 @dataclass(eq=False)
 class _Request:
-    images: np.ndarray  # (N, C, H, W) float32
+    images: Images  # (N, C, H, W) float32
     deadline: float | None  # time.monotonic()
     future: asyncio.Future
     arrival: float = field(default_factory=time.monotonic)
@@ -98,7 +115,7 @@ class Batcher:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsnet-backend")
         self._task = asyncio.get_running_loop().create_task(self._schedule(), name="capsnet-batcher")
 
-    async def submit(self, images: np.ndarray, deadline: float | None = None) -> BatchOutput:
+    async def submit(self, images: Images, deadline: float | None = None) -> BatchOutput:
         """Queue validated images (N <= max_batch_size) and wait for their outputs."""
         if len(self._queue) >= self.config.max_queue_size:
             raise QueueFull(f"queue full: {len(self._queue)} requests are waiting (--max-queue-size "
@@ -205,14 +222,16 @@ class Batcher:
             if start == 0:
                 request.queue_wait = cut - request.arrival
                 self.metrics.queue_wait.observe(request.queue_wait)
-        images = np.concatenate([request.images[start:stop] for request, start, stop in parts])  # (B, C, H, W)
-        started = time.monotonic()
+        size = sum(stop - start for _, start, stop in parts)
         try:
-            outputs = await loop.run_in_executor(self._executor, self.backend.run, images)
-            ended = time.monotonic()
+            outputs, unread, started, ended = await loop.run_in_executor(self._executor, self._gather_and_run, parts)
+            for request, err in unread:  # its images could not be read: it alone fails
+                self._remove(request)
+                if not request.future.done():
+                    request.future.set_exception(err)
             copied = self._copy_rows(parts, outputs)
         except Exception as err:  # the batch's requests fail; the scheduler, and the server, carry on
-            log.exception("backend %s failed on a batch of %d", self.backend.name, len(images))
+            log.exception("backend %s failed on a batch of %d", self.backend.name, size)
             message = f"the {self.backend.name} backend failed: {err}"
             kind = BackendUnusable if isinstance(err, BackendUnusable) else InferenceError
             for request, _, _ in parts:
@@ -222,7 +241,7 @@ class Batcher:
             if kind is BackendUnusable and self._on_unusable is not None:
                 await self._on_unusable(message)
             return
-        run = BatchRun(len(images), cut, started, ended, time.monotonic())
+        run = BatchRun(size, cut, started, ended, time.monotonic())
         for request in copied:
             request.runs.append(run)
             if request.done == len(request.images):
@@ -230,9 +249,36 @@ class Batcher:
                 request.future.set_result(BatchOutput(request.outputs, request.queue_wait, request.runs,
                                                       request.arrival))
         self.metrics.compute.observe(ended - started)
-        self.metrics.batch_size.observe(len(images))
-        self.metrics.images.inc(len(images))
-        self.stats.record_batch(len(images), run.phases())
+        self.metrics.batch_size.observe(size)
+        self.metrics.images.inc(size)
+        self.stats.record_batch(size, run.phases())
+
+    def _gather_and_run(self, parts: list[tuple[_Request, int, int]]):
+        """In the worker thread: the batch's images in one array, read from memory or from their regions, then the
+        backend's run on it; (outputs, [(request, why its images could not be read)], run start, run end). A whole
+        request already in memory is run as it is, without a copy."""
+        unread: list[tuple[_Request, ServingError]] = []
+        first, start, stop = parts[0]
+        if len(parts) == 1 and isinstance(first.images, np.ndarray) and stop - start == len(first.images):
+            images = first.images
+        else:
+            size = sum(stop - start for _, start, stop in parts)
+            images = np.empty((size, *first.images.shape[1:]), dtype=np.float32)  # (B, C, H, W)
+            offset = 0
+            for request, start, stop in parts:
+                rows = images[offset:offset + stop - start]
+                offset += stop - start
+                if isinstance(request.images, np.ndarray):
+                    rows[...] = request.images[start:stop]
+                    continue
+                try:
+                    request.images.read(rows, start, stop)
+                except ServingError as err:
+                    rows[...] = 0  # run with the batch, its rows unanswered
+                    unread.append((request, err))
+        started = time.monotonic()
+        outputs = self.backend.run(images)
+        return outputs, unread, started, time.monotonic()
 
     @staticmethod
     def _copy_rows(parts: list[tuple[_Request, int, int]], outputs: dict[str, np.ndarray]) -> list[_Request]:

@@ -112,6 +112,13 @@ def register(subparsers) -> None:
     serve.add_argument("--max-image-scale", type=int, metavar="K",
                        help="encoded images may be at most K times the model's height and width "
                             f"(default {defaults['max_image_scale']})")
+    serve.add_argument("--allow-client-shm", action=argparse.BooleanOptionalAction, default=None,
+                       help="clients on this host may pass tensors in system (and, on a GPU, CUDA) shared memory, "
+                            "Triton's extensions (default: allowed; --no-allow-client-shm refuses every register call)")
+    serve.add_argument("--max-shm-regions", type=int, metavar="N",
+                       help=f"shared-memory regions registered at once (default {defaults['max_shm_regions']})")
+    serve.add_argument("--max-shm-bytes", type=int, metavar="BYTES",
+                       help=f"bytes of all shared-memory regions registered (default {defaults['max_shm_bytes']})")
     serve.add_argument("--tls-cert", metavar="PEM", help="server certificate (enables TLS; with --tls-key)")
     serve.add_argument("--tls-key", metavar="PEM", help="server private key")
     serve.add_argument("--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA (mutual TLS)")
@@ -171,7 +178,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     names = ("model_dir model_repository version_policy model_control poll_seconds log_format otlp_endpoint host "
              "grpc_port http_port http ui metrics_port backend precision gpu max_batch_size max_queue_delay_us "
-             "max_queue_size max_pending_rpcs threads max_message_bytes max_image_scale tls_cert tls_key tls_client_ca "
+             "max_queue_size max_pending_rpcs threads max_message_bytes max_image_scale allow_client_shm max_shm_regions "
+             "max_shm_bytes tls_cert tls_key tls_client_ca "
              "drain_window_s grace_period_s").split()
     config = ServerConfig.from_sources({name: getattr(args, name) for name in names})
     if config.log_format == "json":

@@ -79,6 +79,12 @@ class ServerConfig:
     max_message_bytes: int | None = None
     # Encoded images may be at most this many times the model's height and width (refused from the header).
     max_image_scale: int = 8
+    # Triton's shared-memory extensions (serving/shared_memory.py): clients on this host may register POSIX
+    # shared-memory objects (and, where a GPU serves, CUDA buffers) for tensors to be read from and written to, within
+    # these limits; off (--no-allow-client-shm, Triton's --allow-client-shm=false), every register call is refused.
+    allow_client_shm: bool = True
+    max_shm_regions: int = 64
+    max_shm_bytes: int = 4 * 2 ** 30  # registered bytes of all regions together
     # TLS: server certificate and key; with tls_client_ca, clients must present a certificate it signed.
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -118,7 +124,8 @@ class ServerConfig:
         for name in ("grpc_port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise CapsNetError(f"{name.replace('_', '-')} must be in 0..65535 (0: any free port), got {getattr(self, name)}")
-        for name in ("max_batch_size", "max_queue_size", "max_pending_rpcs", "max_message_bytes", "max_image_scale"):
+        for name in ("max_batch_size", "max_queue_size", "max_pending_rpcs", "max_message_bytes", "max_image_scale",
+                     "max_shm_regions", "max_shm_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise CapsNetError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("max_pending_rpcs", "max_message_bytes"):  # given to gRPC as they are

@@ -78,6 +78,29 @@ class ModelNotReady(ServerNotReady):
     elsewhere."""
 
 
+class RegionNotFound(ServingError):
+    """A tensor or a shared-memory call names a region that is not registered (or is of the other kind)."""
+
+    grpc_code, http_status = "NOT_FOUND", 404
+
+
+class RegionExists(ServingError):
+    """A shared-memory region is registered under that name already: unregister it first."""
+
+    grpc_code, http_status = "ALREADY_EXISTS", 409
+
+
+class RegionUnopenable(ServingError):
+    """The shared-memory object a register call names cannot be opened (no such object, no permission): Triton
+    answers it INTERNAL, as the server's own failure to map it."""
+
+
+class SharedMemoryDisabled(ServingError):
+    """Client shared memory is switched off on this server (--no-allow-client-shm)."""
+
+    grpc_code, http_status = "PERMISSION_DENIED", 403
+
+
 class ModelLoadFailed(ServingError):
     """A load of the model repository refused a version (unreadable or altered files, a failed self-check): the
     versions already serving go on."""

@@ -18,6 +18,7 @@ default; it holds that version until answered, and the answer names it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,10 +28,11 @@ import numpy as np
 
 from capsnet import __version__
 from capsnet.model_description import class_names_parameters
-from capsnet.serving.errors import InvalidInput, Unauthenticated
+from capsnet.serving.errors import InvalidInput, RegionNotFound, Unauthenticated
 from capsnet.serving.lifecycle import Lifecycle
 from capsnet.serving.model_manager import ModelManager, ModelRef
-from capsnet.serving.service import InferenceService, ModelSpec, check_image_shape
+from capsnet.serving.service import InferenceService, ModelSpec, check_image_shape, check_values
+from capsnet.serving.shared_memory import Region, RegionRef, SharedMemory, region_ref
 
 SERVER_NAME = "capsnet-serve"
 
@@ -39,22 +41,22 @@ INPUT_DATATYPES: dict[str, tuple[np.dtype, str]] = {
     "FP32": (np.dtype("<f4"), "fp32_contents"),
     "UINT8": (np.dtype("u1"), "uint_contents"),
 }
-# Tensor parameters that Triton acts on, which this server cannot: refused, so that no client is answered as if they
-# had been honoured. Triton ignores any other tensor parameter, and so does this server.
-SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
-CLASSIFICATION_PARAMETER = "classification"  # on a requested output: the top-k classes instead of the tensor
+CLASSIFICATION_PARAMETER = "classification"  # on a requested output: its top k classes instead of the tensor
+CLASSIFIED_OUTPUT = "probabilities"  # the output classification ranks: one score per class
 
 
-# Triton's names of the protocol extensions served (ServerMetadata); both transports serve all of them.
-EXTENSIONS = ["model_configuration", "statistics", "model_repository", "model_repository(unload_dependents)"]
+# Triton's names of the protocol extensions served (ServerMetadata) on both transports; the shared-memory ones are
+# added where they are served (SharedMemory.extensions).
+EXTENSIONS = ["model_configuration", "statistics", "model_repository", "model_repository(unload_dependents)",
+              "binary_tensor_data", "classification"]
 # A load or unload's parameters this server takes: Triton's unload_dependents (no model here depends on another, so
 # there is nothing more to unload). Triton's `config` and `file:` overrides are refused: a version serves only
 # as its export folder was written and self-checked.
 UNLOAD_PARAMETERS = ("unload_dependents",)
 
 
-def server_metadata() -> dict:
-    return {"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS}
+def server_metadata(shared_memory: SharedMemory) -> dict:
+    return {"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS + shared_memory.extensions}
 
 
 def model_metadata(spec: ModelSpec, versions: list[str]) -> dict:
@@ -84,31 +86,35 @@ def model_config(service: InferenceService) -> dict:
     }
 
 
-def refuse_parameters(parameters: Mapping, field: str, *, output: bool, data_where: str) -> None:
-    """Refuse the tensor parameters this server cannot honour; ignore the others (binary_data_size, ...) as Triton
-    does. `data_where`: where an input's data goes instead of shared memory."""
-    if shared := [key for key in SHARED_MEMORY_PARAMETERS if key in parameters]:
-        where = "the response carries the outputs" if output else f"send the data in {data_where}"
-        raise InvalidInput(f"{field}.parameters: shared memory is not supported by this server, got "
-                           f"{', '.join(shared)}; {where}")
-    if output and CLASSIFICATION_PARAMETER in parameters:
-        raise InvalidInput(f"{field}.parameters: the classification extension is not supported by this server, got "
-                           f"{CLASSIFICATION_PARAMETER!r}; ask for 'probabilities' and take the top classes from them")
-
-
 @dataclass(frozen=True)
 class InferInput:
     """An input tensor's header as a request declares it (its data stays with the Decoder)."""
     name: str
     datatype: str
     shape: list[int]
-    parameters: Mapping
+    parameters: Mapping  # name -> its value (str, int, float or bool), whatever the transport's form
 
 
 class RequestedOutput(NamedTuple):
     """An output a request asks for."""
     name: str
-    parameters: Mapping
+    parameters: Mapping  # as InferInput's
+
+
+class OutputPlan(NamedTuple):
+    """How a requested output is answered: classified (its top `classes`), and in a region or in the answer."""
+    name: str
+    classes: int | None  # None: the tensor itself
+    region: RegionRef | None
+
+
+@dataclass(frozen=True)
+class Output:
+    """An answered output: its data, or None where it was written into the region the request named."""
+    name: str
+    datatype: str  # FP32, or BYTES for classification
+    shape: tuple[int, ...]
+    data: np.ndarray | None  # float32, or an object array of bytes for BYTES
 
 
 @dataclass(frozen=True)
@@ -128,8 +134,9 @@ class Decoder(Protocol):
     async def header(self, spec: ModelSpec) -> InferHeader:
         """The request's tensors and outputs as declared."""
 
-    def check_data(self, tensor: InputTensor) -> None:
-        """The input's data is given once, in a form the transport takes (not yet read)."""
+    def check_data(self, tensor: InputTensor, shared: bool) -> None:
+        """The input's data is given once, in a form the transport takes (not yet read); `shared`: it is in a
+        shared-memory region, and the request must carry none."""
 
     async def values(self, tensor: InputTensor) -> np.ndarray:
         """The input's flat values, of the tensor's dtype and count."""
@@ -149,7 +156,7 @@ class InferResponse:
     model_name: str
     model_version: str
     id: str | None
-    outputs: dict[str, np.ndarray]  # name -> (N, ...) float32, in the requested order
+    outputs: list[Output]  # in the requested order
 
 
 @dataclass(frozen=True)
@@ -204,30 +211,96 @@ def images_from_values(values: np.ndarray, tensor: InputTensor) -> np.ndarray:
     return images.astype(np.float32, copy=False)
 
 
-def requested_outputs(spec: ModelSpec, outputs: list[RequestedOutput]) -> list[str]:
-    """Names of the outputs to answer, in request order; all the model serves when none are named."""
+def requested_outputs(spec: ModelSpec, outputs: list[RequestedOutput]) -> list[OutputPlan]:
+    """The outputs to answer, in request order; all the model serves when none are named."""
     if not outputs:
-        return list(spec.output_names)
-    names = []
+        return [OutputPlan(name, None, None) for name in spec.output_names]
+    plans: list[OutputPlan] = []
     for index, (name, parameters) in enumerate(outputs):
         field = f"outputs[{index}]"
         if name not in spec.output_names:
             raise InvalidInput(f"{field}.name: unknown output {name!r}; expected one of {', '.join(spec.output_names)}")
-        if name in names:
+        if name in [plan.name for plan in plans]:
             raise InvalidInput(f"{field}.name: output {name!r} is requested more than once")
-        refuse_parameters(parameters, field, output=True, data_where="")
-        names.append(name)
-    return names
+        plans.append(OutputPlan(name, _classes(parameters, name, field), region_ref(parameters, field)))
+    return plans
+
+
+def _classes(parameters: Mapping, name: str, field: str) -> int | None:
+    """The classification parameter's count of classes (None: not asked)."""
+    if CLASSIFICATION_PARAMETER not in parameters:
+        return None
+    count = parameters[CLASSIFICATION_PARAMETER]
+    if name != CLASSIFIED_OUTPUT:
+        raise InvalidInput(f"{field}.parameters.{CLASSIFICATION_PARAMETER}: only {CLASSIFIED_OUTPUT!r} holds one score "
+                           f"per class; {name!r} cannot be classified")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise InvalidInput(f"{field}.parameters.{CLASSIFICATION_PARAMETER}: expected a number of classes >= 1, got "
+                           f"{count!r:.60}")
+    return count
+
+
+def classify(scores: np.ndarray, count: int, class_names: list[str] | None) -> np.ndarray:
+    """Triton's classification of (N, J) scores: (N, min(count, J)) bytes "score:index[:label]", highest first (ties:
+    the lower index first), the score as C's %f prints it."""
+    top = np.argsort(-scores, axis=1, kind="stable")[:, :count]  # (N, k)
+    labels = [f":{name}" for name in class_names] if class_names else [""] * scores.shape[1]
+    strings = [[f"{row[index]:f}:{index}{labels[index]}".encode() for index in indices]
+               for row, indices in zip(scores, top)]
+    return np.array(strings, dtype=object).reshape(top.shape)
+
+
+def serialize_bytes(array: np.ndarray) -> bytes:
+    """A BYTES tensor's raw form, as Triton's: each element, row-major, as a 4-byte little-endian length and its
+    bytes."""
+    return b"".join(len(item).to_bytes(4, "little") + item for item in array.ravel())
+
+
+class RegionImages:
+    """A request's images in a shared-memory region, read by the batcher straight into its batch (ImageSource): the
+    region stays held by the request, and is held again for each read."""
+
+    def __init__(self, region: Region, offset: int, tensor: InputTensor, field: str):
+        self.region = region
+        self.offset = offset
+        self.tensor = tensor
+        self.field = field
+        self.shape = tuple(tensor.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def read(self, out: np.ndarray, start: int, stop: int) -> None:
+        """Images [start, stop) into `out` (float32, contiguous), checked as any request's values."""
+        row_bytes = math.prod(self.shape[1:]) * self.tensor.dtype.itemsize
+        if not self.region.hold():
+            raise RegionNotFound(f"{self.field}.parameters.shared_memory_region: region {self.region.name!r} was "
+                                 "unregistered before the batch read it")
+        try:
+            if self.tensor.datatype == "FP32":
+                self.region.read(out, self.offset + start * row_bytes, self.field)
+            else:
+                pixels = np.empty(out.shape, dtype=self.tensor.dtype)
+                self.region.read(pixels, self.offset + start * row_bytes, self.field)
+                np.divide(pixels, np.float32(255), out=out)
+        finally:
+            self.region.release()
+        check_values(out, self.field, first=start)
 
 
 class DataPlane:
     """The protocol's operations on the models this server serves, for both transports."""
 
-    def __init__(self, models: ModelManager, lifecycle: Lifecycle, client_certificates: bool = False):
+    def __init__(self, models: ModelManager, lifecycle: Lifecycle, shared_memory: SharedMemory,
+                 client_certificates: bool = False):
         """`client_certificates`: mutual TLS is on, and model control asks for a verified client certificate."""
         self.models = models
         self.lifecycle = lifecycle
+        self.shared_memory = shared_memory
         self.client_certificates = client_certificates
+
+    def server_metadata(self) -> dict:
+        return server_metadata(self.shared_memory)
 
     @property
     def live(self) -> bool:
@@ -283,17 +356,54 @@ class DataPlane:
         model.check_arrival(request.arrival)
         header = await decoder.header(spec)
         tensor = check_input(spec, header.inputs)
-        refuse_parameters(header.inputs[0].parameters, "inputs[0]", output=False, data_where=decoder.data_where)
-        decoder.check_data(tensor)
+        shared = region_ref(header.inputs[0].parameters, "inputs[0]")
+        decoder.check_data(tensor, shared is not None)
         model.check_batch_size(tensor.shape[0], "inputs[0].shape[0]")
-        names = requested_outputs(spec, header.outputs)
-        images = images_from_values(await decoder.values(tensor), tensor)
-        result = await model.infer(images, field="inputs[0]", reconstruction="reconstruction" in names,
-                                   deadline=request.deadline, arrival=request.arrival)
-        arrays = {"probabilities": result.probabilities, "poses": result.poses,
-                  "reconstruction": result.reconstruction}
-        outputs = {name: array for name in names if (array := arrays[name]) is not None}  # reconstruction: if asked
+        plans = requested_outputs(spec, header.outputs)
+        with contextlib.ExitStack() as held:  # the regions named, held until answered
+            images: np.ndarray | RegionImages
+            if shared is not None:
+                expected = tensor.count * tensor.dtype.itemsize
+                if shared.byte_size != expected:
+                    raise InvalidInput(f"inputs[0].parameters.shared_memory_byte_size: expected {expected} bytes for "
+                                       f"{tensor.datatype} shape {tensor.shape}, got {shared.byte_size}")
+                region = held.enter_context(self.shared_memory.held(shared, "inputs[0]"))
+                images = RegionImages(region, shared.offset, tensor, "inputs[0]")
+            else:
+                images = images_from_values(await decoder.values(tensor), tensor)
+            regions = {plan.name: held.enter_context(self.shared_memory.held(plan.region, f"outputs[{index}]"))
+                       for index, plan in enumerate(plans) if plan.region is not None}
+            for index, plan in enumerate(plans):
+                if plan.region is not None and plan.classes is None:
+                    shape = (tensor.shape[0], *spec.output_shapes[plan.name])
+                    _check_room(plan.region, math.prod(shape) * 4, shape, f"outputs[{index}]")
+            names = [plan.name for plan in plans]
+            result = await model.infer(images, field="inputs[0]", reconstruction="reconstruction" in names,
+                                       deadline=request.deadline, arrival=request.arrival)
+            arrays = {"probabilities": result.probabilities, "poses": result.poses,
+                      "reconstruction": result.reconstruction}
+            outputs = [self._answer(plan, array, spec, regions.get(plan.name), f"outputs[{index}]")
+                       for index, plan in enumerate(plans) if (array := arrays[plan.name]) is not None]
         return InferResponse(spec.name, spec.version, header.id, outputs)
+
+    @staticmethod
+    def _answer(plan: OutputPlan, array: np.ndarray, spec: ModelSpec, region: Region | None, field: str) -> Output:
+        """An output as asked: classified or not, written into its region or carried in the answer."""
+        datatype, data = "FP32", array
+        if plan.classes is not None:
+            datatype, data = "BYTES", classify(array, plan.classes, spec.class_names)
+        if region is None or plan.region is None:
+            return Output(plan.name, datatype, data.shape, data)
+        raw = np.frombuffer(serialize_bytes(data), np.uint8) if datatype == "BYTES" else np.ascontiguousarray(data, "<f4")
+        _check_room(plan.region, raw.nbytes, data.shape, field)
+        region.write(raw, plan.region.offset, field)
+        return Output(plan.name, datatype, data.shape, None)
+
+
+def _check_room(ref: RegionRef, size: int, shape: tuple[int, ...], field: str) -> None:
+    if ref.byte_size < size:
+        raise InvalidInput(f"{field}.parameters.shared_memory_byte_size: {ref.byte_size} bytes cannot hold the output "
+                           f"of shape {list(shape)} ({size} bytes)")
 
 
 def _one_repository(name: str) -> None:

@@ -26,6 +26,7 @@ from capsnet.kserve import model_config_pb2 as config_pb
 from capsnet.serving import kserve
 from capsnet.serving.errors import InvalidInput
 from capsnet.serving.service import ModelSpec
+from capsnet.serving.shared_memory import CUDA, SYSTEM
 
 SERVICE_NAME = "inference.GRPCInferenceService"
 
@@ -56,7 +57,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelReadyResponse(ready=self._plane.model_ready(_ref(request)))
 
     async def ServerMetadata(self, request, context):
-        return json_format.ParseDict(kserve.server_metadata(), pb.ServerMetadataResponse())
+        return json_format.ParseDict(self._plane.server_metadata(), pb.ServerMetadataResponse())
 
     async def ModelMetadata(self, request, context):
         return json_format.ParseDict(self._plane.model_metadata(_ref(request)), pb.ModelMetadataResponse())
@@ -82,6 +83,28 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                                  _certified(context))
         return pb.RepositoryModelUnloadResponse()
 
+    async def SystemSharedMemoryStatus(self, request, context):
+        return _regions(self._plane.shared_memory.status(SYSTEM, request.name), pb.SystemSharedMemoryStatusResponse())
+
+    async def SystemSharedMemoryRegister(self, request, context):
+        self._plane.shared_memory.register_system(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request, context):
+        self._plane.shared_memory.unregister(SYSTEM, request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(self, request, context):
+        return _regions(self._plane.shared_memory.status(CUDA, request.name), pb.CudaSharedMemoryStatusResponse())
+
+    async def CudaSharedMemoryRegister(self, request, context):
+        self._plane.shared_memory.register_cuda(request.name, request.raw_handle, request.device_id, request.byte_size)
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    async def CudaSharedMemoryUnregister(self, request, context):
+        self._plane.shared_memory.unregister(CUDA, request.name)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
     async def ModelInfer(self, request, context):
         arrival = time.monotonic()
         remaining = context.time_remaining()
@@ -94,6 +117,19 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 def _ref(request) -> kserve.ModelRef:
     """The model a ModelReady, ModelMetadata, ModelConfig or ModelStatistics request names."""
     return kserve.ModelRef(request.name, request.version, "name", "version")
+
+
+def _regions(regions: list[dict], response):
+    """A shared-memory status response: its regions by name."""
+    for region in regions:
+        json_format.ParseDict(region, response.regions[region["name"]])
+    return response
+
+
+def _parameters(parameters) -> dict:
+    """A tensor's InferParameter map as plain values."""
+    return {key: getattr(value, value.WhichOneof("parameter_choice") or "string_param")
+            for key, value in parameters.items()}
 
 
 def _certified(context) -> bool:
@@ -112,16 +148,20 @@ class _Decoder:
     async def header(self, spec: ModelSpec) -> kserve.InferHeader:
         request = self._request
         return kserve.InferHeader(
-            inputs=[kserve.InferInput(tensor.name, tensor.datatype, list(tensor.shape), tensor.parameters)
+            inputs=[kserve.InferInput(tensor.name, tensor.datatype, list(tensor.shape), _parameters(tensor.parameters))
                     for tensor in request.inputs],
-            outputs=[kserve.RequestedOutput(output.name, output.parameters) for output in request.outputs],
+            outputs=[kserve.RequestedOutput(output.name, _parameters(output.parameters)) for output in request.outputs],
             id=request.id)
 
-    def check_data(self, tensor: kserve.InputTensor) -> None:
-        """Typed or raw, not both, and some unless the tensor is empty."""
+    def check_data(self, tensor: kserve.InputTensor, shared: bool) -> None:
+        """Typed or raw, not both, and some unless the tensor is empty; none when in shared memory."""
         _, typed_field = kserve.INPUT_DATATYPES[tensor.datatype]
         typed = [field.name for field, _ in self._request.inputs[0].contents.ListFields()]
-        if self._request.raw_input_contents:
+        if shared:
+            if typed or self._request.raw_input_contents:
+                raise InvalidInput("inputs[0]: data given both in shared memory (parameters.shared_memory_region) and "
+                                   f"in {'contents' if typed else 'raw_input_contents'}; expected one of them")
+        elif self._request.raw_input_contents:
             if typed:
                 raise InvalidInput(f"inputs[0].contents: data given both typed ({typed[0]}) and in raw_input_contents; "
                                    "expected one of them")
@@ -160,13 +200,22 @@ def _typed_values(contents, field: str, tensor: kserve.InputTensor) -> np.ndarra
 
 
 def _encode(request: pb.ModelInferRequest, answer: kserve.InferResponse) -> pb.ModelInferResponse:
-    """Outputs raw when the input came raw (as tritonclient expects), typed otherwise."""
+    """Outputs raw when the input was not typed (as tritonclient expects), typed otherwise; an output written into a
+    region has no data, and an empty raw entry keeps the raw entries in the outputs' order."""
     response = pb.ModelInferResponse(model_name=answer.model_name, model_version=answer.model_version, id=answer.id)
-    raw = bool(request.raw_input_contents)
-    for name, array in answer.outputs.items():
-        output = response.outputs.add(name=name, datatype="FP32", shape=array.shape)
-        if raw:
-            response.raw_output_contents.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
+    raw = not request.inputs or not request.inputs[0].HasField("contents")
+    for output in answer.outputs:
+        tensor = response.outputs.add(name=output.name, datatype=output.datatype, shape=output.shape)
+        if output.data is None:
+            if raw:
+                response.raw_output_contents.append(b"")
+        elif output.datatype == "BYTES":
+            if raw:
+                response.raw_output_contents.append(kserve.serialize_bytes(output.data))
+            else:
+                tensor.contents.bytes_contents.extend(output.data.ravel().tolist())
+        elif raw:
+            response.raw_output_contents.append(np.ascontiguousarray(output.data, dtype="<f4").tobytes())
         else:
-            output.contents.fp32_contents.extend(array.ravel().tolist())
+            tensor.contents.fp32_contents.extend(output.data.ravel().tolist())
     return response

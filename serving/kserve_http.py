@@ -16,6 +16,9 @@ Routes (`{model}` is a served model's name; every model route also takes `/versi
     POST /v2/repository/index                     the repository's models and their versions' states
     POST /v2/repository/models/{model}/load       load or reload a model (--model-control explicit)
     POST /v2/repository/models/{model}/unload     unload a model
+    GET  /v2/{kind}sharedmemory[/region/{name}]/status     Triton's shared-memory extensions, `kind` system or cuda:
+    POST /v2/{kind}sharedmemory/region/{name}/register     the regions registered, register one, unregister one or
+    POST /v2/{kind}sharedmemory[/region/{name}]/unregister all
 
 Errors are `{"error": message}` with the HTTP status their kind carries (`serving/errors.py`). Every request is
 recorded (`serving/observe.py`: metrics as gRPC's calls are, under api="kserve_http" and the kind's gRPC code; an
@@ -25,6 +28,7 @@ access line and a trace where asked). An answer must be taken by the client with
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import ssl
@@ -41,6 +45,7 @@ from capsnet.serving.http_body import BodyReader
 from capsnet.serving.kserve_http_codec import BINARY_HEADER, RestDecoder
 from capsnet.serving.lifecycle import Tracked
 from capsnet.serving.observe import CURRENT, TRACEPARENT, Observer, RequestRecord
+from capsnet.serving.shared_memory import CUDA, SYSTEM
 
 PAGE = resources.files("capsnet.serving") / "ui" / "index.html"  # shipped in the package (pyproject's package-data)
 log = logging.getLogger(__name__)
@@ -97,6 +102,15 @@ class KServeHTTP:
             ("POST", "/v2/repository/models/{model}/load", "RepositoryModelLoad", self._repository_load),
             ("POST", "/v2/repository/models/{model}/unload", "RepositoryModelUnload", self._repository_unload),
         ]
+        for kind, rpc in ((SYSTEM, "SystemSharedMemory"), (CUDA, "CudaSharedMemory")):
+            base = f"/v2/{kind}sharedmemory"
+            routes += [
+                ("GET", base + "/status", rpc + "Status", self._shm_status),
+                ("GET", base + "/region/{name}/status", rpc + "Status", self._shm_status),
+                ("POST", base + "/region/{name}/register", rpc + "Register", self._shm_register),
+                ("POST", base + "/unregister", rpc + "Unregister", self._shm_unregister),
+                ("POST", base + "/region/{name}/unregister", rpc + "Unregister", self._shm_unregister),
+            ]
         if ui:
             routes.append(("GET", "/", "Page", self._page))
         for prefix in (model, model + "/versions/{version}"):
@@ -205,7 +219,7 @@ class KServeHTTP:
         return web.Response(status=200 if self._plane.ready else 400)
 
     async def _server_metadata(self, request: web.Request) -> web.Response:
-        return web.json_response(kserve.server_metadata())
+        return web.json_response(self._plane.server_metadata())
 
     def _model(self, request: web.Request):
         return self._plane.model(_model_ref(request))
@@ -243,6 +257,33 @@ class KServeHTTP:
     async def _repository_unload(self, request: web.Request) -> web.Response:
         body = await self._control_body(request)
         await self._plane.unload("", _control_ref(request), _parameters(body), _certified(request))
+        return web.json_response({})
+
+    async def _shm_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self._plane.shared_memory.status(_shm_kind(request), request.match_info.get("name", "")))
+
+    async def _shm_register(self, request: web.Request) -> web.Response:
+        body, name = await self._control_body(request), request.match_info["name"]
+        shared_memory = self._plane.shared_memory
+        if _shm_kind(request) == SYSTEM:
+            key = body.get("key")
+            if not isinstance(key, str):
+                raise InvalidInput(f"key: expected a POSIX shared-memory name, got {json.dumps(key)[:60]}")
+            shared_memory.register_system(name, key, _bytes(body, "offset", 0), _bytes(body, "byte_size"))
+        else:
+            handle = body.get("raw_handle")
+            encoded = handle.get("b64") if isinstance(handle, dict) else None
+            try:
+                raw = base64.b64decode(encoded, validate=True) if isinstance(encoded, str) else None
+            except ValueError:
+                raw = None
+            if raw is None:
+                raise InvalidInput('raw_handle: expected {"b64": the cudaIPC handle in base64}')
+            shared_memory.register_cuda(name, raw, _bytes(body, "device_id"), _bytes(body, "byte_size"))
+        return web.json_response({})
+
+    async def _shm_unregister(self, request: web.Request) -> web.Response:
+        self._plane.shared_memory.unregister(_shm_kind(request), request.match_info.get("name", ""))
         return web.json_response({})
 
     async def _control_body(self, request: web.Request) -> dict:
@@ -290,6 +331,18 @@ def _parameters(body: dict) -> dict:
     if not isinstance(parameters, dict):
         raise InvalidInput("parameters: expected a JSON object")
     return parameters
+
+
+def _shm_kind(request: web.Request) -> str:
+    return SYSTEM if request.path.startswith("/v2/systemsharedmemory") else CUDA
+
+
+def _bytes(body: dict, key: str, default: int | None = None) -> int:
+    """A register body's count (bytes, an offset, a device), present unless it has a default."""
+    value = body.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidInput(f"{key}: expected a number >= 0, got {json.dumps(value)[:60]}")
+    return value
 
 
 def _certified(request: web.Request) -> bool:

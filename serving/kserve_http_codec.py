@@ -73,9 +73,17 @@ class RestDecoder:
             self._parameters, self._data = inputs[0].parameters, tensors[0].get("data", _ABSENT)
         return kserve.InferHeader(inputs, requested, document.get("id"))
 
-    def check_data(self, tensor: kserve.InputTensor) -> None:
-        """In `data` or as binary (binary_data_size), not both."""
-        if "binary_data_size" in self._parameters:
+    def check_data(self, tensor: kserve.InputTensor, shared: bool) -> None:
+        """In `data` or as binary (binary_data_size), not both; neither when in shared memory."""
+        if shared:
+            if self._data is not _ABSENT or "binary_data_size" in self._parameters:
+                given = "`data`" if self._data is not _ABSENT else "binary (binary_data_size)"
+                raise InvalidInput(f"inputs[0]: data given both in shared memory (parameters.shared_memory_region) "
+                                   f"and as {given}; expected one of them")
+            if self._binary:
+                raise InvalidInput(f"request body: {len(self._binary)} bytes of binary data follow the JSON, but the "
+                                   "input is in shared memory")
+        elif "binary_data_size" in self._parameters:
             size = self._parameters["binary_data_size"]
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise InvalidInput(f"inputs[0].parameters.binary_data_size: expected a number of bytes, got {size!r}")
@@ -99,8 +107,9 @@ class RestDecoder:
 
     async def encode(self, answer: kserve.InferResponse) -> tuple[bytes, str, dict[str, str]]:
         """The answer's body, content type and headers."""
-        binary = {name for name in answer.outputs if self._binary_asked.get(name, self._binary_default)}
-        size = sum(array.size for name, array in answer.outputs.items() if name not in binary) * 20  # ~20 B a value
+        binary = {output.name for output in answer.outputs if self._binary_asked.get(output.name, self._binary_default)}
+        size = sum(output.data.size for output in answer.outputs
+                   if output.data is not None and output.name not in binary) * 20  # ~20 B a value
         return await _in_a_thread_if_large(size, _encode, answer, binary)
 
 
@@ -187,11 +196,19 @@ def _encode(answer: kserve.InferResponse, binary: set[str]) -> tuple[bytes, str,
         document["id"] = answer.id
     chunks = []
     document["outputs"] = []
-    for name, array in answer.outputs.items():
-        output: dict[str, object] = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
-        if name in binary:
-            chunks.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
-            output["parameters"] = {"binary_data_size": len(chunks[-1])}
+    for answered in answer.outputs:
+        output: dict[str, object] = {"name": answered.name, "datatype": answered.datatype,
+                                     "shape": list(answered.shape)}
+        array = answered.data
+        if array is None:  # written into the region the request named
+            pass
+        elif answered.name in binary:
+            raw = kserve.serialize_bytes(array) if answered.datatype == "BYTES" else \
+                np.ascontiguousarray(array, dtype="<f4").tobytes()
+            chunks.append(raw)
+            output["parameters"] = {"binary_data_size": len(raw)}
+        elif answered.datatype == "BYTES":
+            output["data"] = [item.decode() for item in array.ravel()]
         else:
             output["data"] = array.ravel().tolist()
         document["outputs"].append(output)

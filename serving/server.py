@@ -45,6 +45,7 @@ from capsnet.serving.model_manager import ModelManager
 from capsnet.serving.observe import Observer
 from capsnet.serving.repository import OneModel, RepositoryDir, VersionPolicy
 from capsnet.serving.service import InferenceService, ModelSpec
+from capsnet.serving.shared_memory import SharedMemory
 from capsnet.serving.tls import ServerTLS
 from capsnet.serving.tracing import Tracing
 
@@ -197,7 +198,11 @@ class CapsNetServer:
             await self.models.start()
             self.max_message_bytes = checked_message_limit(config, [s.spec for s in self.models.services()])
             self.metrics.inflight.set_function(self.lifecycle.in_flight.requests)
-            plane = kserve.DataPlane(self.models, self.lifecycle, client_certificates=config.tls_client_ca is not None)
+            shared_memory = SharedMemory(config.allow_client_shm, config.max_shm_regions, config.max_shm_bytes,
+                                         self._on_gpu)
+            opened.callback(shared_memory.close)  # after the listeners close (a stack): no request holds a region
+            plane = kserve.DataPlane(self.models, self.lifecycle, shared_memory,
+                                     client_certificates=config.tls_client_ca is not None)
             self._grpc = await self._listen_grpc(plane, tls)
             opened.push_async_callback(self._close_listeners)
             opened.callback(self._close_metrics, self._listen_metrics())
@@ -313,6 +318,11 @@ class CapsNetServer:
                 await self._health.set(name, SERVING if phase is Phase.SERVING else NOT_SERVING)
         elif phase is Phase.DRAINING:
             await self._health.enter_graceful_shutdown()  # NOT_SERVING, for good
+
+    def _on_gpu(self) -> bool:
+        """Whether a model version serves on a CUDA device (the torch and aoti backends' `device`, TensorRT's)."""
+        return any(service.backend.name == "tensorrt" or getattr(getattr(service.backend, "device", None), "type", "")
+                   == "cuda" for service in self.models.services())
 
     async def stop(self) -> None:
         """Drain (see the module's docstring); requests still running after the grace period are cancelled.

@@ -26,7 +26,7 @@ from capsnet.model_description import ModelDescription
 from capsnet.serving.artifacts import ModelArtifacts, load_artifacts
 from capsnet.serving.backends import LoadedBackend, load_backend
 from capsnet.serving.backends.base import Backend
-from capsnet.serving.batcher import Batcher, BatcherConfig
+from capsnet.serving.batcher import Batcher, BatcherConfig, ImageSource
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.errors import InvalidInput
 from capsnet.serving.lifecycle import Lifecycle
@@ -88,6 +88,23 @@ def check_image_shape(spec: ModelDescription, shape: list[int], field: str) -> N
         expected = f"[N, {sizes.channels}, H, W] ({sizes.describe()})"
     if len(shape) != 4 or tuple(shape[1:]) not in sizes:
         raise InvalidInput(f"{field}: expected shape {expected}, got {shape}")
+
+
+def check_values(images: np.ndarray, field: str, first: int = 0) -> None:
+    """Every value of `images` (N, C, H, W) float32 is finite and in [0, 1]; InvalidInput naming the first image that
+    is not, counting from `first`."""
+    if 0 <= images.min() and images.max() <= 1:  # the common case, in two reductions (False with NaN)
+        return
+    rows = images.reshape(len(images), -1)  # (N, C*H*W)
+    finite = np.isfinite(rows).all(axis=1)  # (N,)
+    if not finite.all():
+        raise InvalidInput(f"{field}: image {first + int(np.argmin(finite))} contains NaN or Inf; expected finite "
+                           "values in [0, 1]")
+    in_range = ((rows >= 0) & (rows <= 1)).all(axis=1)  # (N,)
+    if not in_range.all():
+        index = int(np.argmin(in_range))
+        raise InvalidInput(f"{field}: image {first + index} has values in [{rows[index].min():g}, {rows[index].max():g}]; "
+                           "expected [0, 1] (divide 8-bit pixels by 255, or send them as uint8)")
 
 
 def _load(folder: Path, config: ServerConfig) -> tuple[ModelArtifacts, LoadedBackend]:
@@ -178,32 +195,25 @@ class InferenceService:
             raise InvalidInput(f"{field}: {count} images exceed the maximum of {self.spec.max_batch_size} per request; "
                                "split them over several requests")
 
-    def validate_images(self, images: np.ndarray, field: str) -> np.ndarray:
-        if images.dtype != np.float32:
+    def validate_images(self, images: np.ndarray | ImageSource, field: str) -> np.ndarray | ImageSource:
+        """Images in memory are checked whole; those still in a region (ImageSource) are checked here by their shape
+        and by their values as the batcher reads them."""
+        if isinstance(images, np.ndarray) and images.dtype != np.float32:
             raise InvalidInput(f"{field}: expected float32 values, got {images.dtype}")
         check_image_shape(self.spec, list(images.shape), field)
-        count = images.shape[0]
-        self.check_batch_size(count, field)
-        if 0 <= images.min() and images.max() <= 1:  # the common case, in two reductions (False with NaN)
-            return images
-        rows = images.reshape(count, -1)  # (N, C*H*W)
-        finite = np.isfinite(rows).all(axis=1)  # (N,)
-        if not finite.all():
-            raise InvalidInput(f"{field}: image {int(np.argmin(finite))} contains NaN or Inf; expected finite values in [0, 1]")
-        in_range = ((rows >= 0) & (rows <= 1)).all(axis=1)  # (N,)
-        if not in_range.all():
-            index = int(np.argmin(in_range))
-            raise InvalidInput(f"{field}: image {index} has values in [{rows[index].min():g}, {rows[index].max():g}]; "
-                               "expected [0, 1] (divide 8-bit pixels by 255, or send them as uint8)")
+        self.check_batch_size(len(images), field)
+        if isinstance(images, np.ndarray):
+            check_values(images, field)
         return images
 
     def check_arrival(self, arrival: float) -> None:
         """ServerNotReady for a request that arrived (time.monotonic()) when it cannot be served."""
         self.lifecycle.check_arrival(arrival)
 
-    async def infer(self, images: np.ndarray, *, field: str = "images", reconstruction: bool = False,
+    async def infer(self, images: np.ndarray | ImageSource, *, field: str = "images", reconstruction: bool = False,
                     deadline: float | None = None, arrival: float | None = None) -> InferenceResult:
-        """Validate `images` (N, C, H, W) and infer them through the batcher.
+        """Validate `images` (N, C, H, W), in memory or still in a shared-memory region, and infer them through the
+        batcher.
 
         `arrival` (time.monotonic()): when the request reached the server; one that arrived before the
         shutdown began is answered even if it gets here after (it was decoding meanwhile).

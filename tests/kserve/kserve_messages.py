@@ -5,6 +5,9 @@ import numpy as np
 from capsnet.kserve import grpc_service_pb2 as pb
 
 MAX_BATCH_SIZE = 8  # of the kserve test servers; test_kserve_errors sends 9 images to cross it
+# What ServerMetadata lists on a server of the CPU: every extension it serves, and no CUDA shared memory.
+CPU_EXTENSIONS = ["model_configuration", "statistics", "model_repository", "model_repository(unload_dependents)",
+                  "binary_tensor_data", "classification", "system_shared_memory"]
 
 
 def images(count: int, seed: int) -> np.ndarray:

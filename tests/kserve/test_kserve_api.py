@@ -11,7 +11,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from capsnet import __version__
 from capsnet.kserve import grpc_service_pb2 as pb
 from capsnet.serving import kserve_grpc
-from kserve_messages import images, infer_request, response_arrays
+from kserve_messages import CPU_EXTENSIONS, images, infer_request, response_arrays
 
 # matches the onnxruntime backend run on different batch compositions, not bit-for-bit
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)
@@ -29,7 +29,9 @@ def test_reflection_describes_the_service_as_grpcurl_sees_it(kserve_target):
         infer = service.methods_by_name["ModelInfer"]
         assert [method.name for method in service.methods] == [
             "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "ModelConfig",
-                "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"]
+                "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
+                "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+                "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister"]
         assert infer.input_type.fields_by_name["raw_input_contents"].number == 7
 
 
@@ -42,8 +44,7 @@ def test_live_and_ready(kserve_stub):
 
 def test_server_metadata(kserve_stub):
     metadata = kserve_stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=10)
-    assert (metadata.name, metadata.version, list(metadata.extensions)) == ("capsnet-serve", __version__, [
-        "model_configuration", "statistics", "model_repository", "model_repository(unload_dependents)"])
+    assert (metadata.name, metadata.version, list(metadata.extensions)) == ("capsnet-serve", __version__, CPU_EXTENSIONS)
 
 
 def test_model_metadata(kserve_stub):

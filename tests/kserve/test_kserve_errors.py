@@ -94,7 +94,7 @@ def uint8_over_255(request):
 
 
 def classification_parameter(request):
-    request.outputs.add(name="probabilities").parameters["classification"].int64_param = 3
+    request.outputs.add(name="probabilities").parameters["classification"].int64_param = 0
 
 
 def shared_memory_parameter(request):
@@ -107,7 +107,7 @@ CASES = [
     ("unknown-version", set_fields(model_version="7"), grpc.StatusCode.NOT_FOUND, ["model_version", "'7'", "'1'"]),
     ("unknown-output", add_outputs("probabilities", "logits"), INVALID, ["outputs[1].name", "'logits'", "poses"]),
     ("duplicate-output", add_outputs("poses", "poses"), INVALID, ["outputs[1].name", "'poses'", "more than once"]),
-    ("output-parameter", classification_parameter, INVALID, ["outputs[0].parameters", "classification"]),
+    ("output-parameter", classification_parameter, INVALID, ["outputs[0].parameters.classification", ">= 1, got 0"]),
     ("input-parameter", shared_memory_parameter, INVALID, ["inputs[0].parameters", "shared_memory_region"]),
     ("missing-input", drop_input, INVALID, ["inputs:", "exactly 1 input", "'images'", "none"]),
     ("wrong-input-name", set_input(name="pixels"), INVALID, ["inputs[0].name", "'images'", "'pixels'"]),

@@ -20,7 +20,7 @@ import tritonclient.http as httpclient
 
 from capsnet import __version__
 from capsnet.serving.lifecycle import SHUTTING_DOWN
-from kserve_messages import MAX_BATCH_SIZE, images
+from kserve_messages import CPU_EXTENSIONS, MAX_BATCH_SIZE, images
 from serving_helpers import ServeProcess, ServerThread, metric, scrape, server_config, wait_until
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # test_kserve_api's: onnxruntime on other batch compositions
@@ -145,10 +145,8 @@ def numbers(value, key=None):
 def test_tritonclient_http_health_and_metadata_equal_grpcs(triton_http, triton_grpc):
     assert (triton_http.is_server_live(), triton_http.is_server_ready()) == (True, True)
     assert triton_http.is_model_ready("capsnet") and triton_http.is_model_ready("capsnet", "1")
-    assert triton_http.get_server_metadata() == {"name": "capsnet-serve", "version": __version__, "extensions": [
-        "model_configuration", "statistics", "model_repository", "model_repository(unload_dependents)"]}
-    assert triton_grpc.get_server_metadata(as_json=True) == {"name": "capsnet-serve", "version": __version__, "extensions": [
-        "model_configuration", "statistics", "model_repository", "model_repository(unload_dependents)"]}
+    assert triton_http.get_server_metadata() == {"name": "capsnet-serve", "version": __version__, "extensions": CPU_EXTENSIONS}
+    assert triton_grpc.get_server_metadata(as_json=True) == {"name": "capsnet-serve", "version": __version__, "extensions": CPU_EXTENSIONS}
 
     metadata = triton_http.get_model_metadata("capsnet")
     assert metadata == numbers(triton_grpc.get_model_metadata("capsnet", as_json=True))

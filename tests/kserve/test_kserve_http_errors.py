@@ -165,15 +165,15 @@ CASES = [
      "inputs[0]: data given both in `data` and as binary (binary_data_size); expected one of them"),
     ("no-data", changed(drop_data), 400,
      "inputs[0]: no data; expected `data` or binary data after the JSON (binary_data_size)"),
-    ("shared-memory-input", with_input(parameters={"shared_memory_region": "region", "shared_memory_byte_size": 6272}),
-     400, "inputs[0].parameters: shared memory is not supported by this server, got shared_memory_region, "
-          "shared_memory_byte_size; send the data in inputs[0].data or after the JSON (binary_data_size)"),
-    ("shared-memory-output", with_outputs({"name": "poses", "parameters": {"shared_memory_region": "region"}}), 400,
-     "outputs[0].parameters: shared memory is not supported by this server, got shared_memory_region; the response "
-     "carries the outputs"),
-    ("classification", with_outputs({"name": "probabilities", "parameters": {"classification": 3}}), 400,
-     "outputs[0].parameters: the classification extension is not supported by this server, got 'classification'; "
-     "ask for 'probabilities' and take the top classes from them"),
+    ("shared-memory-input-and-data", with_input(parameters={"shared_memory_region": "region",
+                                                           "shared_memory_byte_size": 6272}),
+     400, "inputs[0]: data given both in shared memory (parameters.shared_memory_region) and as `data`; expected one "
+          "of them"),
+    ("shared-memory-output-alone", with_outputs({"name": "poses", "parameters": {"shared_memory_region": "region"}}),
+     400, "outputs[0].parameters: shared memory needs shared_memory_region and shared_memory_byte_size "
+          "(shared_memory_offset is optional), got shared_memory_region"),
+    ("classification-count", with_outputs({"name": "probabilities", "parameters": {"classification": "3"}}), 400,
+     "outputs[0].parameters.classification: expected a number of classes >= 1, got '3'"),
     ("unknown-output", with_outputs({"name": "probabilities"}, {"name": "logits"}), 400,
      "outputs[1].name: unknown output 'logits'; expected one of probabilities, poses, reconstruction"),
     ("output-twice", with_outputs({"name": "poses"}, {"name": "poses"}), 400,

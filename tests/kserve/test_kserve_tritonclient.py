@@ -11,7 +11,7 @@ from tritonclient.utils import InferenceServerException
 
 from capsnet import __version__
 from capsnet.kserve import grpc_service_pb2
-from kserve_messages import images
+from kserve_messages import CPU_EXTENSIONS, images
 
 # The order that failed with "duplicate symbol 'inference.ServerLiveRequest'": tritonclient first, then ours.
 BOTH_IN_ONE_PROCESS = """
@@ -41,8 +41,7 @@ def triton(kserve_target):
 def test_tritonclient_live_ready_metadata_and_infer(triton, run_onnx):
     assert grpc_service_pb2.ModelInferRequest.DESCRIPTOR.full_name == "inference.ModelInferRequest"  # ours, loaded too
     assert (triton.is_server_live(), triton.is_server_ready(), triton.is_model_ready("capsnet")) == (True, True, True)
-    assert triton.get_server_metadata(as_json=True) == {"name": "capsnet-serve", "version": __version__, "extensions": [
-        "model_configuration", "statistics", "model_repository", "model_repository(unload_dependents)"]}
+    assert triton.get_server_metadata(as_json=True) == {"name": "capsnet-serve", "version": __version__, "extensions": CPU_EXTENSIONS}
     metadata = triton.get_model_metadata("capsnet", as_json=True)
     assert (metadata["name"], metadata["versions"], metadata["platform"]) == ("capsnet", ["1"], "onnxruntime_onnx")
     assert metadata["inputs"] == [{"name": "images", "datatype": "FP32", "shape": ["-1", "1", "28", "28"]}]
