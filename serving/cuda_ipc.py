@@ -87,7 +87,7 @@ class DeviceBuffer:
         if error:  # a handle of this process, of a freed buffer, of another device: Triton's INVALID_ARGUMENT
             raise InvalidInput(f"raw_handle: failed to register CUDA shared memory region {name[:80]!r}: "
                                f"{runtime.cudaGetErrorString(error).decode()}")
-        self.pointer = pointer.value
+        self.pointer: int = pointer.value or 0
         if (size := _allocation_left(self.pointer)) < byte_size:  # a copy past it would fault the device's context
             runtime.cudaIpcCloseMemHandle(pointer)
             raise InvalidInput(f"byte_size: failed to register CUDA shared memory region {name[:80]!r}: {byte_size} "

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -240,7 +240,7 @@ def _classes(parameters: Mapping, name: str, field: str) -> int | None:
     return count
 
 
-def classify(scores: np.ndarray, count: int, class_names: list[str] | None) -> np.ndarray:
+def classify(scores: np.ndarray, count: int, class_names: Sequence[str] | None) -> np.ndarray:
     """Triton's classification of (N, J) scores: (N, min(count, J)) bytes "score:index[:label]", highest first (ties:
     the lower index first), the score as C's %f prints it."""
     top = np.argsort(-scores, axis=1, kind="stable")[:, :count]  # (N, k)

@@ -271,6 +271,7 @@ class KServeHTTP:
                 raise InvalidInput(f"key: expected a POSIX shared-memory name, got {json.dumps(key)[:60]}")
             shared_memory.register_system(name, key, _bytes(body, "offset", 0), _bytes(body, "byte_size"))
         else:
+            shared_memory.check_cuda_served(name)
             handle = body.get("raw_handle")
             encoded = handle.get("b64") if isinstance(handle, dict) else None
             try:

@@ -321,7 +321,7 @@ class CapsNetServer:
 
     def _on_gpu(self) -> bool:
         """Whether a model version serves on a CUDA device (the torch and aoti backends' `device`, TensorRT's)."""
-        return any(service.backend.name == "tensorrt" or getattr(getattr(service.backend, "device", None), "type", "")
+        return self.models is not None and any(service.backend.name == "tensorrt" or getattr(getattr(service.backend, "device", None), "type", "")
                    == "cuda" for service in self.models.services())
 
     async def stop(self) -> None:

@@ -53,12 +53,13 @@ class Region:
         self.byte_size = byte_size
         self._lock = threading.Lock()  # holders come and go on the event loop and in the batcher's thread
         self._holders = 0
-        self._closed = False
+        self._closed = False  # unregistered: freed once no one holds it
+        self._freed = False
 
     def hold(self) -> bool:
-        """Keep it open until release(); False once it has been unregistered."""
+        """Keep it open until release(); False once it has been freed (unregistered, and let go by all)."""
         with self._lock:
-            if self._closed:
+            if self._freed:
                 return False
             self._holders += 1
             return True
@@ -66,14 +67,17 @@ class Region:
     def release(self) -> None:
         with self._lock:
             self._holders -= 1
-            if self._closed and not self._holders:
-                self._free()
+            self._free_if_done()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            if not self._holders:
-                self._free()
+            self._free_if_done()
+
+    def _free_if_done(self) -> None:
+        if self._closed and not self._holders and not self._freed:
+            self._freed = True
+            self._free()
 
     def status(self) -> dict:
         raise NotImplementedError
@@ -102,7 +106,7 @@ class SystemRegion(Region):
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
     def read(self, out: np.ndarray, offset: int, field: str) -> None:
-        view = memoryview(out).cast("B")
+        view = out.data.cast("B")
         got = os.preadv(self._fd, [view], self.offset + offset)
         if got != len(view):
             raise InvalidInput(f"{field}: region {self.name!r} gave {got} of {len(view)} bytes at offset {offset}: its "
@@ -113,7 +117,7 @@ class SystemRegion(Region):
         if os.fstat(self._fd).st_size < end:  # pwrite would grow the object, which its client sized
             raise InvalidInput(f"{field}: region {self.name!r} cannot take {data.nbytes} bytes at offset {offset}: its "
                                f"object {self.key!r} was made smaller after it was registered")
-        os.pwrite(self._fd, memoryview(np.ascontiguousarray(data)).cast("B"), self.offset + offset)
+        os.pwrite(self._fd, np.ascontiguousarray(data).data.cast("B"), self.offset + offset)
 
     def _free(self) -> None:
         os.close(self._fd)
@@ -213,14 +217,19 @@ class SharedMemory:
         self._regions[name] = SystemRegion(name, key, offset, byte_size, fd)
 
     def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
-        if self.allowed and not self.on_gpu():
-            raise InvalidInput(f"failed to register CUDA shared memory region: {name[:80]!r}, GPUs not supported: this "
-                               "server runs its models on the CPU; use system shared memory")
+        self.check_cuda_served(name)
         self._check_new(name, byte_size)
         from capsnet.serving.cuda_ipc import DeviceBuffer  # torch's CUDA, only where a GPU serves
 
         buffer = DeviceBuffer(raw_handle, device_id, byte_size, name)
         self._regions[name] = CudaRegion(name, device_id, byte_size, buffer)
+
+    def check_cuda_served(self, name: str) -> None:
+        """Refuse a CUDA region where no GPU engine serves, as Triton built without GPUs does, before anything else
+        of the call is read."""
+        if self.allowed and not self.on_gpu():
+            raise InvalidInput(f"failed to register CUDA shared memory region: {name[:80]!r}, GPUs not supported: this "
+                               "server runs its models on the CPU; use system shared memory")
 
     def status(self, kind: str, name: str) -> list[dict]:
         """Every region of the kind (empty name), or the one named."""
@@ -258,7 +267,7 @@ class SharedMemory:
         if ref.offset + ref.byte_size > region.byte_size:
             raise InvalidInput(f"{field}.parameters.shared_memory_byte_size: offset {ref.offset} + byte size "
                                f"{ref.byte_size} is beyond the end of region {ref.name!r} ({region.byte_size} bytes)")
-        if not region.hold():  # closed between the lookup and now: not on one event loop, but cheap to say so
+        if not region.hold():  # in the registry, so never freed: a guard, not a path
             raise RegionNotFound(f"{field}.parameters.shared_memory_region: region {ref.name!r} was unregistered")
         try:
             yield region
