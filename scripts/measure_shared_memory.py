@@ -1,0 +1,221 @@
+"""What Triton's system shared memory buys a client on the server's host: KServe v2 gRPC throughput and latency with
+tensors in the request (`none`) and in POSIX shared memory (`system`), beside ONNX Runtime in process, in one run.
+
+The load is perf_analyzer's (closed loop, `--concurrency-range`, `--shared-memory none|system`, every output asked
+for, raw tensors): perf_analyzer itself is not installable on these machines (PyPI's perf-analyzer has no release
+but a placeholder for them), so tritonclient's own gRPC client and shared_memory utilities drive it, one thread and
+one client per concurrent request, each with its own input and output regions as perf_analyzer registers them.
+
+The model is a preset (default `paper`) with seeded random weights exported in FP32 (CapsNet's cost does not depend on
+its weights), served by `capsnet serve --backend onnxruntime --precision fp32` with --max-batch-size at the largest
+batch; in process, the server's own ONNX Runtime backend (the same session options and threads, one per core) runs
+the same batches back to back, before and after the server's cells (both runs reported, their mean compared).
+
+    .venv/bin/python scripts/measure_shared_memory.py --out docs/benchmarks/shared-memory-cpu
+
+writes OUT.json (every cell) and OUT.md (the command, the machine and its load, the table, the ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from serving_ab import CHECKPOINT, READY_LINE, cpu_kind  # noqa: E402 (the same checkpoint and machine facts)
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+def export(preset: str, scratch: Path) -> Path:
+    checkpoint, out = scratch / "model.ckpt", scratch / "model"
+    for args in (["-c", CHECKPOINT, str(checkpoint), preset],
+                 ["-m", "capsnet", "export", str(checkpoint), "--out", str(out), "--data", "embedded"]):
+        subprocess.run([sys.executable, *args], cwd=REPO, check=True, capture_output=True, timeout=1800)
+    return out
+
+
+class Server:
+    def __init__(self, model_dir: Path, max_batch_size: int):
+        command = [sys.executable, "-m", "capsnet", "serve", "--model", str(model_dir), "--backend", "onnxruntime",
+                   "--precision", "fp32", "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
+                   "--max-batch-size", str(max_batch_size)]
+        self.command = command
+        self.process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        lines: list[str] = []
+        threading.Thread(target=lambda: lines.extend(self.process.stdout), daemon=True).start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline and self.process.poll() is None:
+            if match := next(filter(None, map(READY_LINE.search, lines)), None):
+                self.target = f"127.0.0.1:{match[1]}"
+                return
+            time.sleep(0.1)
+        raise SystemExit(f"capsnet serve did not become ready (exit {self.process.poll()})")
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def in_process(model_dir: Path, batch: int, seconds: float) -> dict:
+    """The server's own ONNX Runtime backend (its session options, one thread per core), called directly."""
+    from capsnet.serving.artifacts import load_artifacts
+    from capsnet.serving.backends.onnxruntime_backend import OnnxRuntimeBackend
+
+    backend = OnnxRuntimeBackend(load_artifacts(model_dir), "fp32", len(os.sched_getaffinity(0)), batch)
+    images = np.random.default_rng(0).random((batch, 1, 28, 28), dtype=np.float32)
+    backend.run(images)
+    times = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end or len(times) < 3:
+        started = time.perf_counter()
+        backend.run(images)
+        times.append(time.perf_counter() - started)
+    return {"batch": batch, "calls": len(times), "p50_ms": statistics.median(times) * 1e3,
+            "images_per_s": batch * len(times) / sum(times)}
+
+
+class Worker:
+    """One concurrent request of the closed loop: its own client, and in `system` mode its own regions."""
+
+    def __init__(self, target: str, mode: str, batch: int, index: int, outputs: dict[str, tuple[int, ...]]):
+        import tritonclient.grpc as grpcclient
+        import tritonclient.utils.shared_memory as shm
+
+        self.client = grpcclient.InferenceServerClient(target)
+        images = np.random.default_rng(index).random((batch, 1, 28, 28), dtype=np.float32)
+        self.input = grpcclient.InferInput("images", list(images.shape), "FP32")
+        self.outputs = [grpcclient.InferRequestedOutput(name) for name in outputs]
+        self.handles = []
+        if mode == "none":
+            self.input.set_data_from_numpy(images)
+            return
+        key = f"/capsnet-measure-{os.getpid()}-{index}"
+        sizes = {name: batch * int(np.prod(shape)) * 4 for name, shape in outputs.items()}
+        handle = shm.create_shared_memory_region(f"in{index}", key + "-in", images.nbytes)
+        shm.set_shared_memory_region(handle, [images])
+        self.client.register_system_shared_memory(f"in{index}", key + "-in", images.nbytes)
+        self.input.set_shared_memory(f"in{index}", images.nbytes)
+        out = shm.create_shared_memory_region(f"out{index}", key + "-out", sum(sizes.values()))
+        self.client.register_system_shared_memory(f"out{index}", key + "-out", sum(sizes.values()))
+        offset = 0
+        for output, name in zip(self.outputs, outputs):
+            output.set_shared_memory(f"out{index}", sizes[name], offset=offset)
+            offset += sizes[name]
+        self.handles = [handle, out]
+
+    def infer(self) -> None:
+        self.client.infer("capsnet", [self.input], outputs=self.outputs, client_timeout=120)
+
+    def close(self) -> None:
+        import tritonclient.utils.shared_memory as shm
+
+        if self.handles:
+            self.client.unregister_system_shared_memory()
+        for handle in self.handles:
+            shm.destroy_shared_memory_region(handle)
+        self.client.close()
+
+
+def served(target: str, mode: str, batch: int, concurrency: int, seconds: float,
+           outputs: dict[str, tuple[int, ...]]) -> dict:
+    workers = [Worker(target, mode, batch, index, outputs) for index in range(concurrency)]
+    for worker in workers:
+        worker.infer()  # warm: connections, the batch size
+    latencies: list[float] = []
+    lock = threading.Lock()
+    end = time.monotonic() + seconds
+
+    def loop(worker: Worker) -> None:
+        done = 0
+        while time.monotonic() < end or done < 2:
+            started = time.perf_counter()
+            worker.infer()
+            with lock:
+                latencies.append(time.perf_counter() - started)
+            done += 1
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=loop, args=(worker,)) for worker in workers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    for worker in workers:
+        worker.close()
+    return {"mode": mode, "batch": batch, "concurrency": concurrency, "requests": len(latencies),
+            "p50_ms": statistics.median(latencies) * 1e3, "images_per_s": batch * len(latencies) / wall}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="paper")
+    parser.add_argument("--batches", default="1,256")
+    parser.add_argument("--concurrency", default="1,4")
+    parser.add_argument("--seconds", type=float, default=8.0, help="per cell")
+    parser.add_argument("--out", required=True, help="OUT.json and OUT.md")
+    args = parser.parse_args(argv)
+    batches = [int(size) for size in args.batches.split(",")]
+    levels = [int(level) for level in args.concurrency.split(",")]
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = export(args.preset, Path(scratch))
+        outputs = {output["name"]: tuple(output["shape"])
+                   for output in json.loads((model_dir / "model.json").read_text())["outputs"]}
+        local = [in_process(model_dir, batch, args.seconds) for batch in batches]
+        server = Server(model_dir, max(batches))
+        try:
+            cells = [served(server.target, mode, batch, level, args.seconds, outputs)
+                     for batch in batches for level in levels for mode in ("none", "system")]
+        finally:
+            server.stop()
+        local_after = [in_process(model_dir, batch, args.seconds) for batch in batches]
+    report = {"command": shlex.join(["python", "scripts/measure_shared_memory.py", *(argv or sys.argv[1:])]),
+              "server": shlex.join(["capsnet", "serve", "--model", "MODEL", *server.command[6:]]),
+              "cpu": cpu_kind(), "cores": len(os.sched_getaffinity(0)), "load_before": load_before,
+              "load_after": os.getloadavg(), "preset": args.preset, "in_process": [local, local_after], "served": cells}
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".md").write_text("\n".join(markdown(report)) + "\n")
+    print("\n".join(markdown(report)))
+    return 0
+
+
+def markdown(report: dict) -> list[str]:
+    before, after = report["in_process"]
+    reference = {row["batch"]: (row["images_per_s"] + later["images_per_s"]) / 2 for row, later in zip(before, after)}
+    lines = [f"`{report['command']}` on {report['cpu']}, {report['cores']} cores, load average "
+             f"{report['load_before'][0]:.2f} before and {report['load_after'][0]:.2f} after; "
+             f"the {report['preset']} model, FP32, served as `{report['server']}`.", "",
+             "| batch | concurrency | tensors | requests | p50 ms | images/s | of in process |", "|---|---|---|---|---|---|---|"]
+    for cell in report["served"]:
+        lines.append(f"| {cell['batch']} | {cell['concurrency']} | {cell['mode']} | {cell['requests']} | "
+                     f"{cell['p50_ms']:.2f} | {cell['images_per_s']:.1f} | "
+                     f"{cell['images_per_s'] / reference[cell['batch']]:.0%} |")
+    lines += ["", "In process (the server's ONNX Runtime backend, called directly), before and after the served cells:", ""]
+    for row, later in zip(before, after):
+        lines.append(f"- batch {row['batch']}: {row['images_per_s']:.1f} and {later['images_per_s']:.1f} images/s "
+                     f"(p50 {row['p50_ms']:.2f} and {later['p50_ms']:.2f} ms)")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
