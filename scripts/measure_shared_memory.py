@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import signal
 import statistics
@@ -45,17 +44,23 @@ def export(preset: str, scratch: Path) -> Path:
     checkpoint, out = scratch / "model.ckpt", scratch / "model"
     for args in (["-c", CHECKPOINT, str(checkpoint), preset],
                  ["-m", "capsnet", "export", str(checkpoint), "--out", str(out), "--data", "embedded"]):
-        subprocess.run([sys.executable, *args], cwd=REPO, check=True, capture_output=True, timeout=1800)
+        subprocess.run([sys.executable, *args], check=True, capture_output=True, timeout=1800)
     return out
 
 
+def engine(gpu: int | None, precision: str) -> list[str]:
+    """The backend's flags: ONNX Runtime on the CPU, or the torch backend (CUDA graphs) on a GPU."""
+    if gpu is None:
+        return ["--backend", "onnxruntime", "--precision", precision]
+    return ["--backend", "torch", "--precision", precision, "--gpu", str(gpu)]
+
+
 class Server:
-    def __init__(self, model_dir: Path, max_batch_size: int):
-        command = [sys.executable, "-m", "capsnet", "serve", "--model", str(model_dir), "--backend", "onnxruntime",
-                   "--precision", "fp32", "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
-                   "--max-batch-size", str(max_batch_size)]
+    def __init__(self, model_dir: Path, max_batch_size: int, flags: list[str]):
+        command = [sys.executable, "-m", "capsnet", "serve", "--model", str(model_dir), *flags, "--grpc-port", "0",
+                   "--http-port", "0", "--metrics-port", "0", "--max-batch-size", str(max_batch_size)]
         self.command = command
-        self.process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         lines: list[str] = []
         threading.Thread(target=lambda: lines.extend(self.process.stdout), daemon=True).start()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -74,15 +79,22 @@ class Server:
             self.process.kill()
 
 
-def in_process(model_dir: Path, batch: int, seconds: float) -> dict:
-    """The server's own ONNX Runtime backend (its session options, one thread per core), called directly."""
+def in_process(model_dir: Path, batch: int, seconds: float, gpu: int | None, precision: str) -> dict:
+    """The server's own backend (its settings, one thread per core), called directly: numpy in, numpy out."""
     from capsnet.serving.artifacts import load_artifacts
-    from capsnet.serving.backends.onnxruntime_backend import OnnxRuntimeBackend
 
-    backend = OnnxRuntimeBackend(load_artifacts(model_dir), "fp32", len(os.sched_getaffinity(0)), batch)
+    artifacts, threads = load_artifacts(model_dir), len(os.sched_getaffinity(0))
+    if gpu is None:
+        from capsnet.serving.backends.onnxruntime_backend import OnnxRuntimeBackend
+
+        backend = OnnxRuntimeBackend(artifacts, precision, threads, batch)
+    else:
+        from capsnet.serving.backends.torch_backend import TorchBackend
+
+        backend = TorchBackend(artifacts, precision, threads, gpu, max_batch_size=batch)
     images = np.random.default_rng(0).random((batch, 1, 28, 28), dtype=np.float32)
     backend.run(images)
-    times = []
+    times: list[float] = []
     end = time.monotonic() + seconds
     while time.monotonic() < end or len(times) < 3:
         started = time.perf_counter()
@@ -103,9 +115,13 @@ class Worker:
         images = np.random.default_rng(index).random((batch, 1, 28, 28), dtype=np.float32)
         self.input = grpcclient.InferInput("images", list(images.shape), "FP32")
         self.outputs = [grpcclient.InferRequestedOutput(name) for name in outputs]
-        self.handles = []
+        self.handles: list = []
+        self.mode = mode
         if mode == "none":
             self.input.set_data_from_numpy(images)
+            return
+        if mode == "cuda":
+            self._cuda_regions(images, index, outputs)
             return
         key = f"/capsnet-measure-{os.getpid()}-{index}"
         sizes = {name: batch * int(np.prod(shape)) * 4 for name, shape in outputs.items()}
@@ -121,16 +137,35 @@ class Worker:
             offset += sizes[name]
         self.handles = [handle, out]
 
+    def _cuda_regions(self, images: np.ndarray, index: int, outputs: dict[str, tuple[int, ...]]) -> None:
+        """Input and outputs in CUDA regions of device 0, as perf_analyzer's --shared-memory cuda makes them."""
+        import tritonclient.utils.cuda_shared_memory as cudashm
+
+        handle = cudashm.create_shared_memory_region(f"in{index}", images.nbytes, 0)
+        cudashm.set_shared_memory_region(handle, [images])
+        self.client.register_cuda_shared_memory(f"in{index}", cudashm.get_raw_handle(handle), 0, images.nbytes)
+        self.input.set_shared_memory(f"in{index}", images.nbytes)
+        self.handles.append(handle)
+        for output, name in zip(self.outputs, outputs):
+            size = len(images) * int(np.prod(outputs[name])) * 4
+            region = cudashm.create_shared_memory_region(f"{name}{index}", size, 0)
+            self.client.register_cuda_shared_memory(f"{name}{index}", cudashm.get_raw_handle(region), 0, size)
+            output.set_shared_memory(f"{name}{index}", size)
+            self.handles.append(region)
+
     def infer(self) -> None:
         self.client.infer("capsnet", [self.input], outputs=self.outputs, client_timeout=120)
 
     def close(self) -> None:
-        import tritonclient.utils.shared_memory as shm
-
+        if self.mode == "cuda":
+            import tritonclient.utils.cuda_shared_memory as regions
+        else:
+            import tritonclient.utils.shared_memory as regions
         if self.handles:
             self.client.unregister_system_shared_memory()
+            self.client.unregister_cuda_shared_memory()
         for handle in self.handles:
-            shm.destroy_shared_memory_region(handle)
+            regions.destroy_shared_memory_region(handle)
         self.client.close()
 
 
@@ -171,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,256")
     parser.add_argument("--concurrency", default="1,4")
     parser.add_argument("--seconds", type=float, default=8.0, help="per cell")
+    parser.add_argument("--gpu", type=int, help="serve on this CUDA device (torch backend) and add --shared-memory cuda")
+    parser.add_argument("--precision", default="fp32")
     parser.add_argument("--out", required=True, help="OUT.json and OUT.md")
     args = parser.parse_args(argv)
     batches = [int(size) for size in args.batches.split(",")]
@@ -180,17 +217,18 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = export(args.preset, Path(scratch))
         outputs = {output["name"]: tuple(output["shape"])
                    for output in json.loads((model_dir / "model.json").read_text())["outputs"]}
-        local = [in_process(model_dir, batch, args.seconds) for batch in batches]
-        server = Server(model_dir, max(batches))
+        modes = ("none", "system") if args.gpu is None else ("none", "system", "cuda")
+        local = [in_process(model_dir, batch, args.seconds, args.gpu, args.precision) for batch in batches]
+        server = Server(model_dir, max(batches), engine(args.gpu, args.precision))
         try:
             cells = [served(server.target, mode, batch, level, args.seconds, outputs)
-                     for batch in batches for level in levels for mode in ("none", "system")]
+                     for batch in batches for level in levels for mode in modes]
         finally:
             server.stop()
-        local_after = [in_process(model_dir, batch, args.seconds) for batch in batches]
+        local_after = [in_process(model_dir, batch, args.seconds, args.gpu, args.precision) for batch in batches]
     report = {"command": shlex.join(["python", "scripts/measure_shared_memory.py", *(argv or sys.argv[1:])]),
               "server": shlex.join(["capsnet", "serve", "--model", "MODEL", *server.command[6:]]),
-              "cpu": cpu_kind(), "cores": len(os.sched_getaffinity(0)), "load_before": load_before,
+              "device": gpu_name(args.gpu), "cpu": cpu_kind(), "cores": len(os.sched_getaffinity(0)), "load_before": load_before,
               "load_after": os.getloadavg(), "preset": args.preset, "in_process": [local, local_after], "served": cells}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
@@ -199,10 +237,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def gpu_name(gpu: int | None) -> str:
+    if gpu is None:
+        return ""
+    import torch
+
+    return f"{torch.cuda.get_device_name(gpu)} (torch {torch.__version__}) beside "
+
+
 def markdown(report: dict) -> list[str]:
     before, after = report["in_process"]
     reference = {row["batch"]: (row["images_per_s"] + later["images_per_s"]) / 2 for row, later in zip(before, after)}
-    lines = [f"`{report['command']}` on {report['cpu']}, {report['cores']} cores, load average "
+    lines = [f"`{report['command']}` on {report['device']}{report['cpu']}, {report['cores']} cores, load average "
              f"{report['load_before'][0]:.2f} before and {report['load_after'][0]:.2f} after; "
              f"the {report['preset']} model, FP32, served as `{report['server']}`.", "",
              "| batch | concurrency | tensors | requests | p50 ms | images/s | of in process |", "|---|---|---|---|---|---|---|"]
@@ -210,7 +256,7 @@ def markdown(report: dict) -> list[str]:
         lines.append(f"| {cell['batch']} | {cell['concurrency']} | {cell['mode']} | {cell['requests']} | "
                      f"{cell['p50_ms']:.2f} | {cell['images_per_s']:.1f} | "
                      f"{cell['images_per_s'] / reference[cell['batch']]:.0%} |")
-    lines += ["", "In process (the server's ONNX Runtime backend, called directly), before and after the served cells:", ""]
+    lines += ["", "In process (the server's backend, called directly), before and after the served cells:", ""]
     for row, later in zip(before, after):
         lines.append(f"- batch {row['batch']}: {row['images_per_s']:.1f} and {later['images_per_s']:.1f} images/s "
                      f"(p50 {row['p50_ms']:.2f} and {later['p50_ms']:.2f} ms)")

@@ -19,11 +19,12 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, Union
+from typing import NamedTuple, Protocol, Union, cast
 
 import numpy as np
 
 from capsnet.serving.backends.base import Backend
+from capsnet.serving.cuda_ipc import DeviceInput
 from capsnet.serving.errors import (BackendUnusable, DeadlineExceeded, InferenceError, QueueFull, ServingError,
                                     past_deadline)
 from capsnet.serving.metrics import VersionMetrics
@@ -43,6 +44,13 @@ class ImageSource(Protocol):
 
     def read(self, out: np.ndarray, start: int, stop: int) -> None:
         """Images [start, stop) into `out`, float32 (stop - start, C, H, W); a ServingError fails their request."""
+
+    @property
+    def on_device(self) -> bool:
+        """Whether they lie in device memory (a CUDA region), for read_device."""
+
+    def read_device(self, out, start: int, stop: int) -> None:
+        """As read(), into `out`, a float32 CUDA tensor: device to device where they lie on the device."""
 
 
 Images = Union[np.ndarray, ImageSource]
@@ -256,8 +264,16 @@ class Batcher:
     def _gather_and_run(self, parts: list[tuple[_Request, int, int]]):
         """In the worker thread: the batch's images in one array, read from memory or from their regions, then the
         backend's run on it; (outputs, [(request, why its images could not be read)], run start, run end). A whole
-        request already in memory is run as it is, without a copy."""
+        request already in memory is run as it is, without a copy. A backend that takes device input
+        (cuda_ipc.DeviceInput) gets a batch with images from CUDA regions on its device, copied device to device."""
         unread: list[tuple[_Request, ServingError]] = []
+        run_device = getattr(self.backend, "run_device", None)
+        if run_device is not None and any(not isinstance(request.images, np.ndarray) and request.images.on_device
+                                          for request, _, _ in parts):
+            batch = self._gather_on_device(parts, unread)
+            started = time.monotonic()
+            outputs = {name: tensor.cpu().numpy() for name, tensor in run_device(batch).items()}
+            return outputs, unread, started, time.monotonic()
         first, start, stop = parts[0]
         if len(parts) == 1 and isinstance(first.images, np.ndarray) and stop - start == len(first.images):
             images = first.images
@@ -279,6 +295,28 @@ class Batcher:
         started = time.monotonic()
         outputs = self.backend.run(images)
         return outputs, unread, started, time.monotonic()
+
+    def _gather_on_device(self, parts: list[tuple[_Request, int, int]], unread: list) -> object:
+        """The batch as a float32 CUDA tensor on the backend's device (B, C, H, W)."""
+        import torch
+
+        first = parts[0][0].images
+        size = sum(stop - start for _, start, stop in parts)
+        device = cast(DeviceInput, self.backend).device
+        batch = torch.empty((size, *first.shape[1:]), dtype=torch.float32, device=device)
+        offset = 0
+        for request, start, stop in parts:
+            rows = batch[offset:offset + stop - start]
+            offset += stop - start
+            if isinstance(request.images, np.ndarray):
+                rows.copy_(torch.from_numpy(np.ascontiguousarray(request.images[start:stop])))
+                continue
+            try:
+                request.images.read_device(rows, start, stop)
+            except ServingError as err:
+                rows.zero_()
+                unread.append((request, err))
+        return batch
 
     @staticmethod
     def _copy_rows(parts: list[tuple[_Request, int, int]], outputs: dict[str, np.ndarray]) -> list[_Request]:

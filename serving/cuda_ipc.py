@@ -7,11 +7,14 @@ without a copy. Copies to and from it run on the device: device-to-device into a
 from __future__ import annotations
 
 import ctypes
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from capsnet.serving.errors import InvalidInput
+
+if TYPE_CHECKING:
+    import torch
 
 HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess, the flag Triton opens handles with
@@ -22,10 +25,10 @@ class DeviceInput(Protocol):
     float32 (N, C, H, W) CUDA tensor there, answering its outputs as CUDA tensors. A backend without it gets its
     batch in host memory."""
 
-    device: object  # torch.device
+    device: torch.device
 
-    def run_device(self, images) -> dict:
-        """images: torch.Tensor on `device` -> {output name: torch.Tensor (N, ...) on `device`}."""
+    def run_device(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """images float32 (N, C, H, W) on `device` -> {output name: float32 (N, ...) on `device`}."""
 
 
 class _Handle(ctypes.Structure):

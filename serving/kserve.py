@@ -32,7 +32,7 @@ from capsnet.serving.errors import InvalidInput, RegionNotFound, Unauthenticated
 from capsnet.serving.lifecycle import Lifecycle
 from capsnet.serving.model_manager import ModelManager, ModelRef
 from capsnet.serving.service import InferenceService, ModelSpec, check_image_shape, check_values
-from capsnet.serving.shared_memory import Region, RegionRef, SharedMemory, region_ref
+from capsnet.serving.shared_memory import CUDA, CudaRegion, Region, RegionRef, SharedMemory, region_ref
 
 SERVER_NAME = "capsnet-serve"
 
@@ -286,6 +286,37 @@ class RegionImages:
         finally:
             self.region.release()
         check_values(out, self.field, first=start)
+
+    @property
+    def on_device(self) -> bool:
+        return self.region.kind == CUDA
+
+    def read_device(self, out, start: int, stop: int) -> None:
+        """Images [start, stop) into `out`, a float32 CUDA tensor: from a CUDA region device to device, checked there
+        (on the host only to name a bad image); from a system region through the host."""
+        import torch
+
+        if not isinstance(self.region, CudaRegion):
+            rows = np.empty(tuple(out.shape), dtype=np.float32)
+            self.read(rows, start, stop)
+            out.copy_(torch.from_numpy(rows))
+            return
+        itemsize = self.tensor.dtype.itemsize
+        count = out.numel()
+        if not self.region.hold():
+            raise RegionNotFound(f"{self.field}.parameters.shared_memory_region: region {self.region.name!r} was "
+                                 "unregistered before the batch read it")
+        try:
+            source = self.region.buffer.view(self.offset + start * (count // len(out)) * itemsize, count * itemsize)
+            if self.tensor.datatype == "FP32":
+                out.reshape(-1).view(source.dtype).copy_(source)  # device to device, bytes for bytes
+            else:
+                out.copy_(source.view(out.shape).float().div_(255))
+        finally:
+            self.region.release()
+        low, high = out.aminmax()
+        if not (0 <= low.item() and high.item() <= 1):  # False with NaN
+            check_values(out.cpu().numpy(), self.field, first=start)
 
 
 class DataPlane:
