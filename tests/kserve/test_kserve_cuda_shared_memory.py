@@ -18,10 +18,9 @@ pytestmark = pytest.mark.gpu
 
 # The client: input and probabilities in CUDA regions of device 0, poses in the answer; then what the server refuses.
 CLIENT = r"""
-import json, sys
+import json, sys, urllib.request
 import numpy as np
 import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 import tritonclient.utils.cuda_shared_memory as cudashm
 from tritonclient.utils import InferenceServerException
 
@@ -49,9 +48,12 @@ try:  # more bytes than the client allocated
     answer["too_large"] = "registered"
 except InferenceServerException as err:
     answer["too_large"] = [err.status(), err.message()]
-http = httpclient.InferenceServerClient(http_target)
-http.register_cuda_shared_memory("in-rest", cudashm.get_raw_handle(inputs), 0, batch.nbytes)
-answer["rest_status"] = http.get_cuda_shared_memory_status()
+# REST's route, as tritonclient.http calls it (that client needs gevent, which this machine may lack)
+body = {"raw_handle": {"b64": cudashm.get_raw_handle(inputs).decode()}, "device_id": 0, "byte_size": batch.nbytes}
+urllib.request.urlopen(urllib.request.Request(f"http://{http_target}/v2/cudasharedmemory/region/in-rest/register",
+                                              data=json.dumps(body).encode(), method="POST"), timeout=30).read()
+with urllib.request.urlopen(f"http://{http_target}/v2/cudasharedmemory/status", timeout=30) as status:
+    answer["rest_status"] = json.loads(status.read())
 client.unregister_cuda_shared_memory()
 answer["after"] = client.get_cuda_shared_memory_status(as_json=True)
 for handle in (inputs, outputs):
