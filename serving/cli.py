@@ -112,9 +112,9 @@ def register(subparsers) -> None:
     serve.add_argument("--max-image-scale", type=int, metavar="K",
                        help="encoded images may be at most K times the model's height and width "
                             f"(default {defaults['max_image_scale']})")
-    serve.add_argument("--allow-client-shm", action=argparse.BooleanOptionalAction, default=None,
-                       help="clients on this host may pass tensors in system (and, on a GPU, CUDA) shared memory, "
-                            "Triton's extensions (default: allowed; --no-allow-client-shm refuses every register call)")
+    serve.add_argument("--no-allow-client-shm", dest="allow_client_shm", action="store_false", default=None,
+                       help="refuse every shared-memory register call (Triton's --allow-client-shm=false); by default "
+                            "clients on this host may pass tensors in system, and on a GPU CUDA, shared memory")
     serve.add_argument("--max-shm-regions", type=int, metavar="N",
                        help=f"shared-memory regions registered at once (default {defaults['max_shm_regions']})")
     serve.add_argument("--max-shm-bytes", type=int, metavar="BYTES",

@@ -45,6 +45,8 @@ def test_environment_then_flags():
     ({"backend": "tpu"}, {}, "--backend must be one of auto, onnxruntime, tensorrt, torch, aoti, got 'tpu'"),
     ({"max_pending_rpcs": 100}, {}, "--max-pending-rpcs (100) must be >= --max-queue-size (256)"),
     ({"max_image_scale": 0}, {}, "--max-image-scale must be >= 1, got 0"),
+    ({"max_shm_regions": 0}, {}, "--max-shm-regions must be >= 1, got 0"),
+    ({"max_shm_bytes": -5}, {}, "--max-shm-bytes must be >= 1, got -5"),
     ({"drain_window_s": -1}, {}, "--drain-window must be >= 0, got -1"),
     ({"drain_window_s": float("nan")}, {}, "--drain-window must be >= 0, got nan"),
     ({"drain_window_s": float("inf")}, {}, "--drain-window must be <= 300 seconds, got inf"),
