@@ -30,9 +30,9 @@ from capsnet.serving.errors import (InvalidInput, RegionExists, RegionNotFound, 
                                     SharedMemoryDisabled)
 
 SHM_DIR = Path("/dev/shm")  # where glibc's shm_open keeps "/name"
-# shm_open's names: one leading slash, then up to NAME_MAX (255) bytes without a slash. "/." and "/.." name
-# directories, which the regular-file check below refuses as well.
-POSIX_NAME = re.compile(r"/[^/\x00]{1,254}")
+# shm_open's names: one leading slash, then up to NAME_MAX (255) bytes without a slash, and not "." or "..", which
+# name directories.
+POSIX_NAME = re.compile(r"/(?!\.\.?\Z)[^/\x00]{1,254}")
 MAX_NAME_CHARS = 256  # a region's own name (Triton sets none; this bounds what a client makes the server keep)
 SYSTEM, CUDA = "system", "cuda"
 

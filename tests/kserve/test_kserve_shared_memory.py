@@ -150,7 +150,7 @@ def test_registering_refuses_what_is_not_a_shared_memory_object(rest_and_grpc, r
     handle, key = regions("small", 100)
     outside = tmp_path / "file"
     outside.write_bytes(b"x" * 100)
-    for bad_key in ("no-slash", "/a/b", str(outside), "/../../etc/passwd", "/" + "x" * 300, ""):
+    for bad_key in ("no-slash", "/a/b", str(outside), "/../../etc/passwd", "/..", "/.", "/" + "x" * 300, ""):
         status, message = _code(lambda: rpc.register_system_shared_memory("r", bad_key, 10))
         assert status == "StatusCode.INVALID_ARGUMENT" and message.startswith("key: expected a POSIX shared-memory"), \
             (bad_key, message)
