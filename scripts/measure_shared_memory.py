@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": shlex.join(["python", "scripts/measure_shared_memory.py", *(argv or sys.argv[1:])]),
               "server": shlex.join(["capsnet", "serve", "--model", "MODEL", *server.command[6:]]),
               "device": gpu_name(args.gpu), "cpu": cpu_kind(), "cores": len(os.sched_getaffinity(0)), "load_before": load_before,
-              "load_after": os.getloadavg(), "preset": args.preset, "in_process": [local, local_after], "served": cells}
+              "load_after": os.getloadavg(), "preset": args.preset, "precision": args.precision, "in_process": [local, local_after], "served": cells}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text("\n".join(markdown(report)) + "\n")
@@ -250,7 +250,7 @@ def markdown(report: dict) -> list[str]:
     reference = {row["batch"]: (row["images_per_s"] + later["images_per_s"]) / 2 for row, later in zip(before, after)}
     lines = [f"`{report['command']}` on {report['device']}{report['cpu']}, {report['cores']} cores, load average "
              f"{report['load_before'][0]:.2f} before and {report['load_after'][0]:.2f} after; "
-             f"the {report['preset']} model, FP32, served as `{report['server']}`.", "",
+             f"the {report['preset']} model in {report['precision']}, served as `{report['server']}`.", "",
              "| batch | concurrency | tensors | requests | p50 ms | images/s | of in process |", "|---|---|---|---|---|---|---|"]
     for cell in report["served"]:
         lines.append(f"| {cell['batch']} | {cell['concurrency']} | {cell['mode']} | {cell['requests']} | "
