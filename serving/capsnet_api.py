@@ -154,15 +154,8 @@ def _in_request_order(groups: list[list[int]], results: list[InferenceResult]) -
     def joined(arrays: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(arrays)[order]
 
-    def joined_if_any(arrays: list[np.ndarray | None]) -> np.ndarray | None:
-        """Poses or reconstructions: one model answered every size, so all of them have them or none has."""
-        present = [array for array in arrays if array is not None]
-        return joined(present) if present else None
-
-    return InferenceResult(
-        probabilities=joined([result.probabilities for result in results]),
-        poses=joined_if_any([result.poses for result in results]),
-        reconstruction=joined_if_any([result.reconstruction for result in results]),
+    return InferenceResult(  # one model answered every size: each result has the same outputs
+        {name: joined([result.outputs[name] for result in results]) for name in results[0].outputs},
         queue_seconds=max(result.queue_seconds for result in results),  # the sizes waited side by side
         compute_seconds=sum(result.compute_seconds for result in results),
     )
@@ -171,19 +164,21 @@ def _in_request_order(groups: list[list[int]], results: list[InferenceResult]) -
 def _response(spec: ModelSpec, request: pb.ClassifyRequest, result: InferenceResult, threshold: float,
               resized_from: list, started: float) -> pb.ClassifyResponse:
     classes, pose_dim = len(spec.class_names), spec.pose_dim
-    predicted = result.probabilities.argmax(axis=1)  # (N,)
-    ranked = np.argsort(-result.probabilities, axis=1, kind="stable")  # (N, J): most probable first
+    all_probabilities, poses = result.outputs["probabilities"], result.outputs.get("poses")
+    reconstruction = result.outputs.get("reconstruction")
+    predicted = all_probabilities.argmax(axis=1)  # (N,)
+    ranked = np.argsort(-all_probabilities, axis=1, kind="stable")  # (N, J): most probable first
     response = pb.ClassifyResponse(model_name=spec.name, model_version=spec.version, request_id=request.request_id)
-    for index, probabilities in enumerate(result.probabilities):
+    for index, probabilities in enumerate(all_probabilities):
         item = response.results.add(probabilities=probabilities.tolist(), predicted_class=int(predicted[index]),
                                     predicted_name=spec.class_names[predicted[index]],
                                     resized_from=resized_from[index] or ())
-        if not request.exclude_poses and result.poses is not None:  # a CNN baseline has none: left empty
+        if not request.exclude_poses and poses is not None:  # a CNN baseline has none: left empty
             item.poses.shape[:] = (classes, pose_dim)
-            item.poses.values[:] = result.poses[index].ravel().tolist()
-        if result.reconstruction is not None:
+            item.poses.values[:] = poses[index].ravel().tolist()
+        if reconstruction is not None:
             item.reconstruction.shape[:] = spec.input_shape
-            item.reconstruction.values[:] = result.reconstruction[index].tolist()
+            item.reconstruction.values[:] = reconstruction[index].tolist()
         for label in ranked[index, :request.top_k]:
             item.top_classes.add(index=int(label), name=spec.class_names[label],
                                  probability=float(probabilities[label]))

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -166,52 +167,47 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                                           "(--max-message-bytes); ask for fewer images or outputs per request"))
             return True
 
+        @contextlib.contextmanager
+        def outcome(context):
+            """The call counted once, by how it ended: a ServingError answered as its status, a server fault as
+            UNKNOWN (gRPC answers it and logs it, after we count it), a cancellation as the client's or the
+            shutdown's."""
+            call.begin(context)
+            try:
+                yield
+            except ServingError as err:
+                call.refuse(context, err)
+            except Exception:
+                call.code = grpc.StatusCode.UNKNOWN
+                raise
+            except asyncio.CancelledError:
+                if not self._ended_by_shutdown(call, context):
+                    call.gave_up(context)
+                    raise
+            except GeneratorExit:  # a stream cancelled while at `yield`
+                call.gave_up(context)
+                raise
+            finally:
+                call.end(context)
+
         if inspect.isasyncgenfunction(behavior):
             async def wrapped(request, context):
-                call.begin(context)
-                try:
+                with outcome(context):
                     if (request := prepare(request, context)) is not None:
                         async for response in behavior(request, context):
                             if too_large(response, context):
                                 return
                             call.answered += 1
                             yield response
-                except ServingError as err:
-                    call.refuse(context, err)
-                except Exception:  # a server fault: gRPC answers UNKNOWN (and logs it) after we count the call
-                    call.code = grpc.StatusCode.UNKNOWN
-                    raise
-                except asyncio.CancelledError:
-                    if not self._ended_by_shutdown(call, context):
-                        call.gave_up(context)
-                        raise
-                except GeneratorExit:  # cancelled while at `yield`
-                    call.gave_up(context)
-                    raise
-                finally:
-                    call.end(context)
             return wrapped
         else:
             async def unary(request, context):
-                call.begin(context)
-                try:
+                with outcome(context):
                     if (request := prepare(request, context)) is None:
                         return None
                     response = await behavior(request, context)
                     return None if response is not None and too_large(response, context) else response
-                except ServingError as err:
-                    call.refuse(context, err)
-                    return None
-                except Exception:  # as above
-                    call.code = grpc.StatusCode.UNKNOWN
-                    raise
-                except asyncio.CancelledError:
-                    if self._ended_by_shutdown(call, context):
-                        return None
-                    call.gave_up(context)
-                    raise
-                finally:
-                    call.end(context)
+                return None  # refused, or ended by the shutdown: the status is set
             return unary
 
     @staticmethod

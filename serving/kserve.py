@@ -411,10 +411,8 @@ class DataPlane:
             names = [plan.name for plan in plans]
             result = await model.infer(images, field="inputs[0]", reconstruction="reconstruction" in names,
                                        deadline=request.deadline, arrival=request.arrival)
-            arrays = {"probabilities": result.probabilities, "poses": result.poses,
-                      "reconstruction": result.reconstruction}
-            outputs = [self._answer(plan, array, spec, regions.get(plan.name), f"outputs[{index}]")
-                       for index, plan in enumerate(plans) if (array := arrays[plan.name]) is not None]
+            outputs = [self._answer(plan, result.outputs[plan.name], spec, regions.get(plan.name), f"outputs[{index}]")
+                       for index, plan in enumerate(plans)]
         return InferResponse(spec.name, spec.version, header.id, outputs)
 
     @staticmethod

@@ -42,7 +42,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from capsnet.serving import kserve
 from capsnet.serving.errors import InvalidInput, MethodNotAllowed, NoSuchRoute, ServingError, bounded_message
 from capsnet.serving.http_body import BodyReader
-from capsnet.serving.kserve_http_codec import BINARY_HEADER, RestDecoder
+from capsnet.serving.kserve_http_codec import BINARY_HEADER, RestDecoder, parse_json
 from capsnet.serving.lifecycle import Tracked
 from capsnet.serving.observe import CURRENT, TRACEPARENT, Observer, RequestRecord
 from capsnet.serving.shared_memory import CUDA, SYSTEM
@@ -292,10 +292,7 @@ class KServeHTTP:
         text = await self._bodies.read(request)
         if not text.strip():
             return {}
-        try:
-            body = json.loads(text)
-        except (ValueError, RecursionError) as err:
-            raise InvalidInput(f"request body: not valid JSON ({type(err).__name__}: {str(err)[:200]})") from None
+        body = parse_json(text)
         if not isinstance(body, dict):
             raise InvalidInput("request body: expected a JSON object")
         return body

@@ -55,7 +55,7 @@ class RestDecoder:
             raise InvalidInput(f"request body: the JSON holds {commas} commas, more than a full batch of "
                                f"{spec.max_batch_size} images has values ({max_values}); send fewer images "
                                "per request, or their data in binary")
-        document = await _in_a_thread_if_large(len(text), _parse_json, text)
+        document = await _in_a_thread_if_large(len(text), parse_json, text)
         if not isinstance(document, dict):
             raise InvalidInput(f"request body: expected a JSON object, got {_json_type(document)}")
         if "id" in document and not isinstance(document["id"], str):
@@ -131,7 +131,8 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     return body[:length], body[length:]
 
 
-def _parse_json(text: bytes):
+def parse_json(text: bytes):
+    """A request body's JSON; InvalidInput naming the body where it is not JSON."""
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as err:  # RecursionError: nesting deeper than the interpreter's stack

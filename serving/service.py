@@ -56,9 +56,9 @@ class ModelSpec(ModelDescription):
 
 @dataclass
 class InferenceResult:
-    probabilities: np.ndarray  # (N, J) float32
-    poses: np.ndarray | None  # (N, J, D) float32; None for a model without poses (a CNN baseline)
-    reconstruction: np.ndarray | None  # (N, C*H*W) float32, only when asked
+    # the backend's outputs by their model.json names, (N, ...) float32: probabilities, poses (not for a model without
+    # them, a CNN baseline), reconstruction (only when asked)
+    outputs: dict[str, np.ndarray]
     queue_seconds: float  # waiting for a batch
     compute_seconds: float  # backend runs that included these images
 
@@ -171,9 +171,6 @@ class InferenceService:
         """Held by a request from when it is given this version until it is answered; close() waits for it."""
         self._users += 1
         self._unused.clear()
-        record = CURRENT.get()
-        if record is not None:
-            record.served_by(self.spec.name, self.spec.version)
         try:
             yield self
         finally:
@@ -195,16 +192,13 @@ class InferenceService:
             raise InvalidInput(f"{field}: {count} images exceed the maximum of {self.spec.max_batch_size} per request; "
                                "split them over several requests")
 
-    def validate_images(self, images: np.ndarray | ImageSource, field: str) -> np.ndarray | ImageSource:
-        """Images in memory are checked whole; those still in a region (ImageSource) are checked here by their shape
-        and by their values as the batcher reads them."""
-        if isinstance(images, np.ndarray) and images.dtype != np.float32:
-            raise InvalidInput(f"{field}: expected float32 values, got {images.dtype}")
-        check_image_shape(self.spec, list(images.shape), field)
-        self.check_batch_size(len(images), field)
+    def validate_values(self, images: np.ndarray | ImageSource, field: str) -> None:
+        """Images in memory: float32, finite, in [0, 1]; those still in a region (ImageSource) are checked as the
+        batcher reads them."""
         if isinstance(images, np.ndarray):
+            if images.dtype != np.float32:
+                raise InvalidInput(f"{field}: expected float32 values, got {images.dtype}")
             check_values(images, field)
-        return images
 
     def check_arrival(self, arrival: float) -> None:
         """ServerNotReady for a request that arrived (time.monotonic()) when it cannot be served."""
@@ -212,18 +206,18 @@ class InferenceService:
 
     async def infer(self, images: np.ndarray | ImageSource, *, field: str = "images", reconstruction: bool = False,
                     deadline: float | None = None, arrival: float | None = None) -> InferenceResult:
-        """Validate `images` (N, C, H, W), in memory or still in a shared-memory region, and infer them through the
-        batcher.
+        """Infer `images` (N, C, H, W), in memory or still in a shared-memory region, through the batcher, once their
+        values are checked.
 
-        `arrival` (time.monotonic()): when the request reached the server; one that arrived before the
-        shutdown began is answered even if it gets here after (it was decoding meanwhile).
+        The protocol adapters admit a request before decoding its data, each once: check_arrival(), the image shape
+        (check_image_shape, or the image decoder), check_batch_size(); `arrival` (time.monotonic()): when the request
+        reached the server, for its statistics.
         """
         arrival = time.monotonic() if arrival is None else arrival
-        self.check_arrival(arrival)
         if reconstruction and "reconstruction" not in self.spec.output_names:
             raise InvalidInput("reconstruction: this model was exported without the reconstruction output "
                                "(re-export with `capsnet export --reconstruction`)")
-        images = self.validate_images(images, field)
+        self.validate_values(images, field)
         try:
             output = await self.batcher.submit(images, deadline)
         except BaseException:  # queue full, past its deadline, a backend failure, cancelled: failed at the model
@@ -233,11 +227,5 @@ class InferenceService:
                                   {name: sum(run.phases()[name] for run in output.runs) for name in PHASES})
         if (record := CURRENT.get()) is not None:
             record.answered(len(images), output)
-        return InferenceResult(
-            probabilities=output.outputs["probabilities"],
-            poses=output.outputs.get("poses"),
-            reconstruction=output.outputs["reconstruction"] if reconstruction else None,
-            queue_seconds=output.queue_wait,
-            compute_seconds=output.compute,
-        )
-
+        outputs = {name: array for name, array in output.outputs.items() if reconstruction or name != "reconstruction"}
+        return InferenceResult(outputs, queue_seconds=output.queue_wait, compute_seconds=output.compute)
