@@ -211,6 +211,7 @@ class SharedMemory:
             if offset + byte_size > info.st_size:
                 raise InvalidInput(f"byte_size: failed to register shared memory region {name!r}: offset {offset} + "
                                    f"byte_size {byte_size} is beyond the end of {key!r} ({info.st_size} bytes)")
+            self._check_room(byte_size)
         except BaseException:
             os.close(fd)
             raise
@@ -219,6 +220,7 @@ class SharedMemory:
     def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
         self.check_cuda_served(name)
         self._check_new(name, byte_size)
+        self._check_room(byte_size)
         from capsnet.serving.cuda_ipc import DeviceBuffer  # torch's CUDA, only where a GPU serves
 
         buffer = DeviceBuffer(raw_handle, device_id, byte_size, name)
@@ -296,6 +298,8 @@ class SharedMemory:
             raise RegionExists(f"name: shared memory region {name[:80]!r} already in manager; unregister it first")
         if byte_size <= 0:
             raise InvalidInput(f"byte_size: expected the region's size in bytes, > 0, got {byte_size}")
+
+    def _check_room(self, byte_size: int) -> None:
         if len(self._regions) >= self.max_regions:
             raise SharedMemoryFull(f"name: {len(self._regions)} regions are registered, the most this server takes "
                                    f"(--max-shm-regions {self.max_regions}); unregister one first")

@@ -310,3 +310,14 @@ def test_a_region_unregistered_or_shrunk_while_requests_use_it(kserve_model_dir,
     finally:
         running.stop()
 
+
+
+def test_classification_strings_as_triton_writes_them():
+    from capsnet.serving.kserve import classify, serialize_bytes
+
+    scores = np.array([[0.1, 0.7, 0.2], [0.5, 0.25, 0.25]], dtype=np.float32)  # (2, 3)
+    assert classify(scores, 2, ("zero", "one", "two")).tolist() == [[b"0.700000:1:one", b"0.200000:2:two"],
+                                                                  [b"0.500000:0:zero", b"0.250000:1:one"]]
+    assert classify(scores, 5, None).tolist() == [[b"0.700000:1", b"0.200000:2", b"0.100000:0"],  # index alone
+                                                  [b"0.500000:0", b"0.250000:1", b"0.250000:2"]]  # ties: lower first
+    assert serialize_bytes(np.array([b"ab", b""], dtype=object)) == b"\x02\x00\x00\x00ab\x00\x00\x00\x00"

@@ -15,7 +15,7 @@ from capsnet.serving import capsnet_api
 from capsnet.serving.client import image_message
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
-from serving_helpers import ServerThread, metric, scrape, server_config, wait_until
+from serving_helpers import ServerThread, metric, onnxruntime_reference, scrape, server_config, wait_until
 
 IMAGE = np.random.default_rng(17).random((1, 28, 28), dtype=np.float32)  # (1, 28, 28)
 
@@ -93,3 +93,89 @@ def test_a_handler_failing_unexpectedly_is_counted_unknown_as_its_client_sees_it
     samples = scrape(url)
     assert metric(samples, "capsnet_requests_total", method="Classify", code="UNKNOWN") == before["Classify"] + 1
     assert metric(samples, "capsnet_requests_total", code="OK") == ok_before
+
+
+def test_hostile_shared_memory_calls_get_their_status_and_are_counted_under_it(server, model_dir):
+    """Register, infer and unregister calls that aim at the server's address space and files through Triton's
+    shared-memory extension: each is refused with its precise status (none crashes, none reads what it names), is
+    counted once under that status, and a good request through a region is answered after them."""
+    from multiprocessing import shared_memory
+
+    from capsnet.kserve import grpc_service_pb2 as kpb
+    from capsnet.kserve import grpc_service_pb2_grpc as kpb_grpc
+
+    images = np.random.default_rng(18).random((2, 1, 28, 28), dtype=np.float32)  # (2, 1, 28, 28)
+    victim = shared_memory.SharedMemory(create=True, size=images.nbytes)
+    np.ndarray(images.shape, np.float32, victim.buf)[:] = images
+    key = "/" + victim.name.lstrip("/")
+    hostile_keys = ["/etc/passwd", "/../../etc/passwd", "/..", "proc/self/mem", "/dev/shm/" + key[1:], "/a\x00b",
+                    "/" + "z" * 400, "", "//", f"/capsnet-absent-{victim.name}"]
+
+    def infer_request(offset: int, size: int, region: str = "victim") -> kpb.ModelInferRequest:
+        request = kpb.ModelInferRequest(model_name="capsnet")
+        tensor = request.inputs.add(name="images", datatype="FP32", shape=[2, 1, 28, 28])
+        tensor.parameters["shared_memory_region"].string_param = region
+        tensor.parameters["shared_memory_byte_size"].int64_param = size
+        tensor.parameters["shared_memory_offset"].int64_param = offset
+        return request
+
+    rng = random.Random(18)
+    client: collections.Counter = collections.Counter()
+    url = server.metrics_url
+    before = scrape(url)
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = kpb_grpc.GRPCInferenceServiceStub(channel)
+            stub.SystemSharedMemoryRegister(kpb.SystemSharedMemoryRegisterRequest(
+                name="victim", key=key, byte_size=images.nbytes), timeout=10)
+            client[("SystemSharedMemoryRegister", "OK")] += 1
+            for _ in range(120):
+                kind = rng.choice(["key", "bounds", "twice", "infer", "missing", "status", "unregister"])
+                if kind == "key":
+                    bad = rng.choice(hostile_keys)
+                    call, message = stub.SystemSharedMemoryRegister, kpb.SystemSharedMemoryRegisterRequest(
+                        name="hostile", key=bad, byte_size=16)
+                    expected = "INTERNAL" if bad.startswith("/capsnet-absent-") else "INVALID_ARGUMENT"
+                elif kind == "bounds":
+                    call, message = stub.SystemSharedMemoryRegister, kpb.SystemSharedMemoryRegisterRequest(
+                        name="hostile", key=key, offset=rng.choice([0, images.nbytes, 2 ** 63]),
+                        byte_size=rng.choice([images.nbytes + 1, 2 ** 63]))
+                    expected = "INVALID_ARGUMENT"
+                elif kind == "twice":
+                    call, message = stub.SystemSharedMemoryRegister, kpb.SystemSharedMemoryRegisterRequest(
+                        name="victim", key=key, byte_size=16)
+                    expected = "ALREADY_EXISTS"
+                elif kind == "infer":  # offsets and sizes beside the region, or not the tensor's
+                    offset, size = rng.choice([(4, images.nbytes), (images.nbytes, images.nbytes), (0, 16),
+                                               (0, images.nbytes + 4), (2 ** 62, images.nbytes)])
+                    call, message, expected = stub.ModelInfer, infer_request(offset, size), "INVALID_ARGUMENT"
+                elif kind == "missing":
+                    call, message, expected = stub.ModelInfer, infer_request(0, images.nbytes, "nowhere"), "NOT_FOUND"
+                elif kind == "status":
+                    call, message = stub.SystemSharedMemoryStatus, kpb.SystemSharedMemoryStatusRequest(name="nowhere")
+                    expected = "NOT_FOUND"
+                else:  # unknown names: nothing to unregister, as Triton
+                    call, message = stub.SystemSharedMemoryUnregister, kpb.SystemSharedMemoryUnregisterRequest(
+                        name=rng.choice(["nowhere", "../victim", "victim\x00"]))
+                    expected = "OK"
+                try:
+                    call(message, timeout=10)
+                    got = "OK"
+                except grpc.RpcError as err:
+                    got = err.code().name
+                assert got == expected, (kind, message, got)
+                client[(call._method.decode().rsplit("/", 1)[1], got)] += 1
+            answer = stub.ModelInfer(infer_request(0, images.nbytes), timeout=30)
+            np.testing.assert_allclose(np.frombuffer(answer.raw_output_contents[0], "<f4").reshape(2, 10),
+                                       onnxruntime_reference(model_dir, images)["probabilities"], rtol=1e-4, atol=1e-5)
+            stub.SystemSharedMemoryUnregister(kpb.SystemSharedMemoryUnregisterRequest(), timeout=10)
+            client[("ModelInfer", "OK")] += 1
+            client[("SystemSharedMemoryUnregister", "OK")] += 1
+    finally:
+        victim.close()
+        victim.unlink()
+    after = scrape(url)
+    for (method, code), count in client.items():
+        counted = metric(after, "capsnet_requests_total", api="kserve", method=method, code=code) - \
+            metric(before, "capsnet_requests_total", api="kserve", method=method, code=code)
+        assert counted == count, (method, code, counted, count)
