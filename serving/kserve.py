@@ -14,6 +14,11 @@ protocol's JSON form), which gRPC turns into its messages and REST sends as it i
 
 A request is for a model of the model manager (`serving/model_manager.py`) and one of its versions, named or the
 default; it holds that version until answered, and the answer names it.
+
+Triton's extensions that act on tensors are served here for both transports: shared memory (a tensor's
+shared_memory_* parameters name a region of `serving/shared_memory.py`: the input is read from it by the batcher, an
+output written into it, and the request holds its regions until answered) and classification (an output's top k
+classes as "score:index:label" strings).
 """
 
 from __future__ import annotations
