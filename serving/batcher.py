@@ -56,6 +56,16 @@ class ImageSource(Protocol):
 Images = Union[np.ndarray, ImageSource]
 
 
+class OutputSink(Protocol):
+    """Where a request's output goes instead of its answer (a client's shared-memory region): written by the batcher,
+    in its worker thread, straight from the batch's outputs, device to device where the backend answered on its
+    device."""
+
+    def write(self, rows, start: int) -> None:
+        """The request's rows [start, start + len(rows)) of the output: numpy, or a CUDA tensor; a ServingError fails
+        the request."""
+
+
 @dataclass(frozen=True)
 class BatcherConfig:
     max_batch_size: int
@@ -89,6 +99,7 @@ class _Request:
     outputs: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (N, ...), filled batch by batch
     queue_wait: float | None = None
     runs: list[BatchRun] = field(default_factory=list)  # the batches it ran in
+    sinks: dict[str, OutputSink] = field(default_factory=dict)  # outputs written there, not into `outputs`
 
 
 @dataclass
@@ -123,12 +134,13 @@ class Batcher:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsnet-backend")
         self._task = asyncio.get_running_loop().create_task(self._schedule(), name="capsnet-batcher")
 
-    async def submit(self, images: Images, deadline: float | None = None) -> BatchOutput:
-        """Queue validated images (N <= max_batch_size) and wait for their outputs."""
+    async def submit(self, images: Images, deadline: float | None = None,
+                     sinks: dict[str, OutputSink] | None = None) -> BatchOutput:
+        """Queue validated images (N <= max_batch_size) and wait for their outputs (those of `sinks` written there)."""
         if len(self._queue) >= self.config.max_queue_size:
             raise QueueFull(f"queue full: {len(self._queue)} requests are waiting (--max-queue-size "
                             f"{self.config.max_queue_size}); retry later or on another replica")
-        request = _Request(images, deadline, asyncio.get_running_loop().create_future())
+        request = _Request(images, deadline, asyncio.get_running_loop().create_future(), sinks=sinks or {})
         self._queue.append(request)
         self._queued_images += len(images)
         self._changed()
@@ -232,8 +244,8 @@ class Batcher:
                 self.metrics.queue_wait.observe(request.queue_wait)
         size = sum(stop - start for _, start, stop in parts)
         try:
-            outputs, unread, started, ended = await loop.run_in_executor(self._executor, self._gather_and_run, parts)
-            for request, err in unread:  # its images could not be read: it alone fails
+            outputs, failed, started, ended = await loop.run_in_executor(self._executor, self._gather_and_run, parts)
+            for request, err in failed:  # its images could not be read, or its outputs written: it alone fails
                 self._remove(request)
                 if not request.future.done():
                     request.future.set_exception(err)
@@ -262,18 +274,21 @@ class Batcher:
         self.stats.record_batch(size, run.phases())
 
     def _gather_and_run(self, parts: list[tuple[_Request, int, int]]):
-        """In the worker thread: the batch's images in one array, read from memory or from their regions, then the
-        backend's run on it; (outputs, [(request, why its images could not be read)], run start, run end). A whole
-        request already in memory is run as it is, without a copy. A backend that takes device input
-        (cuda_ipc.DeviceInput) gets a batch with images from CUDA regions on its device, copied device to device."""
+        """In the worker thread: the batch's images in one array, read from memory or from their regions, the
+        backend's run on it, and the outputs requests sink; (outputs, [(request, why it failed)], run start, run end).
+        A whole request already in memory is run as it is, without a copy. A backend that takes device input
+        (cuda_ipc.DeviceInput) gets a batch with images from CUDA regions on its device, copied device to device, and
+        its outputs go to the sinks from the device."""
         unread: list[tuple[_Request, ServingError]] = []
         run_device = getattr(self.backend, "run_device", None)
         if run_device is not None and any(not isinstance(request.images, np.ndarray) and request.images.on_device
                                           for request, _, _ in parts):
             batch = self._gather_on_device(parts, unread)
             started = time.monotonic()
-            outputs = {name: tensor.cpu().numpy() for name, tensor in run_device(batch).items()}
-            return outputs, unread, started, time.monotonic()
+            on_device = run_device(batch)
+            ended = time.monotonic()
+            self._sink(parts, on_device, unread)
+            return {name: tensor.cpu().numpy() for name, tensor in on_device.items()}, unread, started, ended
         first, start, stop = parts[0]
         if len(parts) == 1 and isinstance(first.images, np.ndarray) and stop - start == len(first.images):
             images = first.images
@@ -294,7 +309,24 @@ class Batcher:
                     unread.append((request, err))
         started = time.monotonic()
         outputs = self.backend.run(images)
-        return outputs, unread, started, time.monotonic()
+        ended = time.monotonic()
+        self._sink(parts, outputs, unread)
+        return outputs, unread, started, ended
+
+    @staticmethod
+    def _sink(parts: list[tuple[_Request, int, int]], outputs: dict, failed: list) -> None:
+        """Each request's rows of the outputs it sinks, written there (numpy or CUDA tensors, as the backend gave)."""
+        offset = 0
+        for request, start, stop in parts:
+            rows = slice(offset, offset + stop - start)
+            offset += stop - start
+            if not request.sinks or any(request is done for done, _ in failed):
+                continue
+            try:
+                for name, sink in request.sinks.items():
+                    sink.write(outputs[name][rows], start)
+            except ServingError as err:
+                failed.append((request, err))
 
     def _gather_on_device(self, parts: list[tuple[_Request, int, int]], unread: list) -> object:
         """The batch as a float32 CUDA tensor on the backend's device (B, C, H, W)."""
@@ -329,6 +361,8 @@ class Batcher:
             if request.future.done():  # cancelled or timed out meanwhile
                 continue
             for name, array in outputs.items():
+                if name in request.sinks:
+                    continue
                 if name not in request.outputs:
                     request.outputs[name] = np.empty((len(request.images), *array.shape[1:]), dtype=array.dtype)
                 request.outputs[name][start:stop] = array[rows]

@@ -115,6 +115,14 @@ class DeviceBuffer:
         self.view(offset, flat.numel()).copy_(flat)
         torch.cuda.synchronize(self.device)  # in the client's buffer before the answer says so
 
+    def from_device(self, data: torch.Tensor, offset: int) -> None:
+        """A CUDA tensor's bytes into the buffer, device to device."""
+        import torch
+
+        flat = data.contiguous().reshape(-1).view(torch.uint8)
+        self.view(offset, flat.numel()).copy_(flat)
+        torch.cuda.synchronize(self.device)
+
     def close(self) -> None:
         assert DeviceBuffer._runtime is not None
         DeviceBuffer._runtime.cudaIpcCloseMemHandle(ctypes.c_void_p(self.pointer))

@@ -36,6 +36,7 @@ from capsnet.model_description import class_names_parameters
 from capsnet.serving.errors import InvalidInput, RegionNotFound, Unauthenticated
 from capsnet.serving.lifecycle import Lifecycle
 from capsnet.serving.model_manager import ModelManager, ModelRef
+from capsnet.serving.batcher import OutputSink
 from capsnet.serving.service import InferenceService, ModelSpec, check_image_shape, check_values
 from capsnet.serving.shared_memory import CUDA, CudaRegion, Region, RegionRef, SharedMemory, region_ref
 
@@ -409,20 +410,26 @@ class DataPlane:
                 images = images_from_values(await decoder.values(tensor), tensor)
             regions = {plan.name: held.enter_context(self.shared_memory.held(plan.region, f"outputs[{index}]"))
                        for index, plan in enumerate(plans) if plan.region is not None}
+            sinks: dict[str, OutputSink] = {}  # written into their regions by the batcher, from the batch's outputs
             for index, plan in enumerate(plans):
                 if plan.region is not None and plan.classes is None:
                     shape = (tensor.shape[0], *spec.output_shapes[plan.name])
                     _check_room(plan.region, math.prod(shape) * 4, shape, f"outputs[{index}]")
+                    sinks[plan.name] = RegionOutput(regions[plan.name], plan.region.offset, shape[1:],
+                                                    f"outputs[{index}]")
             names = [plan.name for plan in plans]
             result = await model.infer(images, field="inputs[0]", reconstruction="reconstruction" in names,
-                                       deadline=request.deadline, arrival=request.arrival)
-            outputs = [self._answer(plan, result.outputs[plan.name], spec, regions.get(plan.name), f"outputs[{index}]")
+                                       deadline=request.deadline, arrival=request.arrival, sinks=sinks)
+            outputs = [Output(plan.name, "FP32", (tensor.shape[0], *spec.output_shapes[plan.name]), None)
+                       if plan.name in sinks else
+                       self._answer(plan, result.outputs[plan.name], spec, regions.get(plan.name), f"outputs[{index}]")
                        for index, plan in enumerate(plans)]
         return InferResponse(spec.name, spec.version, header.id, outputs)
 
     @staticmethod
     def _answer(plan: OutputPlan, array: np.ndarray, spec: ModelSpec, region: Region | None, field: str) -> Output:
-        """An output as asked: classified or not, written into its region or carried in the answer."""
+        """An output as asked and not sunk by the batcher: classified or not, written into its region (classes) or
+        carried in the answer."""
         datatype, data = "FP32", array
         if plan.classes is not None:
             datatype, data = "BYTES", classify(array, plan.classes, spec.class_names)
@@ -432,6 +439,30 @@ class DataPlane:
         _check_room(plan.region, raw.nbytes, data.shape, field)
         region.write(raw, plan.region.offset, field)
         return Output(plan.name, datatype, data.shape, None)
+
+
+class RegionOutput:
+    """A requested output's region, as the batcher writes it (OutputSink): row by row at the request's offset, held
+    for each write."""
+
+    def __init__(self, region: Region, offset: int, row_shape: tuple[int, ...], field: str):
+        self.region = region
+        self.offset = offset
+        self.row_bytes = math.prod(row_shape) * 4  # float32
+        self.field = field
+
+    def write(self, rows, start: int) -> None:
+        if not self.region.hold():
+            raise RegionNotFound(f"{self.field}.parameters.shared_memory_region: region {self.region.name!r} was "
+                                 "unregistered before the batch wrote it")
+        try:
+            offset = self.offset + start * self.row_bytes
+            if isinstance(rows, np.ndarray):
+                self.region.write(np.ascontiguousarray(rows, dtype="<f4"), offset, self.field)
+            else:
+                self.region.write_device(rows, offset, self.field)
+        finally:
+            self.region.release()
 
 
 def _check_room(ref: RegionRef, size: int, shape: tuple[int, ...], field: str) -> None:

@@ -26,7 +26,7 @@ from capsnet.model_description import ModelDescription
 from capsnet.serving.artifacts import ModelArtifacts, load_artifacts
 from capsnet.serving.backends import LoadedBackend, load_backend
 from capsnet.serving.backends.base import Backend
-from capsnet.serving.batcher import Batcher, BatcherConfig, ImageSource
+from capsnet.serving.batcher import Batcher, BatcherConfig, ImageSource, OutputSink
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.errors import InvalidInput
 from capsnet.serving.lifecycle import Lifecycle
@@ -205,13 +205,14 @@ class InferenceService:
         self.lifecycle.check_arrival(arrival)
 
     async def infer(self, images: np.ndarray | ImageSource, *, field: str = "images", reconstruction: bool = False,
-                    deadline: float | None = None, arrival: float | None = None) -> InferenceResult:
+                    deadline: float | None = None, arrival: float | None = None,
+                    sinks: dict[str, OutputSink] | None = None) -> InferenceResult:
         """Infer `images` (N, C, H, W), in memory or still in a shared-memory region, through the batcher, once their
         values are checked.
 
         The protocol adapters admit a request before decoding its data, each once: check_arrival(), the image shape
         (check_image_shape, or the image decoder), check_batch_size(); `arrival` (time.monotonic()): when the request
-        reached the server, for its statistics.
+        reached the server, for its statistics. Outputs of `sinks` are written there, not answered.
         """
         arrival = time.monotonic() if arrival is None else arrival
         if reconstruction and "reconstruction" not in self.spec.output_names:
@@ -219,7 +220,7 @@ class InferenceService:
                                "(re-export with `capsnet export --reconstruction`)")
         self.validate_values(images, field)
         try:
-            output = await self.batcher.submit(images, deadline)
+            output = await self.batcher.submit(images, deadline, sinks)
         except BaseException:  # queue full, past its deadline, a backend failure, cancelled: failed at the model
             self.stats.record_request(False, time.monotonic() - arrival)
             raise

@@ -89,6 +89,10 @@ class Region:
     def write(self, data: np.ndarray, offset: int, field: str) -> None:
         raise NotImplementedError
 
+    def write_device(self, data, offset: int, field: str) -> None:
+        """`data`, a float32 CUDA tensor, into the region: through the host unless the region is on a device."""
+        self.write(data.cpu().numpy(), offset, field)
+
     def _free(self) -> None:
         raise NotImplementedError
 
@@ -140,6 +144,9 @@ class CudaRegion(Region):
 
     def write(self, data: np.ndarray, offset: int, field: str) -> None:
         self.buffer.from_host(np.ascontiguousarray(data), offset)
+
+    def write_device(self, data, offset: int, field: str) -> None:
+        self.buffer.from_device(data, offset)
 
     def _free(self) -> None:
         self.buffer.close()

@@ -262,8 +262,8 @@ def _shared_request(name: str, count: int) -> pb.ModelInferRequest:
 
 def test_a_region_unregistered_or_shrunk_while_requests_use_it(kserve_model_dir, regions, run_onnx):
     """Requests queued behind a slow batch hold their regions: one whose region is unregistered, and the name
-    registered again over other data, still reads its own images; one whose object is cut to nothing is refused;
-    the server carries on."""
+    registered again over other data, still reads its own images; one whose input's or output's object is cut to
+    nothing is refused; the server carries on."""
     from serving_helpers import ServerThread, server_config
 
     running = ServerThread(server_config(kserve_model_dir, backend="onnxruntime", max_batch_size=MAX_BATCH_SIZE))
@@ -279,6 +279,7 @@ def test_a_region_unregistered_or_shrunk_while_requests_use_it(kserve_model_dir,
     first_handle, first_key = regions("a", first.nbytes)
     second_handle, second_key = regions("b", second.nbytes)
     cut_handle, cut_key = regions("cut", first.nbytes)
+    out_handle, out_key = regions("cut-out", 2 * 10 * 4)
     for handle, data in ((first_handle, first), (second_handle, second), (cut_handle, first)):
         shm.set_shared_memory_region(handle, [data])
     try:
@@ -287,14 +288,21 @@ def test_a_region_unregistered_or_shrunk_while_requests_use_it(kserve_model_dir,
             register = stub.SystemSharedMemoryRegister
             register(pb.SystemSharedMemoryRegisterRequest(name="images", key=first_key, byte_size=first.nbytes))
             register(pb.SystemSharedMemoryRegisterRequest(name="cut", key=cut_key, byte_size=first.nbytes))
+            register(pb.SystemSharedMemoryRegisterRequest(name="cut-out", key=out_key, byte_size=2 * 10 * 4))
             busy = stub.ModelInfer.future(infer_request(images(MAX_BATCH_SIZE, seed=37), raw=True), timeout=30)
             time.sleep(0.2)  # the backend is busy with it: the next requests queue
             held = stub.ModelInfer.future(_shared_request("images", 2), timeout=30)
             cut = stub.ModelInfer.future(_shared_request("cut", 2), timeout=30)
+            into_cut = infer_request(first, raw=True)
+            out = into_cut.outputs.add(name="probabilities")
+            out.parameters["shared_memory_region"].string_param = "cut-out"
+            out.parameters["shared_memory_byte_size"].int64_param = 2 * 10 * 4
+            into_cut = stub.ModelInfer.future(into_cut, timeout=30)
             time.sleep(0.1)
             stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest(name="images"))
             register(pb.SystemSharedMemoryRegisterRequest(name="images", key=second_key, byte_size=second.nbytes))
             os.truncate(f"/dev/shm/{cut_key[1:]}", 0)  # its client cuts the object while the request waits
+            os.truncate(f"/dev/shm/{out_key[1:]}", 0)
             after = stub.ModelInfer.future(_shared_request("images", 2), timeout=30)
 
             busy.result()
@@ -304,6 +312,10 @@ def test_a_region_unregistered_or_shrunk_while_requests_use_it(kserve_model_dir,
                 cut.result()
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "was made smaller after it was registered" in caught.value.details()
+            with pytest.raises(grpc.RpcError) as caught:
+                into_cut.result()
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert caught.value.details().startswith("outputs[0]: region 'cut-out' cannot take 80 bytes")
             np.testing.assert_allclose(np.frombuffer(after.result().raw_output_contents[0], "<f4").reshape(2, 10),
                                        run_onnx(second)["probabilities"], **TOLERANCE)
             stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest())
