@@ -85,16 +85,9 @@ GATE_DIFF_SLACK = 1e-3  # ... plus this, so that a variant export saw almost exa
 GATE_MAX_DIFF = {"int8": 0.1, "fp16": 1e-2, "bf16": 2e-2}
 # The variants gated, by what computes them: ONNX Runtime's INT8/FP16 graphs (also what TensorRT builds from), and
 # the checkpoint with its convolutions in fp16/bf16 (the torch backend and the AOTInductor packages).
-GATE_VARIANTS = ("onnx_int8", "onnx_fp16", "torch_fp16", "torch_bf16")
+GATE_VARIANTS = ("onnx_int8", "onnx_fp16", "torch_fp16", "torch_bf16", "fused_fp16", "fused_bf16")
 GATE_KEYS = ("precision", "computed_by", "accuracy_fp32", "accuracy", "accuracy_change_points", "max_drop_points",
              "test_images", "argmax_agreement", "max_abs_diff", "bounded_diff", "reference_images", "measured_on")
-
-
-def gate_variant(backend: str, precision: str) -> str | None:
-    """The gate entry that a backend serving `precision` answers to (None: fp32, held to the FP32 parity)."""
-    if precision == "fp32":
-        return None
-    return f"{'torch' if backend in ('torch', 'aoti') else 'onnx'}_{precision}"
 
 
 @dataclass(frozen=True)
@@ -266,7 +259,8 @@ class ModelDescription:
     input_shape: tuple[int, int, int]  # (C, H, W), float32 in [0, 1], NCHW
     class_names: tuple[str, ...]
     output_shapes: dict[str, tuple[int, ...]]  # without the batch axis: probabilities (J,)[, poses (J, D)][, reconstruction]
-    # {"variant", "iterations", "squash_constant"}, or EM's {"variant": "em", "iterations", "inverse_temperature"};
+    # {"variant", "iterations", "squash_constant", "gpu_engine"} (gpu_engine: "fused" or "unfused: <why>"), or EM's
+    # {"variant": "em", "iterations", "inverse_temperature"};
     # {} for a model without routing (written as null)
     routing: dict
     artifacts: dict[str, str | None]  # ARTIFACT_KEYS -> file name in the model directory (None: not exported)
@@ -476,6 +470,8 @@ class _Reader:
         iterations = self.get(routing, "iterations", int, "routing.")
         if not 0 < iterations < 2**31:
             raise self.fail(f"routing.iterations must be a positive 32-bit integer, got {iterations}")
+        if "gpu_engine" in routing:
+            self.get(routing, "gpu_engine", str, "routing.")
         for key in ("squash_constant", "inverse_temperature"):
             if key in routing:
                 value = self.get(routing, key, (int, float), "routing.")

@@ -71,6 +71,7 @@ from capsnet.model_description import (
 )
 from capsnet.tensorrt_runner import unavailable_reason
 from capsnet.torch_runner import cuda_unavailable_reason
+from capsnet.runtime.fused_support import fused_unsupported_reason
 from capsnet.training.checkpoint import Checkpoint, load_checkpoint
 from capsnet.training.config import CAPSULE_ARCHITECTURES
 from capsnet.training.data import Dataset
@@ -187,7 +188,7 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
     test = dataset.test
     fp32_test = onnxruntime_probabilities(fp32_session, test.images)
     gates = torch_gates(checkpoint.build_model, reference.images, reference.outputs, test.images, test.labels,
-                        fp32_test, config.max_accuracy_drop)
+                        fp32_test, config.max_accuracy_drop, fused=fused_unsupported_reason(checkpoint.config) is None)
     cpu = CpuKind.this_host()
 
     def onnx_gate(precision: str, path: Path) -> PrecisionGate:
@@ -214,7 +215,7 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
         check_graph(fp16_model)
         onnx.save(fp16_model, str(variants["fp16"]))
         gates["onnx_fp16"] = onnx_gate("fp16", variants["fp16"])
-    for name in ("torch_fp16", "torch_bf16"):  # not refused here: the server refuses them if asked (see the gate)
+    for name in [name for name in gates if not name.startswith("onnx_")]:  # not refused here: the server refuses them if asked (see the gate)
         log.log(logging.INFO if gates[name].accepted else logging.WARNING, "%s %s%s", name, _describe_gate(gates[name]),
                 "" if gates[name].accepted else "; not accepted, so not served")
     packages = _compile_aoti(staging, program, checkpoint, config, names, batches, pytorch_outputs, reference, gates)

@@ -13,6 +13,7 @@ from typing import Any
 
 import onnx
 
+from capsnet.runtime.fused_support import gpu_engine
 from capsnet import __version__
 from capsnet.model_description import POSES_NAME, PROBABILITIES_NAME, RECONSTRUCTION_NAME, ModelDescription
 from capsnet.training.checkpoint import Checkpoint
@@ -38,7 +39,7 @@ def routing_description(config) -> dict[str, Any]:
         return {"variant": "em", "iterations": config.routing_iterations,
                 "inverse_temperature": config.em_inverse_temperature}
     return {"variant": config.routing, "iterations": config.routing_iterations,
-            "squash_constant": config.squash_constant}
+            "squash_constant": config.squash_constant, "gpu_engine": gpu_engine(config)}
 
 
 def describe(checkpoint: Checkpoint, opset: int, reconstruction: bool, **facts: Any) -> ModelDescription:

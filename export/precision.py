@@ -44,6 +44,18 @@ def convolutions_in(model: nn.Module, precision: str, emulate: bool = False) -> 
     return len(convolutions)
 
 
+def routing_inputs_in(model: nn.Module, precision: str) -> None:
+    """Emulates the fused routing kernels' rounding (capsnet/runtime/fused_routing.py) on top of
+    `convolutions_in(..., emulate=True)`: DigitCaps' weights and input capsules rounded to `precision`, every
+    product and sum in fp32, which is what their fp16/bf16 tensor-core products with fp32 accumulation compute."""
+    dtype = DTYPES[precision]
+    digit_caps = model.get_submodule("digit_caps")
+    weight = digit_caps.get_parameter("weight")
+    with torch.no_grad():
+        weight.copy_(weight.to(dtype).float())
+    digit_caps.register_forward_pre_hook(lambda _, inputs: tuple(x.to(dtype).float() for x in inputs))
+
+
 def model_outputs(model: nn.Module, images: np.ndarray, names: tuple[str, ...], batch: int = ACCURACY_BATCH) -> dict:
     """{output name: float32 array} of `model` on images (N, C, H, W), float32 in [0, 1] or uint8, in batches."""
     runs = []
@@ -89,19 +101,27 @@ def require(gate: PrecisionGate) -> PrecisionGate:
 
 
 def torch_gates(model_factory, reference_images: np.ndarray, fp32_reference: dict[str, np.ndarray],
-                test_images: np.ndarray, labels: np.ndarray, fp32_test: np.ndarray, max_drop: float) -> dict:
-    """The torch_fp16 and torch_bf16 gate entries, each measured by emulation on this CPU (`test_images` uint8).
-    `model_factory()` gives a fresh FP32 model (the conversion changes the model it is given)."""
+                test_images: np.ndarray, labels: np.ndarray, fp32_test: np.ndarray, max_drop: float,
+                fused: bool = False) -> dict:
+    """The torch_fp16 and torch_bf16 gate entries, and fused_fp16 and fused_bf16 where `fused` (the model's routing
+    runs in the fused kernels), each measured by emulation on this CPU (`test_images` uint8). `model_factory()`
+    gives a fresh FP32 model (the conversion changes the model it is given)."""
     gates = {}
     cpu = CpuKind.this_host().describe()
-    for precision in DTYPES:
-        model = model_factory()
-        convolutions_in(model, precision, emulate=True)
-        candidate = model_outputs(model, reference_images, tuple(fp32_reference))
-        candidate_test = model_outputs(model, test_images, ("probabilities",))["probabilities"]
-        gates[f"torch_{precision}"] = measure_gate(
-            precision, f"the checkpoint, convolutions in {precision} (emulated in fp32)", fp32_reference, candidate,
-            labels, fp32_test, candidate_test, max_drop, cpu)
+    engines = {"torch": "convolutions"}
+    if fused:
+        engines["fused"] = "convolutions and routing products' inputs"
+    for engine, rounded in engines.items():
+        for precision in DTYPES:
+            model = model_factory()
+            convolutions_in(model, precision, emulate=True)
+            if engine == "fused":
+                routing_inputs_in(model, precision)
+            candidate = model_outputs(model, reference_images, tuple(fp32_reference))
+            candidate_test = model_outputs(model, test_images, ("probabilities",))["probabilities"]
+            gates[f"{engine}_{precision}"] = measure_gate(
+                precision, f"the checkpoint, {rounded} in {precision} (emulated in fp32)", fp32_reference, candidate,
+                labels, fp32_test, candidate_test, max_drop, cpu)
     return gates
 
 

@@ -18,7 +18,8 @@ import numpy as np
 
 from capsnet.cpu import CpuKind
 from capsnet.errors import CapsNetError, first_line
-from capsnet.model_description import ModelDescription, PrecisionGate, gate_variant
+from capsnet.model_description import ModelDescription, PrecisionGate
+from capsnet.serving.backend_registry import gate_variant
 from capsnet.serving.backends.base import Backend
 
 FP32_TOLERANCE = 1e-4  # the export's parity tolerance (export/parity.py), on every output

@@ -19,6 +19,7 @@ import numpy as np
 
 from capsnet.errors import CapsNetError
 from capsnet.serving.artifacts import ModelArtifacts
+from capsnet.serving.backend_registry import BACKEND_KINDS
 from capsnet.serving.backends.base import Backend
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.self_check import SelfCheck, best_times, refusal, self_check
@@ -72,24 +73,7 @@ def choose_backend(artifacts: ModelArtifacts, config: ServerConfig) -> tuple[str
 
 
 def create_backend(name: str, precision: str, artifacts: ModelArtifacts, config: ServerConfig) -> Backend:
-    if name == "tensorrt":
-        from capsnet.serving.backends.tensorrt_backend import TensorRTBackend
-
-        return TensorRTBackend(artifacts, None if precision == "auto" else precision, config.max_batch_size,
-                               config.gpu_or_first)
-    if name == "torch":
-        from capsnet.serving.backends.torch_backend import TorchBackend
-
-        return TorchBackend(artifacts, "fp32" if precision == "auto" else precision, config.intra_op_threads, config.gpu,
-                            config.max_batch_size)
-    if name == "aoti":
-        from capsnet.serving.backends.aoti_backend import AotiBackend
-
-        return AotiBackend(artifacts, "fp32" if precision == "auto" else precision, config.intra_op_threads, config.gpu,
-                           config.max_batch_size)
-    from capsnet.serving.backends.onnxruntime_backend import OnnxRuntimeBackend
-
-    return OnnxRuntimeBackend(artifacts, precision, config.intra_op_threads, config.max_batch_size, config.gpu_or_first)
+    return BACKEND_KINDS[name].backend_class().create(artifacts, precision, config)
 
 
 def checked(backend: Backend, artifacts: ModelArtifacts, config: ServerConfig) -> SelfCheck:

@@ -14,6 +14,7 @@ from capsnet.errors import CapsNetError
 from capsnet.model_description import AotiPackage
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import DeviceBackend, DeviceFailure
+from capsnet.serving.config import ServerConfig
 from capsnet.serving.backends.torch_backend import torch_device
 from capsnet.torch_runner import AotiRunner, gpu_facts, is_device_error
 
@@ -48,6 +49,11 @@ def package_problem(package: AotiPackage, gpu: int | None, max_batch_size: int) 
 
 class AotiBackend(DeviceBackend):
     name = "aoti"
+
+    @classmethod
+    def create(cls, artifacts: ModelArtifacts, precision: str, config: ServerConfig) -> AotiBackend:
+        return cls(artifacts, "fp32" if precision == "auto" else precision, config.intra_op_threads, config.gpu,
+                   config.max_batch_size)
 
     def __init__(self, artifacts: ModelArtifacts, precision: str, threads: int, gpu: int | None, max_batch_size: int):
         self.device = torch_device(gpu)

@@ -15,6 +15,7 @@ import numpy as np
 from capsnet.errors import CapsNetError
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import Backend
+from capsnet.serving.config import ServerConfig
 from capsnet.tensorrt_runner import EngineRunner, gpu_facts, unavailable_reason
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,10 @@ log = logging.getLogger(__name__)
 
 class TensorRTBackend(Backend):
     name = "tensorrt"
+
+    @classmethod
+    def create(cls, artifacts: ModelArtifacts, precision: str, config: ServerConfig) -> TensorRTBackend:
+        return cls(artifacts, None if precision == "auto" else precision, config.max_batch_size, config.gpu_or_first)
 
     def __init__(self, artifacts: ModelArtifacts, precision: str | None, max_batch_size: int, gpu: int = 0):
         plan, info = artifacts.tensorrt_plan, artifacts.tensorrt_info

@@ -8,14 +8,18 @@ captured at start-up (capsnet/torch_runner.py), so a batch is one graph launch b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
+from torch import nn
 
 from capsnet.cpu import CpuKind, bf16_autocast_pays
 from capsnet.errors import CapsNetError
 from capsnet.export.precision import convolutions_in
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import DeviceBackend, DeviceFailure
+from capsnet.serving.config import ServerConfig
 from capsnet.torch_runner import BucketRunner, cuda_unavailable_reason, gpu_facts, is_device_error
 from capsnet.training.checkpoint import load_checkpoint
 
@@ -41,6 +45,11 @@ def torch_device(gpu: int | None) -> torch.device:
 class TorchBackend(DeviceBackend):
     name = "torch"
 
+    @classmethod
+    def create(cls, artifacts: ModelArtifacts, precision: str, config: ServerConfig) -> TorchBackend:
+        return cls(artifacts, "fp32" if precision == "auto" else precision, config.intra_op_threads, config.gpu,
+                   config.max_batch_size)
+
     def __init__(self, artifacts: ModelArtifacts, precision: str, threads: int, gpu: int | None = None,
                  max_batch_size: int = 32, buckets: bool | None = None, graphs: bool = True):
         """`buckets` (default: on a GPU) runs every batch padded to its bucket from static tensors; `graphs` makes
@@ -62,21 +71,26 @@ class TorchBackend(DeviceBackend):
             raise CapsNetError(f"{artifacts.checkpoint} is for {config.in_channels}x{config.height}x{config.width} "
                                f"images, model.json says {'x'.join(map(str, artifacts.input_shape))}")
         self.precision = precision
-        converted = f", {convolutions_in(model, precision)} convolutions in {precision}" if precision != "fp32" else ""
-        self.model = model.to(self.device).eval()
         self.output_names = artifacts.output_names
+        self.model, converted = self.prepare(model.to(self.device).eval(), precision)
         where = f"GPU {self.device.index} {gpu_facts(self.device.index)[0]}" if on_gpu else f"CPU, {threads} threads"
         self.runner = None
         if on_gpu if buckets is None else buckets:
             names = self.output_names
             self.runner = BucketRunner(lambda images: tuple(getattr(self.model(images), name) for name in names),
                                        self.device, artifacts.input_shape, dict(artifacts.output_shapes), max_batch_size,
-                                       graphs)
+                                       graphs, fp32=precision == "fp32")
             mode = "CUDA graphs" if self.runner.graphs else "eager"
             where += f", {mode} for batch buckets {'/'.join(map(str, self.runner.buckets))}"
             if on_gpu:  # what the largest bucket took: the backend's GPU memory, bounded by --max-batch-size
                 where += f", {torch.cuda.memory_reserved(self.device) / 2**30:.2f} GiB of GPU memory reserved"
         self.description = f"{artifacts.checkpoint.name} on {where}{converted}"
+
+    def prepare(self, model: nn.Module, precision: str) -> tuple[Callable, str]:
+        """The forward pass to serve (images -> outputs by name), and what it runs in, for the description."""
+        if precision == "fp32":
+            return model, ""
+        return model, f", {convolutions_in(model, precision)} convolutions in {precision}"
 
     def run(self, images: np.ndarray) -> dict[str, np.ndarray]:
         if self.failed:
