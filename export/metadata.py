@@ -37,7 +37,7 @@ def routing_description(config) -> dict[str, Any]:
         return {}
     if config.arch == "em":
         return {"variant": "em", "iterations": config.routing_iterations,
-                "inverse_temperature": config.em_inverse_temperature}
+                "inverse_temperature": config.em_inverse_temperature, "gpu_engine": gpu_engine(config)}
     return {"variant": config.routing, "iterations": config.routing_iterations,
             "squash_constant": config.squash_constant, "gpu_engine": gpu_engine(config)}
 

@@ -1,9 +1,9 @@
 """Backend and precision choice: `--backend auto` takes the fastest backend that can run here,
 `--precision auto` the fastest precision whose self-check passes on this machine; both log why.
 
-On a GPU host without a usable TensorRT plan, auto loads every GPU candidate (torch with CUDA graphs, the export's
-CUDA AOTInductor packages, ONNX Runtime's GPU providers where installed), self-checks each, times each on a full
-batch and serves the fastest; a reduced precision must beat FP32 by AUTO_MIN_SPEEDUP. None passing: the CPU.
+On a GPU host without a usable TensorRT plan, auto loads every GPU candidate (the fused routing kernels, torch with
+CUDA graphs, ONNX Runtime's GPU providers where installed; see gpu_candidates), self-checks each, times each on a
+full batch and serves the fastest; a reduced precision must beat FP32 by AUTO_MIN_SPEEDUP. None passing: the CPU.
 
 Every backend is self-checked on the export's reference images before the server reports SERVING
 (serving/self_check.py): a backend that fails is refused with one line, never served.
@@ -11,6 +11,7 @@ Every backend is self-checked on the export's reference images before the server
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass, replace
@@ -103,14 +104,18 @@ def load_backend(artifacts: ModelArtifacts, config: ServerConfig) -> LoadedBacke
 
 
 def gpu_candidates(artifacts: ModelArtifacts, config: ServerConfig) -> list[tuple[str, str]]:
-    """(backend, precision) pairs that can serve on the GPU: torch in every precision, the export's CUDA packages,
-    ONNX Runtime's exported precisions where onnxruntime-gpu is installed."""
+    """(backend, precision) pairs that can serve on the GPU: the fused kernels where model.json says the model's
+    routing runs in them and triton is installed, torch in every precision, ONNX Runtime's exported precisions
+    where onnxruntime-gpu is installed. Not the CUDA AOTInductor packages: one loaded in the process that had
+    captured the torch backend's CUDA graphs died of a segmentation fault on an H100 (torch 2.11), so they serve
+    only when asked for by name."""
     from capsnet.serving.backends.onnxruntime_backend import gpu_providers_installed
 
     precisions = ("fp32", "fp16", "bf16", "int8") if config.precision == "auto" else (config.precision,)
-    candidates = [("torch", p) for p in precisions if p != "int8"]
-    candidates += [("aoti", p) for p in precisions if any(pkg.device == "cuda" and pkg.precision == p
-                                                          for pkg in artifacts.aoti)]
+    candidates = []
+    if artifacts.routing.get("gpu_engine") == "fused" and importlib.util.find_spec("triton") is not None:
+        candidates += [("fused", p) for p in precisions if p != "int8"]
+    candidates += [("torch", p) for p in precisions if p != "int8"]
     if gpu_providers_installed():
         candidates += [("onnxruntime", p) for p in precisions if p in artifacts.onnx]
     return candidates

@@ -31,9 +31,10 @@ class FusedBackend(TorchBackend):
         if self.device.type != "cuda" and not interpreted():
             raise CapsNetError("the fused backend runs on a CUDA GPU: add --gpu N (on the CPU the kernels run only "
                                "in Triton's interpreter, TRITON_INTERPRET=1, for tests)")
-        reason = fused_unsupported_reason(model.config) if isinstance(model, CapsNet) else "not a capsule network"
-        if reason or not isinstance(model, CapsNet):
+        reason = fused_unsupported_reason(model.config)
+        if reason:
             raise CapsNetError(f"the fused backend cannot run this model: {reason}; serve it with --backend torch")
+        assert isinstance(model, CapsNet)  # arch capsnet, which the kernels run, is built as a CapsNet
         engine = FusedCapsNet(model, DTYPES[precision], "reconstruction" in self.output_names,
                               default_programs(self.device))
         return engine, f", convolutions in {precision} on channels-last tensors, routing in the fused kernels"

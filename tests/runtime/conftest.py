@@ -1,14 +1,12 @@
-"""The fused routing kernels run in Triton's CPU interpreter where there is no CUDA GPU. Triton reads
-TRITON_INTERPRET when a kernel is defined, so it is set here, before any test module imports the kernels."""
+"""The fused routing kernels' tests need triton (the dev extra installs it); tests/conftest.py makes them run in its
+CPU interpreter where there is no CUDA GPU. The backend's tests serve through tests/serving's helpers."""
 
 from __future__ import annotations
 
-import os
+import sys
+from pathlib import Path
 
 import pytest
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton, in the dev extra)")
+pytest.importorskip("triton", reason="triton is not installed (pip install triton, in the dev extra)")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))

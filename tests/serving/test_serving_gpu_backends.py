@@ -1,7 +1,7 @@
 """The GPU backends on a real CUDA GPU (skipped without one): the torch backend with CUDA graphs in fp32, fp16 and
-bf16, the CUDA AOTInductor packages compiled by `capsnet export --aoti cuda`, each self-checked, served and answering
-as ONNX Runtime does (fp32 within 1e-4, the reduced precisions within their gate), and `--backend auto` choosing
-among them and saying why. scripts/gpu_check.sh runs these on the lent GPU."""
+bf16, the fused routing kernels in the same three, the CUDA AOTInductor packages compiled by `capsnet export --aoti
+cuda`, each self-checked, served and answering as ONNX Runtime does (fp32 within 1e-4, the reduced precisions within
+their gate), and `--backend auto` choosing among them and saying why. scripts/gpu_check.sh runs these."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from capsnet.cli import main
 from capsnet.serving.artifacts import load_artifacts
+from capsnet.serving.backends import create_backend
 from capsnet.serving.backends.torch_backend import TorchBackend
 from capsnet.serving.client import CapsNetClient
 from serving_helpers import ServerThread, onnxruntime_reference, server_config
@@ -64,6 +65,20 @@ def test_the_torch_backend_serves_as_onnxruntime_does(cuda_model_dir, precision)
     _served_as_onnxruntime(cuda_model_dir, "torch", precision)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_the_fused_backend_serves_as_onnxruntime_does(cuda_model_dir, precision):
+    _served_as_onnxruntime(cuda_model_dir, "fused", precision)
+
+
+def test_an_fp32_engine_leaves_the_process_tf32_switches_as_they_were(cuda_model_dir):
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    for name in ("torch", "fused"):
+        backend = create_backend(name, "fp32", load_artifacts(cuda_model_dir),
+                                 server_config(cuda_model_dir, backend=name, gpu=0, max_batch_size=MAX_BATCH))
+        backend.run(np.zeros((3, 1, 28, 28), dtype=np.float32))
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before, name
+
+
 def test_cuda_graph_buckets_match_eager_on_the_gpu(cuda_model_dir):
     artifacts = load_artifacts(cuda_model_dir)
     graphs = TorchBackend(artifacts, "fp32", 1, 0, MAX_BATCH)
@@ -81,8 +96,9 @@ def test_auto_serves_the_fastest_gpu_backend_and_says_why(cuda_model_dir):
     served = ServerThread(server_config(cuda_model_dir, backend="auto", max_batch_size=MAX_BATCH))
     try:
         spec = served.server.service.spec
-        assert spec.backend in ("torch", "aoti") and spec.self_check.passed
+        assert spec.backend in ("fused", "torch") and spec.self_check.passed
         assert "the fastest of those passing their self-check" in spec.choice and "not tensorrt" in spec.choice
+        assert "fused fp32" in spec.choice and "torch fp32" in spec.choice  # both timed
     finally:
         served.stop()
 

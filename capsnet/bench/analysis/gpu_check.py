@@ -6,6 +6,8 @@ facts      the GPU, driver, torch and CUDA versions, the CPU and its load
 peak       the same-run matmul peaks (bf16, fp16, fp32 without TF32) and pinned copy bandwidth
 inprocess  every GPU backend and precision at batch 1/32/256/1024 in this process, interleaved in rounds, beside the
            XifengGuo/CapsNet-Pytorch forward pass (capsnet/bench/analysis/public_reference.py) on the same GPU
+engines    the public formulation, the model eager and under torch.compile, and every served engine, device-resident
+           and numpy in and out, with a profiler table of each (gpu_engines.py)
 serve      `capsnet serve --backend auto` on the GPU, driven over gRPC and REST (KServe v2, raw FP32) by the project's
            load generator: 1 and 32 images per request, concurrency 1/16/64, in several client processes
 report     every part so far merged into OUT/gpu_check.json and OUT/gpu_check.md, with what did not run and why
@@ -317,10 +319,18 @@ def report(args) -> None:
     summary = {"steps": steps, **parts}
     flops = parts.get("flops", {}).get("flops_per_image")
     summary["analysis"] = _analysis(parts, flops)
+    if "engines" in parts:
+        from capsnet.bench.analysis.gpu_engines import ratios
+
+        summary["analysis"]["engines"] = ratios(parts["engines"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     try:
         markdown = _markdown(summary, parts)
+        if "engines" in parts:
+            from capsnet.bench.analysis.gpu_engines import markdown as engines_markdown
+
+            markdown += engines_markdown(parts["engines"])
     except Exception as err:  # a part missing a field must not cost the report: the JSON has everything
         markdown = f"# GPU check\n\nthe table could not be written ({type(err).__name__}: {err}); see gpu_check.json\n"
     (out / "gpu_check.md").write_text(markdown)
@@ -466,7 +476,13 @@ def flops(args) -> dict:
             "bytes_in_per_image": 4 * int(np.prod(description.input_shape)), "bytes_out_per_image": rows}
 
 
-STEPS = {"facts": facts, "peak": peak, "inprocess": inprocess, "serve": serve, "flops": flops}
+def engines(args) -> dict:
+    from capsnet.bench.analysis.gpu_engines import engines as run_engines
+
+    return run_engines(args)
+
+
+STEPS = {"facts": facts, "peak": peak, "inprocess": inprocess, "engines": engines, "serve": serve, "flops": flops}
 
 
 def main(argv: list[str] | None = None) -> int:
