@@ -32,6 +32,7 @@ exec > >(tee -a "$out/gpu_check.log") 2>&1
 if [ $dry = 1 ]; then
     python=${PYTHON:-$repo/.venv/bin/python}
     dry_flag=(--cpu-dry-run)
+    export TRITON_INTERPRET=1  # the fused kernels on the CPU: Triton's interpreter
     preset=tiny device=cpu engines=(public eager compile torch:fp32 fused:fp32) concurrency=(1 16) window=1 threads=2
 else
     python=${PYTHON:-$([ -x /opt/torch/.venv/bin/python3 ] && echo /opt/torch/.venv/bin/python3 || echo python3)}

@@ -42,11 +42,14 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """How one batch is cut: `block` samples by `slices` capsule slices of `per_slice` capsules, one program each."""
+    """How one batch is cut: `block` samples by `slices` capsule slices of `per_slice` capsules, one program each,
+    of `warps` warps, its capsule loop software-pipelined `stages` deep."""
 
     block: int
     slices: int
     per_slice: int
+    warps: int = 4
+    stages: int = 2
 
 
 def launch_plan(batch: int, capsules: int, programs_wanted: int) -> LaunchPlan:
@@ -56,7 +59,7 @@ def launch_plan(batch: int, capsules: int, programs_wanted: int) -> LaunchPlan:
     blocks = -(-batch // block)
     slices = max(1, min(capsules, -(-programs_wanted // blocks)))
     per_slice = -(-capsules // slices)
-    return LaunchPlan(block, -(-capsules // per_slice), per_slice)
+    return LaunchPlan(block, -(-capsules // per_slice), per_slice, warps=4 if block <= 16 else 8)
 
 
 @triton.jit
@@ -102,7 +105,9 @@ def _routing_pass(
         raw = tl.load(primary_ptr + in_offsets + where, mask=in_mask, other=0.0).to(tl.float32)  # (BLOCK, P')
         norm2 = tl.sum(raw * raw, axis=1)  # (BLOCK,)
         u = raw * (tl.sqrt(norm2) / (squash_constant + norm2))[:, None]  # (BLOCK, P'): squash
-        w = tl.load(weight_ptr + i * DIM_IN_PADDED * OUT + comps[:, None] * OUT + outs[None, :])  # (P', J'·D)
+        # rows past P are the product's zero padding: masked, so they cost no memory traffic
+        w = tl.load(weight_ptr + i * DIM_IN * OUT + comps[:, None] * OUT + outs[None, :],
+                    mask=comps[:, None] < DIM_IN, other=0.0)  # (P', J'·D)
         if IEEE:
             u_hat = tl.dot(u, w, input_precision="ieee")  # (BLOCK, J'·D)
         elif ROUNDED_IN_FP32:
@@ -173,8 +178,8 @@ def interpreted() -> bool:
 
 class FusedDigitCaps:
     """DigitCaps with its routing on the fused kernels, for the primary convolution's raw output: squash of the
-    primary capsules, û, every routing iteration, the poses and their lengths. W is packed once, zero-padded to
-    the tiles the kernels read, in the dtype of the primary convolution (fp32, fp16 or bf16)."""
+    primary capsules, û, every routing iteration, the poses and their lengths. W is packed once, its classes
+    zero-padded to the tiles the kernels read, in the dtype of the primary convolution (fp32, fp16 or bf16)."""
 
     def __init__(self, config: CapsNetConfig, weight: torch.Tensor, dtype: torch.dtype, programs_wanted: int):
         reason = fused_unsupported_reason(config)
@@ -187,9 +192,9 @@ class FusedDigitCaps:
         self.classes_padded = triton.next_power_of_2(config.num_classes)
         self.dim_out = config.digit_caps_dim
         capsules, dim_in = config.num_primary_caps, config.primary_caps_dim
-        packed = torch.zeros((capsules, self.dim_in_padded, self.classes_padded, self.dim_out), dtype=dtype,
-                             device=weight.device)  # (I, P', J', D)
-        packed[:, :dim_in, :config.num_classes] = weight.detach().view(
+        packed = torch.zeros((capsules, dim_in, self.classes_padded, self.dim_out), dtype=dtype,
+                             device=weight.device)  # (I, P, J', D)
+        packed[:, :, :config.num_classes] = weight.detach().view(
             capsules, dim_in, config.num_classes, self.dim_out).to(dtype)  # (I, P, J, D)
         self.weight = packed
         self.out = self.classes_padded * self.dim_out
@@ -224,7 +229,7 @@ class FusedDigitCaps:
                 DIM_IN=cfg.primary_caps_dim, DIM_IN_PADDED=self.dim_in_padded, CLASSES=cfg.num_classes,
                 CLASSES_PADDED=self.classes_padded, DIM_OUT=self.dim_out, BLOCK=plan.block, FIRST=first,
                 LEAKY=leaky, IEEE=self.dtype == torch.float32, ROUNDED_IN_FP32=self.rounded_in_fp32,
-                num_warps=4 if plan.block <= 16 else 8,
+                num_warps=plan.warps, num_stages=plan.stages,
             )
             _routing_reduce[(batch,)](
                 partial, agree, poses, lengths,
