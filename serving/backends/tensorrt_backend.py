@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 class TensorRTBackend(Backend):
     name = "tensorrt"
+    on_gpu = True
 
     def __init__(self, artifacts: ModelArtifacts, precision: str | None, max_batch_size: int, gpu: int = 0):
         plan, info = artifacts.tensorrt_plan, artifacts.tensorrt_info
