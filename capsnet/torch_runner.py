@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from capsnet.errors import CapsNetError
+from capsnet.gpu_timing import GpuTimer, timed
 
 Outputs = dict[str, np.ndarray]
 
@@ -146,6 +147,8 @@ class BucketRunner:
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, dict[str, torch.Tensor]] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # each batch's forward pass, timed on the GPU
+        self.gpu_timer = GpuTimer(self.io.stream) if self.io.stream is not None else None
         pool = torch.cuda.graph_pool_handle() if self.graphs else None
         # the static tensors outside inference mode: each batch is copied into them (inference tensors refuse that)
         for size in self.buckets:
@@ -192,7 +195,7 @@ class BucketRunner:
         return {name: output[:batch] for name, output in self.outputs[size].items()}
 
     def _forward(self, size: int) -> None:
-        with torch.inference_mode(), self.io.on_stream():
+        with torch.inference_mode(), self.io.on_stream(), timed(self.gpu_timer):
             if self.graphs:
                 self._graphs[size].replay()
                 return
@@ -217,12 +220,14 @@ class AotiRunner:
         self.io = StagedIO(device, row_shape, output_rows, max_batch)
         self._input = (torch.empty((max_batch, *row_shape), dtype=torch.float32, device=device)
                        if device.type == "cuda" else None)
+        # each batch's package call, timed on the GPU
+        self.gpu_timer = GpuTimer(self.io.stream) if self.io.stream is not None else None
 
     def run(self, images: np.ndarray) -> Outputs:
         batch = len(images)
         if not 1 <= batch <= self.max_batch:
             raise CapsNetError(f"the package runs 1 to {self.max_batch} images at a time, got {batch}")
         inputs = self.io.upload(images, self._input)
-        with torch.inference_mode(), self.io.on_stream():
+        with torch.inference_mode(), self.io.on_stream(), timed(self.gpu_timer):
             outputs = self.package(inputs)  # its outputs come from the caching allocator: reused, not cudaMalloc'd
         return self.io.download(dict(zip(self.output_names, outputs)), batch)

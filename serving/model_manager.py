@@ -128,7 +128,7 @@ class ModelManager:
                 model.serving = {**model.serving, version: service}
                 model.fingerprints[version] = on_disk.fingerprints[version]
                 model.status[version] = VersionStatus(READY)
-                service.metrics.record_serving(service.spec)
+                service.metrics.record_serving(service.spec, service.backend)
 
     async def warmup(self) -> None:
         for model in self.models.values():
@@ -375,7 +375,7 @@ class ModelManager:
         model.serving = serving
         for version, service in opened.items():
             model.status[version] = VersionStatus(READY)
-            service.metrics.record_serving(service.spec)
+            service.metrics.record_serving(service.spec, service.backend)
         for service in replaced + dropped:
             self._retire(model, service)
         default = model.default

@@ -10,7 +10,8 @@ import numpy as np
 
 from capsnet.serving.errors import BackendUnusable
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch (capsnet.gpu_timing), which a server of ONNX Runtime on the CPU never loads
+    from capsnet.gpu_timing import GpuTimer
     from capsnet.serving.artifacts import ModelArtifacts
     from capsnet.serving.config import ServerConfig
 
@@ -20,6 +21,9 @@ class Backend(ABC):
     precision: str  # "fp32" | "fp16" | "int8" | "bf16"
     description: str  # what it runs on, for the startup log, e.g. "CPUExecutionProvider, 2 threads"
     output_names: tuple[str, ...]  # the outputs run() returns, as in model.json
+    on_gpu: bool = False  # runs on a CUDA GPU: the server then exports the GPUs' nv_gpu_* metrics
+    # times each run's model work on the GPU (the torch and AOTInductor runners on CUDA); read after run() returns
+    gpu_timer: GpuTimer | None = None
 
     @classmethod
     @abstractmethod

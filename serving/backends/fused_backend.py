@@ -16,6 +16,7 @@ from torch import nn
 
 from capsnet.errors import CapsNetError
 from capsnet.serving.backends.torch_backend import TorchBackend
+from capsnet.training.config import CapsNetConfig
 from capsnet.training.model import CapsNet
 
 
@@ -31,7 +32,9 @@ class FusedBackend(TorchBackend):
         if self.device.type != "cuda" and not interpreted():
             raise CapsNetError("the fused backend runs on a CUDA GPU: add --gpu N (on the CPU the kernels run only "
                                "in Triton's interpreter, TRITON_INTERPRET=1, for tests)")
-        reason = fused_unsupported_reason(model.config)
+        config = model.config
+        assert isinstance(config, CapsNetConfig)  # every architecture's model holds its config
+        reason = fused_unsupported_reason(config)
         if reason:
             raise CapsNetError(f"the fused backend cannot run this model: {reason}; serve it with --backend torch")
         assert isinstance(model, CapsNet)  # arch capsnet, which the kernels run, is built as a CapsNet

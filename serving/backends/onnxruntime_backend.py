@@ -54,6 +54,7 @@ class OnnxRuntimeBackend(Backend):
         self.input_name = artifacts.input_name
         self.output_names = artifacts.output_names
         self.precision = precision
+        self.on_gpu = self.session.get_providers()[0] in GPU_PROVIDERS  # else it fell back to the CPU
         self.description = f"{path.name} on {', '.join(self.session.get_providers())}, {threads} threads"
 
     @staticmethod

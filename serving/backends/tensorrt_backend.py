@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 class TensorRTBackend(Backend):
     name = "tensorrt"
+    on_gpu = True
 
     @classmethod
     def create(cls, artifacts: ModelArtifacts, precision: str, config: ServerConfig) -> TensorRTBackend:

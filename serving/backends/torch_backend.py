@@ -58,7 +58,7 @@ class TorchBackend(DeviceBackend):
             raise CapsNetError(f"the torch backend runs the checkpoint in {', '.join(PRECISIONS)}; --precision {precision} "
                                "needs onnxruntime or tensorrt")
         self.device = torch_device(gpu)
-        on_gpu = self.device.type == "cuda"
+        self.on_gpu = on_gpu = self.device.type == "cuda"
         if precision == "fp16" and not on_gpu:
             raise CapsNetError("--precision fp16 on the torch backend runs on a GPU: add --gpu N (on the CPU: "
                                "--backend onnxruntime with an --fp16 export)")
@@ -80,6 +80,7 @@ class TorchBackend(DeviceBackend):
             self.runner = BucketRunner(lambda images: tuple(getattr(self.model(images), name) for name in names),
                                        self.device, artifacts.input_shape, dict(artifacts.output_shapes), max_batch_size,
                                        graphs, fp32=precision == "fp32")
+            self.gpu_timer = self.runner.gpu_timer
             mode = "CUDA graphs" if self.runner.graphs else "eager"
             where += f", {mode} for batch buckets {'/'.join(map(str, self.runner.buckets))}"
             if on_gpu:  # what the largest bucket took: the backend's GPU memory, bounded by --max-batch-size

@@ -122,10 +122,12 @@ def _served_engine(spec: str, model_dir: Path, dry_run: bool, max_batch: int, th
     runner = getattr(backend, "runner", None)
     if runner is not None:
         on_device = runner.run_on_device
-    else:  # the CPU dry run without buckets: the model itself
+    else:  # the torch backends on the CPU, without buckets: the model itself
+        model = getattr(backend, "model")  # noqa: B009 (a torch backend's, which the Backend interface does not name)
+
         def on_device(images):
             with torch.inference_mode():
-                output = backend.model(images)
+                output = model(images)
             return {name: getattr(output, name) for name in backend.output_names}
 
     return Engine(spec, backend.description, on_device, backend.run,
