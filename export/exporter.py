@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from capsnet.cpu import CpuKind
+from capsnet.runtime.cpu import CpuKind
 from capsnet.errors import CapsNetError
 from capsnet.export.config import EngineConfig, ExportConfig
 from capsnet.export import aoti
@@ -69,8 +69,8 @@ from capsnet.model_description import (
     PrecisionGate,
     file_sha256,
 )
-from capsnet.tensorrt_runner import unavailable_reason
-from capsnet.torch_runner import cuda_unavailable_reason
+from capsnet.runtime.tensorrt_runner import unavailable_reason
+from capsnet.runtime.torch_runner import cuda_unavailable_reason
 from capsnet.runtime.fused_support import fused_unsupported_reason
 from capsnet.training.checkpoint import Checkpoint, load_checkpoint
 from capsnet.training.config import CAPSULE_ARCHITECTURES
@@ -341,7 +341,7 @@ def _compile_aoti(staging: Path, program, checkpoint: Checkpoint, config: Export
     PyTorch (FP32_TOLERANCE, every image the same class), fp16/bf16 by the precision gate on the reference images."""
     import torch
 
-    from capsnet.torch_runner import AotiRunner
+    from capsnet.runtime.torch_runner import AotiRunner
 
     packages = []
     for device, precision in config.aoti_targets():

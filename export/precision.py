@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from capsnet.cpu import CpuKind
+from capsnet.runtime.cpu import CpuKind
 from capsnet.errors import CapsNetError
 from capsnet.model_description import PrecisionGate
 from capsnet.training.data import to_float

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from capsnet.cpu import CpuKind
+from capsnet.runtime.cpu import CpuKind
 from capsnet.errors import CapsNetError, first_line
 from capsnet.model_description import ModelDescription, PrecisionGate
 from capsnet.serving.backend_registry import gate_variant

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
-from capsnet.cpu import MAX_THREADS, CpuKind, bf16_autocast_pays
+from capsnet.runtime.cpu import MAX_THREADS, CpuKind, bf16_autocast_pays
 from capsnet.errors import CapsNetError
 from capsnet.training import distributed
 from capsnet.training.checkpoint import (Checkpoint, create_model, load_checkpoint, remove_leftover_temporaries,

@@ -54,7 +54,7 @@ def load_backend(name: str, model_dir: str, threads: int, max_batch_size: int) -
         if reason := bf16_unavailable_reason():
             raise BackendUnavailable(reason)
     if server_backend == "tensorrt":
-        from capsnet.tensorrt_runner import unavailable_reason
+        from capsnet.runtime.tensorrt_runner import unavailable_reason
 
         reason = unavailable_reason() or (None if artifacts.tensorrt_plan else f"{model_dir} has no TensorRT plan")
         if reason:

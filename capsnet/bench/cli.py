@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from capsnet.cpu import MAX_THREADS
+from capsnet.runtime.cpu import MAX_THREADS
 from capsnet.errors import CapsNetError
 
 # (full run, --quick) for each setting the user did not give

@@ -163,7 +163,7 @@ def _prepare_models(options: BenchOptions, tmp: Path) -> tuple[Path, dict[str, P
         raise CapsNetError(f"{options.model} does not exist: give a checkpoint or an export directory")
     _check_dynamic_routing(options.model, options.model)
     from capsnet.export.exporter import export_model
-    from capsnet.tensorrt_runner import unavailable_reason
+    from capsnet.runtime.tensorrt_runner import unavailable_reason
 
     max_batch = max(options.batch_sizes + options.concurrency)
     log.info("exporting %s (ONNX FP32 + INT8)", options.model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from capsnet.cpu import CpuKind
+from capsnet.runtime.cpu import CpuKind
 from capsnet.export.metadata import read_metadata
 from capsnet.export.parity import onnxruntime_session
 from capsnet.model_description import ModelDescription, file_sha256

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from capsnet import tensorrt_runner
+from capsnet.runtime import tensorrt_runner
 from capsnet.cli import main
 from capsnet.model_description import file_sha256
 from capsnet.training.checkpoint import Checkpoint, create_model, save_checkpoint

@@ -15,7 +15,7 @@ import pytest
 from onnx import numpy_helper
 
 from capsnet.cli import main
-from capsnet.cpu import CpuKind
+from capsnet.runtime.cpu import CpuKind
 from capsnet.model_description import file_sha256
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc

@@ -62,7 +62,7 @@ def facts(args) -> dict:
     import torch
 
     from capsnet.bench.machine import load_average
-    from capsnet.cpu import CpuKind
+    from capsnet.runtime.cpu import CpuKind
 
     values = {"dry_run": args.cpu_dry_run, "torch": torch.__version__, "cuda": torch.version.cuda,
               "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
