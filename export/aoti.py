@@ -17,7 +17,8 @@ import torch
 from capsnet.runtime.cpu import CpuKind
 from capsnet.errors import CapsNetError
 from capsnet.export.logs import quiet
-from capsnet.model_description import AOTI_PRECISIONS, AotiPackage, aoti_name
+from capsnet.model_description.files import AOTI_PRECISIONS, aoti_name
+from capsnet.model_description.schema import AotiPackage
 from capsnet.runtime.torch_runner import gpu_facts
 
 log = logging.getLogger(__name__)

@@ -54,9 +54,8 @@ from capsnet.export.tensorrt_build import (
 )
 from capsnet.export.tensorrt_ops import tensorrt_problems
 from capsnet.export.triton import CONFIG_NAME, write_model_directory
-from capsnet.model_description import (
+from capsnet.model_description.files import (
     CHECKPOINT_NAME,
-    MODEL_NAME,
     ONNX_FP16_NAME,
     ONNX_INT8_NAME,
     ONNX_NAME,
@@ -64,11 +63,10 @@ from capsnet.model_description import (
     PLAN_NAME,
     REFERENCE_NAME,
     SIDECAR_NAME,
-    AotiPackage,
-    ModelDescription,
-    PrecisionGate,
     file_sha256,
 )
+from capsnet.model_description.precision_gate import PrecisionGate
+from capsnet.model_description.schema import MODEL_NAME, AotiPackage, ModelDescription
 from capsnet.runtime.tensorrt_runner import unavailable_reason
 from capsnet.runtime.torch_runner import cuda_unavailable_reason
 from capsnet.runtime.fused_support import fused_unsupported_reason
@@ -184,7 +182,7 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
     if not checkpoint.config.input_sizes.fixed:
         parity["sizes"] = _size_parity(model, fp32_session, dataset, names)
     reference = _write_reference(staging / REFERENCE_NAME, fp32_session, dataset, names)
-    # the precision gate: every reduced precision measured on this model's own data, stated in model_description.py
+    # the precision gate: every reduced precision measured on this model's own data, stated in model_description/precision_gate.py
     test = dataset.test
     fp32_test = onnxruntime_probabilities(fp32_session, test.images)
     gates = torch_gates(checkpoint.build_model, reference.images, reference.outputs, test.images, test.labels,

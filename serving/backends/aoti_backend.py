@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from capsnet.errors import CapsNetError
-from capsnet.model_description import AotiPackage
+from capsnet.model_description.schema import AotiPackage
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import DeviceBackend, DeviceFailure
 from capsnet.serving.config import ServerConfig

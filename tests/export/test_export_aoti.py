@@ -17,7 +17,8 @@ from capsnet.cli import main
 from capsnet.runtime.cpu import CpuKind
 from capsnet.errors import CapsNetError
 from capsnet.export.config import ExportConfig
-from capsnet.model_description import ModelDescription, file_sha256
+from capsnet.model_description.files import file_sha256
+from capsnet.model_description.schema import ModelDescription
 from capsnet.runtime.torch_runner import AotiRunner
 from capsnet.training.checkpoint import load_checkpoint
 

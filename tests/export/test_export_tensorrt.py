@@ -16,7 +16,7 @@ from capsnet.cli import main
 from capsnet.errors import CapsNetError
 from capsnet.export.config import EngineConfig
 from capsnet.export.tensorrt_build import PARITY_TOLERANCE, engine_outputs, source_variant
-from capsnet.model_description import PLAN_INFO_KEYS
+from capsnet.model_description.files import PLAN_INFO_KEYS
 from capsnet.serving.backends.tensorrt_backend import check_plan_matches
 from capsnet.runtime.tensorrt_runner import EngineRunner, unavailable_reason
 from fake_tensorrt import INPUT, OUTPUTS, FakeCudaRuntime, fake_tensorrt, kernel

@@ -468,7 +468,7 @@ def _markdown(summary: dict, parts: dict) -> str:
 def flops(args) -> dict:
     """FLOPs per image from the ONNX graph, and the bytes one image moves each way."""
     from capsnet.bench.analysis.flops import count_flops
-    from capsnet.model_description import ModelDescription
+    from capsnet.model_description.schema import ModelDescription
 
     description = ModelDescription.read(args.model)
     rows = 4 * sum(int(np.prod(shape)) for shape in description.output_shapes.values())
