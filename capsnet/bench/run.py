@@ -15,7 +15,7 @@ from capsnet.bench.backends import PUBLIC_REFERENCE, SERVER_BACKENDS
 from capsnet.bench.grpc_load import run_grpc_load
 from capsnet.bench.inprocess import BackendPlan, Schedule, run_inprocess
 from capsnet.bench.machine import cpu_shares, cpu_times, load_average, machine_facts
-from capsnet.bench.report import write_report
+from capsnet.bench.report_files import write_report
 from capsnet.errors import CapsNetError
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class Analysis:
         return []
 
     def sections(self, results: dict) -> dict[str, list[str]]:
-        """Markdown lines for the report, by where they go (report.SECTIONS)."""
+        """Markdown lines for the report, by where they go (report_files.SECTIONS)."""
         return {}
 
     def plots(self, results: dict, out_dir: Path) -> list[Path]:

@@ -13,7 +13,7 @@ from capsnet.bench.backends import BACKEND_NAMES
 from capsnet.errors import CapsNetError
 
 if TYPE_CHECKING:
-    from capsnet.bench.suite import Analysis
+    from capsnet.bench.run import Analysis
 
 # Where the analysis' sections go among the measurements' own (inprocess, grpc): after the backends' table, then
 # these in order.
