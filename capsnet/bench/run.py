@@ -135,7 +135,7 @@ def run_bench(options: BenchOptions, analysis: Analysis) -> dict:
         **analysed,
     }
     results["targets"] = analysis.targets(results)
-    for path in write_report(results, options.out, analysis):
+    for path in write_report(results, options.out, analysis.sections(results), analysis.plots):
         log.info("wrote %s", path)
     return results
 

@@ -9,7 +9,6 @@ import pytest
 
 from capsnet.bench import report_files
 from capsnet.bench.analysis import plots, sections
-from capsnet.bench.analysis.hooks import BenchAnalysis
 from capsnet.errors import CapsNetError
 
 COMMITTED = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "results.json"
@@ -29,22 +28,22 @@ def contents(folder: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("failure", [KeyboardInterrupt(), OSError(28, "No space left on device")])
-def test_bench_report_interrupted_while_plotting_leaves_the_earlier_report_whole(earlier_report, monkeypatch, failure):
+def test_bench_report_interrupted_while_plotting_leaves_the_earlier_report_whole(earlier_report, failure):
     """Ctrl-C (or a full disk) while the plots were drawn left a new results.json beside the earlier README.md."""
     before = contents(earlier_report)
 
     def plot(results, out_dir):
         raise failure
 
-    monkeypatch.setattr(plots, "plots", plot)
+    results = json.loads(COMMITTED.read_text())
     with pytest.raises(CapsNetError if isinstance(failure, OSError) else KeyboardInterrupt):
-        report_files.write_report(json.loads(COMMITTED.read_text()), earlier_report, BenchAnalysis(None))
+        report_files.write_report(results, earlier_report, sections.sections(results), plot)
     assert contents(earlier_report) == before  # no file replaced, no partial folder left
 
 
 def test_bench_report_replaces_every_file_and_leaves_nothing_else(earlier_report):
     results = json.loads(COMMITTED.read_text())
-    written = report_files.write_report(results, earlier_report, BenchAnalysis(None))
+    written = report_files.write_report(results, earlier_report, sections.sections(results), plots.plots)
     assert [path.name for path in written] == ["results.json", "README.md", "inprocess.png", "grpc.png"]
     assert sorted(path.name for path in earlier_report.iterdir()) == sorted(path.name for path in written)
     assert json.loads((earlier_report / "results.json").read_text()) == results
