@@ -21,8 +21,9 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, MutableMapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -126,6 +127,35 @@ class TrainOptions:
         self.out = Path(self.out)
         self.resume = None if self.resume is None else Path(self.resume)
 
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The settings a run trains with: TrainOptions completed from the resumed checkpoint and the defaults
+    (resume.run_options, resume.learning_rate_options), so none is left "not given"."""
+    data: str
+    out: Path
+    resume: Path | None
+    val_fraction: float
+    epochs: int
+    batch_size: int
+    lr: float
+    lr_schedule: str
+    lr_decay: float | None  # the exponential schedule's; None under the linear one
+    warmup: float | None  # the linear schedule's; None under the exponential one
+    max_shift: int
+    hflip: bool
+    erase: float
+    seed: int
+    amp: bool
+    compile: bool
+    checkpoint_every: int | None
+    progress: bool
+
+    @classmethod
+    def completed(cls, options: TrainOptions, resolved: dict[str, Any]) -> RunOptions:
+        """`options`, with the settings the run resolved from the checkpoint and the defaults in place of its own."""
+        return cls(**{setting.name: resolved.get(setting.name, getattr(options, setting.name)) for setting in fields(cls)})
+
     @property
     def last_path(self) -> Path:
         return last_checkpoint_path(self.out)
@@ -162,20 +192,24 @@ def model_config(options: TrainOptions, dataset: Dataset, base: CapsNetConfig | 
 def epoch_batches(num_images: int, batch_size: int, context: DistributedContext, seed: int,
                   epoch: int) -> list[np.ndarray]:
     """This rank's shuffled share of the epoch, cut into batches; every rank gets the same number of batches."""
-    sampler = DistributedSampler(range(num_images), num_replicas=context.world_size, rank=context.rank,
-                                 shuffle=True, seed=seed, drop_last=True)
+    # the sampler asks its dataset for nothing but its length
+    sampler: DistributedSampler[int] = DistributedSampler(
+        range(num_images), num_replicas=context.world_size, rank=context.rank,  # type: ignore[arg-type]
+        shuffle=True, seed=seed, drop_last=True)
     sampler.set_epoch(epoch)
     indices = np.fromiter(sampler, dtype=np.int64)
     return np.array_split(indices, range(batch_size, len(indices), batch_size))
 
 
-def learning_rate_scheduler(optimizer: torch.optim.Optimizer, options: TrainOptions,
+def learning_rate_scheduler(optimizer: torch.optim.Optimizer, options: RunOptions,
                             steps_per_epoch: int) -> torch.optim.lr_scheduler.LRScheduler:
     """Exponential: the rate times --lr-decay after every epoch. Linear: stepped after every batch, the rate
     rises from lr/W to lr over the first W steps (W: --warmup of all S steps), then falls to lr/(S − W) at
     the last step of --epochs, so the last steps are small and the last weights carry little batch noise."""
     if options.lr_schedule == "exponential":
+        assert options.lr_decay is not None  # learning_rate_options sets the schedule's own setting
         return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=options.lr_decay)
+    assert options.warmup is not None
     total = options.epochs * steps_per_epoch
     warmup = round(options.warmup * total)
 
@@ -210,7 +244,7 @@ class EpochResult:
 
 def train_one_epoch(step_model: torch.nn.Module, config: CapsNetConfig, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler, split: Split,
-                    epoch: int, options: TrainOptions, context: DistributedContext, device: torch.device,
+                    epoch: int, options: RunOptions, context: DistributedContext, device: torch.device,
                     progress: EpochProgress, save_progress: Callable[[int, EpochProgress], None]) -> EpochResult:
     """One pass over this rank's share of `split`, from `progress.step` on; the loss and accuracy returned are
     summed over ranks. Every `options.checkpoint_every` steps, `save_progress` gets the progress so far.
@@ -249,7 +283,9 @@ def train_one_epoch(step_model: torch.nn.Module, config: CapsNetConfig, optimize
         if options.checkpoint_every and step % options.checkpoint_every == 0 and step < len(batches):
             summed = totals.clone()
             distributed.all_reduce_sum(summed, context)
-            save_progress(epoch, EpochProgress(step, *summed.tolist(), progress.seconds + time.perf_counter() - started))
+            loss_sum, correct_sum, image_sum = summed.tolist()
+            save_progress(epoch, EpochProgress(step, loss_sum, correct_sum, image_sum,
+                                               progress.seconds + time.perf_counter() - started))
     distributed.all_reduce_sum(totals, context)
     loss_sum, correct, images = totals.tolist()
     return EpochResult(loss_sum / images, correct / images, int(images),
@@ -304,12 +340,12 @@ def train(options: TrainOptions) -> Checkpoint:
     with torch_threads(threads), distributed.process_group(context, device):
         # the ranks check together: a mistake on any of them stops every one, with one line from rank 0
         with distributed.errors_reported_once(context):
-            options, config, dataset, resumed, progress = prepare_run(options, context, device)
+            run, config, dataset, resumed, progress = prepare_run(options, context, device)
         if context.is_distributed:  # each rank read its own copy of the data and checkpoint
             with distributed.errors_reported_once(context):
                 distributed.check_same_on_every_rank(context, "data or checkpoints",
                                                      run_fingerprint(dataset, resumed, progress))
-        return run_epochs(options, config, dataset, resumed, progress, context, device)
+        return run_epochs(run, config, dataset, resumed, progress, context, device)
 
 
 @contextlib.contextmanager
@@ -328,7 +364,7 @@ def torch_threads(count: int | None) -> Iterator[None]:
 
 
 def prepare_run(options: TrainOptions, context: DistributedContext, device: torch.device,
-                ) -> tuple[TrainOptions, CapsNetConfig, Dataset, Checkpoint | None, EpochProgress]:
+                ) -> tuple[RunOptions, CapsNetConfig, Dataset, Checkpoint | None, EpochProgress]:
     """Check the user's input against the data and the resumed checkpoint; return the options completed from them,
     the model config, the data, the resumed checkpoint and how far into its next epoch it got."""
     if options.batch_size % context.world_size:
@@ -340,24 +376,24 @@ def prepare_run(options: TrainOptions, context: DistributedContext, device: torc
             options = replace(options, amp=False)
     prepare_output(options.out, context)
     resumed = load_checkpoint(options.resume) if options.resume is not None else None
-    options = run_options(options, resumed)
-    dataset = load_dataset(options.data, options.val_fraction)
-    if options.max_shift >= min(dataset.image_shape[1:]):
-        raise CapsNetError(f"--max-shift {options.max_shift} is not smaller than the {dataset.image_shape[1]}x"
+    drawn = run_options(options, resumed)
+    dataset = load_dataset(options.data, drawn["val_fraction"])
+    if drawn["max_shift"] >= min(dataset.image_shape[1:]):
+        raise CapsNetError(f"--max-shift {drawn['max_shift']} is not smaller than the {dataset.image_shape[1]}x"
                            f"{dataset.image_shape[2]} images")
     config = model_config(options, dataset, resumed.config if resumed else None)
-    options = learning_rate_options(options, config.arch, resumed)
+    run = RunOptions.completed(options, {**drawn, **learning_rate_options(options, config.arch, resumed)})
     progress = EpochProgress()
     if resumed is not None:
         # the model keeps its classes, each by its name: not clothes for digits, nor only some digits
-        check_dataset_fits(resumed.config, dataset, f"checkpoint {options.resume}", tuple(resumed.class_names),
+        check_dataset_fits(resumed.config, dataset, f"checkpoint {run.resume}", tuple(resumed.class_names),
                            every_class=True)
-        plan = batch_plan(options, context.world_size, len(dataset.train))
-        progress = check_resumable(resumed, config, options, plan)
-        check_linear_schedule_steps(resumed, options, progress, plan,
-                                    epoch_steps(len(dataset.train), options.batch_size, context))
+        plan = batch_plan(run, context.world_size, len(dataset.train))
+        progress = check_resumable(resumed, config, run, plan)
+        check_linear_schedule_steps(resumed, run, progress, plan,
+                                    epoch_steps(len(dataset.train), run.batch_size, context))
     check_dataset_fits(config, dataset, "the model")
-    return options, config, dataset, resumed, progress
+    return run, config, dataset, resumed, progress
 
 
 def run_fingerprint(dataset: Dataset, resumed: Checkpoint | None, progress: EpochProgress) -> dict[str, object]:
@@ -365,13 +401,13 @@ def run_fingerprint(dataset: Dataset, resumed: Checkpoint | None, progress: Epoc
     weights: DDP makes the ranks' weights equal once, and ranks with other optimizer states would drift apart)."""
     splits = (dataset.train, dataset.validation, dataset.test)
     pixels, weights = hashlib.blake2b(digest_size=16), hashlib.blake2b(digest_size=16)
-    for split in splits:
+    for split in splits:  # .data: the arrays' bytes, as a buffer the type checker knows
         if split is not None:
-            pixels.update(np.ascontiguousarray(split.images))
-            pixels.update(np.ascontiguousarray(split.labels))
+            pixels.update(np.ascontiguousarray(split.images).data)
+            pixels.update(np.ascontiguousarray(split.labels).data)
     for name, tensor in sorted(resumed.state_dict.items() if resumed else ()):
         weights.update(name.encode())
-        weights.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+        weights.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
     return {"training/validation/test images": "/".join(str(len(split or ())) for split in splits),
             "classes": ", ".join(dataset.class_names), "image shape": "x".join(map(str, dataset.image_shape)),
             "images' content hash": pixels.hexdigest(),
@@ -384,7 +420,7 @@ def epoch_steps(num_images: int, batch_size: int, context: DistributedContext) -
     return len(epoch_batches(num_images, batch_size // context.world_size, context, 0, 0))
 
 
-def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, resumed: Checkpoint | None,
+def run_epochs(options: RunOptions, config: CapsNetConfig, dataset: Dataset, resumed: Checkpoint | None,
                progress: EpochProgress, context: DistributedContext, device: torch.device) -> Checkpoint:
     """Train from the start, or from `resumed` and `progress` into its next epoch, up to `options.epochs`."""
     torch.manual_seed(options.seed)
