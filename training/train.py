@@ -21,9 +21,9 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, MutableMapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -34,13 +34,13 @@ from tqdm import tqdm
 from capsnet.runtime.cpu import MAX_THREADS, CpuKind, bf16_autocast_pays
 from capsnet.errors import CapsNetError
 from capsnet.training import distributed
-from capsnet.training.checkpoint import (Checkpoint, create_model, load_checkpoint, remove_leftover_temporaries,
+from capsnet.training.checkpoint import (Checkpoint, Model, create_model, load_checkpoint, remove_leftover_temporaries,
                                          save_checkpoint)
 from capsnet.training.config import PRESETS, CapsNetConfig, preset
 from capsnet.training.data import (Augmentation, Dataset, Split, channel_mean_std, data_location, load_dataset,
                                    to_float)
 from capsnet.training.distributed import DistributedContext
-from capsnet.training.evaluate import check_dataset_fits, evaluate
+from capsnet.training.evaluate import Evaluation, check_dataset_fits, evaluate
 from capsnet.training.loss import capsnet_loss
 from capsnet.training.model import count_parameters
 from capsnet.training.resume import (LR_SCHEDULES, MODEL_FLAGS, EpochProgress, batch_plan, check_linear_schedule_steps,
@@ -420,36 +420,60 @@ def epoch_steps(num_images: int, batch_size: int, context: DistributedContext) -
     return len(epoch_batches(num_images, batch_size // context.world_size, context, 0, 0))
 
 
-def run_epochs(options: RunOptions, config: CapsNetConfig, dataset: Dataset, resumed: Checkpoint | None,
-               progress: EpochProgress, context: DistributedContext, device: torch.device) -> Checkpoint:
-    """Train from the start, or from `resumed` and `progress` into its next epoch, up to `options.epochs`."""
+@dataclass
+class TrainingState:
+    """What a run trains and a checkpoint keeps: the model, its optimizer, learning-rate schedule and loss scaling,
+    and a record of every epoch so far."""
+    model: Model
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    history: list[dict] = field(default_factory=list)
+
+
+def new_state(options: RunOptions, config: CapsNetConfig, steps_per_epoch: int, device: torch.device) -> TrainingState:
+    """A model initialised from --seed, with a fresh optimizer, schedule and loss scaling."""
     torch.manual_seed(options.seed)
     model = create_model(config).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=options.lr)
-    per_rank_batch = options.batch_size // context.world_size
-    scheduler = learning_rate_scheduler(optimizer, options, epoch_steps(len(dataset.train), options.batch_size, context))
+    scheduler = learning_rate_scheduler(optimizer, options, steps_per_epoch)
     scaler = torch.amp.GradScaler(device.type, enabled=options.amp and device.type == "cuda")
-    history: list[dict] = []
-    if resumed is not None:
-        with distributed.errors_reported_once(context):  # every rank loads the same file: one line, not N
-            model.load_state_dict(resumed.state_dict)
-            try:  # load_checkpoint checked that these are dicts, not what they hold
-                optimizer.load_state_dict(resumed.optimizer_state)
-                scheduler.load_state_dict(resumed.scheduler_state)
-                if resumed.scaler_state:  # empty when the run had no CUDA mixed precision
-                    scaler.load_state_dict(resumed.scaler_state)
-            except (KeyError, TypeError, ValueError) as err:
-                raise CapsNetError(f"checkpoint {options.resume} is damaged: its optimizer state does not load "
-                                   f"({type(err).__name__}: {err})") from None
-        history = list(resumed.history)
+    return TrainingState(model, optimizer, scheduler, scaler)
+
+
+def restore(state: TrainingState, resumed: Checkpoint, options: RunOptions, context: DistributedContext) -> None:
+    """Load the resumed run's weights, optimizer, schedule, loss scaling and history into `state`."""
+    with distributed.errors_reported_once(context):  # every rank loads the same file: one line, not N
+        state.model.load_state_dict(resumed.state_dict)
+        # check_resumable refused a checkpoint without them
+        assert resumed.optimizer_state is not None and resumed.scheduler_state is not None
+        try:  # load_checkpoint checked that these are dicts, not what they hold
+            state.optimizer.load_state_dict(resumed.optimizer_state)
+            state.scheduler.load_state_dict(resumed.scheduler_state)
+            if resumed.scaler_state:  # empty when the run had no CUDA mixed precision
+                state.scaler.load_state_dict(resumed.scaler_state)
+        except (KeyError, TypeError, ValueError) as err:
+            raise CapsNetError(f"checkpoint {options.resume} is damaged: its optimizer state does not load "
+                               f"({type(err).__name__}: {err})") from None
+    state.history = list(resumed.history)
+
+
+def step_model_for(model: Model, options: RunOptions, context: DistributedContext) -> torch.nn.Module:
+    """What the training steps call: `model`, in DistributedDataParallel under torchrun, compiled with --compile."""
     if context.is_distributed:
         # A 1-channel Conv1 weight (256, 1, 9, 9) gets its gradient with another (equivalent) stride for the
         # size-1 axis; DDP warns about it on every backward though nothing is wrong.
         warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
-    step_model = DistributedDataParallel(model) if context.is_distributed else model
+    step_model: torch.nn.Module = DistributedDataParallel(model) if context.is_distributed else model
     if options.compile:
-        step_model = torch.compile(step_model)
-    run_info = {
+        step_model = cast(torch.nn.Module, torch.compile(step_model))  # an OptimizedModule, which is a Module
+    return step_model
+
+
+def run_info(options: RunOptions, dataset: Dataset, model: Model, context: DistributedContext,
+             device: torch.device) -> dict[str, Any]:
+    """What every checkpoint of the run records about it beside the epoch's figures."""
+    return {
         # where the data is, so `capsnet export` calibrates and gates INT8 on the model's own data by default
         "dataset": dataset.name, "data": data_location(options.data),
         "train_images": len(dataset.train), "test_images": len(dataset.test),
@@ -460,20 +484,64 @@ def run_epochs(options: RunOptions, config: CapsNetConfig, dataset: Dataset, res
         "seed": options.seed, "device": device.type, "world_size": context.world_size, "amp": options.amp,
         "compile": options.compile,
     }
+
+
+def snapshot(state: TrainingState, config: CapsNetConfig, dataset: Dataset, epochs_done: int, metrics: dict,
+             plan: dict[str, Any], partial: EpochProgress | None = None) -> Checkpoint:
+    """The checkpoint of `state` after `epochs_done` epochs, and `partial`'s steps into the next one."""
+    return Checkpoint(
+        config=config, state_dict=state.model.state_dict(), class_names=list(dataset.class_names), metrics=metrics,
+        epoch=epochs_done, optimizer_state=state.optimizer.state_dict(), scheduler_state=state.scheduler.state_dict(),
+        history=list(state.history), dataset=dataset.name, scaler_state=state.scaler.state_dict(),
+        epoch_progress=None if partial is None else {**asdict(partial), "batch_plan": plan},
+    )
+
+
+def best_epoch(history: list[dict]) -> dict | None:
+    """The best epoch by validation accuracy (the earliest of equals); without a validation split every epoch is."""
+    return max(history, key=lambda record: record.get("validation_accuracy", -1.0), default=None)
+
+
+def is_new_best(scored: dict[str, Evaluation], best: dict | None, out: Path) -> bool:
+    """Whether an epoch scored so replaces the best one (`out`): selection sees the validation split only, the test
+    split is reported."""
+    return ("validation" not in scored or best is None
+            or scored["validation"].accuracy > best["validation_accuracy"] or not out.exists())
+
+
+def score(model: Model, dataset: Dataset, options: RunOptions, context: DistributedContext,
+          device: torch.device) -> dict[str, Evaluation]:
+    """The model on the validation split (where there is one) and the test split."""
+    per_rank_batch = options.batch_size // context.world_size
+    return {name: evaluate(model, split, dataset.class_names, per_rank_batch, device, context,
+                           autocast_context(device, options.amp))
+            for name, split in (("validation", dataset.validation), ("test", dataset.test)) if split is not None}
+
+
+def epoch_record(epoch: int, lr: float, trained: EpochResult, scored: dict[str, Evaluation],
+                 eval_seconds: float) -> dict[str, Any]:
+    """One epoch's line of the history: its rate, its training figures and its scores."""
+    record = {"epoch": epoch + 1, "lr": lr, "train_loss": trained.loss, "train_accuracy": trained.accuracy}
+    for name, result in scored.items():
+        record.update({f"{name}_loss": result.loss, f"{name}_accuracy": result.accuracy})
+    record.update({"train_seconds": trained.seconds, "train_images_per_second": trained.images / trained.seconds,
+                   "eval_seconds": eval_seconds})
+    return record
+
+
+def run_epochs(options: RunOptions, config: CapsNetConfig, dataset: Dataset, resumed: Checkpoint | None,
+               progress: EpochProgress, context: DistributedContext, device: torch.device) -> Checkpoint:
+    """Train from the start, or from `resumed` and `progress` into its next epoch, up to `options.epochs`; save the
+    last and the best epoch after each one, and return the last epoch's checkpoint."""
+    state = new_state(options, config, epoch_steps(len(dataset.train), options.batch_size, context), device)
+    if resumed is not None:
+        restore(state, resumed, options, context)
+    step_model = step_model_for(state.model, options, context)
+    info = run_info(options, dataset, state.model, context, device)
     plan = batch_plan(options, context.world_size, len(dataset.train))
-
-    def snapshot(epochs_done: int, metrics: dict, partial: EpochProgress | None = None) -> Checkpoint:
-        return Checkpoint(
-            config=config, state_dict=model.state_dict(), class_names=list(dataset.class_names), metrics=metrics,
-            epoch=epochs_done, optimizer_state=optimizer.state_dict(), scheduler_state=scheduler.state_dict(),
-            history=list(history), dataset=dataset.name, scaler_state=scaler.state_dict(),
-            epoch_progress=None if partial is None else {**asdict(partial), "batch_plan": plan},
-        )
-
-    # The best epoch by validation accuracy (the earliest of equals); without a validation split every epoch is.
-    best = max(history, key=lambda record: record.get("validation_accuracy", -1.0), default=None)
+    best = best_epoch(state.history)
     processes = f"{context.world_size} process{'es' if context.is_distributed else ''}"
-    announce(context, f"training {run_info['parameters']:,} parameters on {len(dataset.train):,} images of "
+    announce(context, f"training {info['parameters']:,} parameters on {len(dataset.train):,} images of "
                       f"{dataset.name} ({device}, {processes})")
     start_epoch = resumed.epoch if resumed else 0
     if progress.step:
@@ -482,32 +550,25 @@ def run_epochs(options: RunOptions, config: CapsNetConfig, dataset: Dataset, res
 
     def save_progress(epoch: int, partial: EpochProgress) -> None:
         if context.is_main:  # weights are the same on every rank
-            save_checkpoint(snapshot(epoch, {**run_info, "steps_into_epoch": partial.step}, partial), options.last_path)
+            save_checkpoint(snapshot(state, config, dataset, epoch, {**info, "steps_into_epoch": partial.step}, plan,
+                                     partial), options.last_path)
 
     for epoch in range(start_epoch, options.epochs):
-        lr = optimizer.param_groups[0]["lr"]
-        trained = train_one_epoch(step_model, config, optimizer, scheduler, scaler, dataset.train, epoch, options,
-                                  context, device, progress, save_progress)
+        lr = state.optimizer.param_groups[0]["lr"]
+        trained = train_one_epoch(step_model, config, state.optimizer, state.scheduler, state.scaler, dataset.train,
+                                  epoch, options, context, device, progress, save_progress)
         progress = EpochProgress()
         if options.lr_schedule == "exponential":
-            scheduler.step()
+            state.scheduler.step()
         started = time.perf_counter()
-        scored = {name: evaluate(model, split, dataset.class_names, per_rank_batch, device, context,
-                                 autocast_context(device, options.amp))
-                  for name, split in (("validation", dataset.validation), ("test", dataset.test)) if split is not None}
-        record = {"epoch": epoch + 1, "lr": lr, "train_loss": trained.loss, "train_accuracy": trained.accuracy}
-        for name, result in scored.items():
-            record.update({f"{name}_loss": result.loss, f"{name}_accuracy": result.accuracy})
-        record.update({"train_seconds": trained.seconds, "train_images_per_second": trained.images / trained.seconds,
-                       "eval_seconds": time.perf_counter() - started})
-        history.append(record)
-        # selection sees the validation split only; the test split is reported
-        is_best = ("validation" not in scored or best is None
-                   or scored["validation"].accuracy > best["validation_accuracy"] or not options.out.exists())
+        scored = score(state.model, dataset, options, context, device)
+        record = epoch_record(epoch, lr, trained, scored, time.perf_counter() - started)
+        state.history.append(record)
+        is_best = is_new_best(scored, best, options.out)
         if is_best:
             best = record
         per_class = {f"{name}_per_class_accuracy": result.per_class_accuracy for name, result in scored.items()}
-        checkpoint = snapshot(epoch + 1, {**record, **run_info, **per_class})
+        checkpoint = snapshot(state, config, dataset, epoch + 1, {**record, **info, **per_class}, plan)
         if context.is_main:
             save_checkpoint(checkpoint, options.last_path)
             if is_best:
@@ -518,6 +579,14 @@ def run_epochs(options: RunOptions, config: CapsNetConfig, dataset: Dataset, res
                           f"train loss {trained.loss:.4f} acc {100 * trained.accuracy:.2f}% | {figures} | "
                           f"{record['train_images_per_second']:.0f} images/s, {trained.seconds:.1f}s"
                           + (f" | best -> {options.out}" if is_best and "validation" in scored else ""))
+    # check_resumable left at least one epoch to train
+    assert checkpoint is not None and best is not None
+    announce_selection(best, dataset, options, context)
+    return checkpoint
+
+
+def announce_selection(best: dict, dataset: Dataset, options: RunOptions, context: DistributedContext) -> None:
+    """Which epoch `options.out` holds, and why."""
     if dataset.validation is None:
         announce(context, f"no validation split (--val-fraction 0), so no selection: {options.out} holds the last "
                           f"epoch (test accuracy {100 * best['test_accuracy']:.2f}%)")
@@ -525,4 +594,3 @@ def run_epochs(options: RunOptions, config: CapsNetConfig, dataset: Dataset, res
         announce(context, f"best validation accuracy {100 * best['validation_accuracy']:.2f}% after epoch "
                           f"{best['epoch']} (its test accuracy, not used to choose: {100 * best['test_accuracy']:.2f}%): "
                           f"{options.out}; last epoch: {options.last_path}")
-    return checkpoint
