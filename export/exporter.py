@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from capsnet.cpu import CpuKind
+from capsnet.runtime.cpu import CpuKind
 from capsnet.errors import CapsNetError
 from capsnet.export.config import EngineConfig, ExportConfig
 from capsnet.export import aoti
@@ -54,9 +54,8 @@ from capsnet.export.tensorrt_build import (
 )
 from capsnet.export.tensorrt_ops import tensorrt_problems
 from capsnet.export.triton import CONFIG_NAME, write_model_directory
-from capsnet.model_description import (
+from capsnet.model_description.files import (
     CHECKPOINT_NAME,
-    MODEL_NAME,
     ONNX_FP16_NAME,
     ONNX_INT8_NAME,
     ONNX_NAME,
@@ -64,13 +63,12 @@ from capsnet.model_description import (
     PLAN_NAME,
     REFERENCE_NAME,
     SIDECAR_NAME,
-    AotiPackage,
-    ModelDescription,
-    PrecisionGate,
     file_sha256,
 )
-from capsnet.tensorrt_runner import unavailable_reason
-from capsnet.torch_runner import cuda_unavailable_reason
+from capsnet.model_description.precision_gate import PrecisionGate
+from capsnet.model_description.schema import MODEL_NAME, AotiPackage, ModelDescription
+from capsnet.runtime.tensorrt_runner import unavailable_reason
+from capsnet.runtime.torch_runner import cuda_unavailable_reason
 from capsnet.runtime.fused_support import fused_unsupported_reason
 from capsnet.training.checkpoint import Checkpoint, load_checkpoint
 from capsnet.training.config import CAPSULE_ARCHITECTURES
@@ -184,7 +182,7 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
     if not checkpoint.config.input_sizes.fixed:
         parity["sizes"] = _size_parity(model, fp32_session, dataset, names)
     reference = _write_reference(staging / REFERENCE_NAME, fp32_session, dataset, names)
-    # the precision gate: every reduced precision measured on this model's own data, stated in model_description.py
+    # the precision gate: every reduced precision measured on this model's own data, stated in model_description/precision_gate.py
     test = dataset.test
     fp32_test = onnxruntime_probabilities(fp32_session, test.images)
     gates = torch_gates(checkpoint.build_model, reference.images, reference.outputs, test.images, test.labels,
@@ -341,7 +339,7 @@ def _compile_aoti(staging: Path, program, checkpoint: Checkpoint, config: Export
     PyTorch (FP32_TOLERANCE, every image the same class), fp16/bf16 by the precision gate on the reference images."""
     import torch
 
-    from capsnet.torch_runner import AotiRunner
+    from capsnet.runtime.torch_runner import AotiRunner
 
     packages = []
     for device, precision in config.aoti_targets():

@@ -1,4 +1,4 @@
-"""The export's description of the model (capsnet/model_description.py): written as `model.json`,
+"""The export's description of the model (capsnet/model_description/schema.py): written as `model.json`,
 and the same facts inside every ONNX file's metadata_props.
 
 In metadata_props each top-level key is one entry whose value is that key's JSON text, so
@@ -15,7 +15,7 @@ import onnx
 
 from capsnet.runtime.fused_support import gpu_engine
 from capsnet import __version__
-from capsnet.model_description import POSES_NAME, PROBABILITIES_NAME, RECONSTRUCTION_NAME, ModelDescription
+from capsnet.model_description.schema import POSES_NAME, PROBABILITIES_NAME, RECONSTRUCTION_NAME, ModelDescription
 from capsnet.training.checkpoint import Checkpoint
 
 

@@ -1,5 +1,5 @@
 """Reduced precision for the checkpoint's PyTorch model (the torch backend, the AOTInductor packages), and the
-measurements of the precision gate (capsnet/model_description.py states the criterion).
+measurements of the precision gate (capsnet/model_description/precision_gate.py states the criterion).
 
 The convolutions are 95-98% of CapsNet's FLOPs, so they are what runs in fp16 or bf16; routing, squash and the
 decoder keep fp32, whose sums over 1,152 capsules an 8-bit (bf16) or 11-bit (fp16) mantissa would blur.
@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from capsnet.cpu import CpuKind
+from capsnet.runtime.cpu import CpuKind
 from capsnet.errors import CapsNetError
-from capsnet.model_description import PrecisionGate
+from capsnet.model_description.precision_gate import PrecisionGate
 from capsnet.training.data import to_float
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

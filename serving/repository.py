@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from capsnet.errors import CapsNetError, first_line
-from capsnet.model_description import SIDECAR_NAME, ModelDescription
+from capsnet.model_description.files import SIDECAR_NAME
+from capsnet.model_description.schema import ModelDescription
 from capsnet.serving.errors import InvalidInput, ModelNotFound
 
 log = logging.getLogger(__name__)

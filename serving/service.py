@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from capsnet.errors import CapsNetError, first_line
-from capsnet.model_description import ModelDescription
+from capsnet.model_description.schema import ModelDescription
 from capsnet.serving.artifacts import ModelArtifacts, load_artifacts
 from capsnet.serving.backend_registry import BACKEND_KINDS
 from capsnet.serving.backends import LoadedBackend, load_backend

@@ -50,7 +50,7 @@ def choose_backend(artifacts: ModelArtifacts, config: ServerConfig) -> tuple[str
     """(backend name, why): "tensorrt" for a TensorRT plan on its GPU, else "gpu" on a host with a CUDA GPU (the
     fastest GPU backend is measured next), else "onnxruntime" (on its GPU providers if any)."""
     from capsnet.serving.backends.onnxruntime_backend import gpu_providers_installed
-    from capsnet.tensorrt_runner import unavailable_reason
+    from capsnet.runtime.tensorrt_runner import unavailable_reason
 
     no_trt: str | None
     if artifacts.tensorrt_plan is None or artifacts.tensorrt_info is None:  # both or neither: see load_artifacts
@@ -62,7 +62,7 @@ def choose_backend(artifacts: ModelArtifacts, config: ServerConfig) -> tuple[str
         if no_trt is None:
             return "tensorrt", "a TensorRT plan and a CUDA GPU are present"
     if gpu_host():
-        from capsnet.torch_runner import cuda_unavailable_reason
+        from capsnet.runtime.torch_runner import cuda_unavailable_reason
 
         no_cuda = cuda_unavailable_reason(config.gpu_or_first)
         if no_cuda is None:

@@ -1,5 +1,5 @@
 """AOTInductor: serves a package compiled by `capsnet export --aoti` (model.<device>.<precision>.pt2) on the CPU or
-on CUDA device --gpu N, through capsnet.torch_runner.AotiRunner, the runner export checked the package with.
+on CUDA device --gpu N, through capsnet.runtime.torch_runner.AotiRunner, the runner export checked the package with.
 
 A package runs only with the torch that compiled it, and a CUDA one only on a GPU of its compute capability; both
 are checked against model.json before it is loaded, so a mismatch is one line at startup, not a crash.
@@ -11,12 +11,12 @@ import numpy as np
 import torch
 
 from capsnet.errors import CapsNetError
-from capsnet.model_description import AotiPackage
+from capsnet.model_description.schema import AotiPackage
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import DeviceBackend, DeviceFailure
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.backends.torch_backend import torch_device
-from capsnet.torch_runner import AotiRunner, gpu_facts, is_device_error
+from capsnet.runtime.torch_runner import AotiRunner, gpu_facts, is_device_error
 
 
 def find_package(artifacts: ModelArtifacts, device: str, precision: str) -> AotiPackage:

@@ -1,4 +1,4 @@
-"""TensorRT: serves the serialized engine (model.plan) with capsnet.tensorrt_runner, the runner export's
+"""TensorRT: serves the serialized engine (model.plan) with capsnet.runtime.tensorrt_runner, the runner export's
 parity check uses too. NOT RUN: TensorRT cannot be installed where this project is developed and tested.
 
 An engine only runs on the TensorRT version and GPU it was built for, so model.plan.json is checked
@@ -16,7 +16,7 @@ from capsnet.errors import CapsNetError
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import Backend
 from capsnet.serving.config import ServerConfig
-from capsnet.tensorrt_runner import EngineRunner, gpu_facts, unavailable_reason
+from capsnet.runtime.tensorrt_runner import EngineRunner, gpu_facts, unavailable_reason
 
 log = logging.getLogger(__name__)
 

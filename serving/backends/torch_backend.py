@@ -3,7 +3,7 @@
 On the CPU: the reference the exported backends are compared with (fp32), and the bf16 path for CPUs with native
 bf16 (AVX512_BF16, AMX), where oneDNN runs the convolutions in bf16.
 On a GPU: fp32 (no TF32), fp16 or bf16 convolutions, every padded batch bucket up to --max-batch-size a CUDA graph
-captured at start-up (capsnet/torch_runner.py), so a batch is one graph launch between two pinned-memory copies.
+captured at start-up (capsnet/runtime/torch_runner.py), so a batch is one graph launch between two pinned-memory copies.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from capsnet.cpu import CpuKind, bf16_autocast_pays
+from capsnet.runtime.cpu import CpuKind, bf16_autocast_pays
 from capsnet.errors import CapsNetError
 from capsnet.export.precision import convolutions_in
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import DeviceBackend, DeviceFailure
 from capsnet.serving.config import ServerConfig
-from capsnet.torch_runner import BucketRunner, cuda_unavailable_reason, gpu_facts, is_device_error
+from capsnet.runtime.torch_runner import BucketRunner, cuda_unavailable_reason, gpu_facts, is_device_error
 from capsnet.training.checkpoint import load_checkpoint
 
 PRECISIONS = ("fp32", "fp16", "bf16")

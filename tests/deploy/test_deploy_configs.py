@@ -104,7 +104,7 @@ def test_deploy_project_installs_as_the_image_installs_it(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in ("capsnet/cli.py", "capsnet/training/data/mnist_5k.npz", "capsnet/export/__init__.py",
                    "capsnet/serving/metrics.py", "capsnet/v1/capsnet_pb2_grpc.py", "capsnet/kserve/grpc_service_pb2.py",
-                   "capsnet/bench/analysis/suite.py"):
+                   "capsnet/bench/analysis/hooks.py"):
         assert needed in names, f"{needed} missing from the wheel"
     # The benchmark analysis' and the pictures' plotting library comes with their extras only, which no image asks for.
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from capsnet.cpu import CpuKind
+from capsnet.runtime.cpu import CpuKind
 from capsnet.export.metadata import read_metadata
 from capsnet.export.parity import onnxruntime_session
-from capsnet.model_description import ModelDescription, file_sha256
+from capsnet.model_description.files import file_sha256
+from capsnet.model_description.schema import ModelDescription
 from capsnet.training.checkpoint import load_checkpoint
 
 CONTRACT_KEYS = {

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from capsnet.export.precision import convolutions_in, routing_inputs_in
-from capsnet.model_description import GATE_DIFF_FACTOR, GATE_DIFF_SLACK
+from capsnet.model_description.precision_gate import GATE_DIFF_FACTOR, GATE_DIFF_SLACK
 from capsnet.runtime.fused_routing import DTYPES, FusedCapsNet, FusedDigitCaps, launch_plan
 from capsnet.runtime.fused_support import fused_unsupported_reason, gpu_engine
 from capsnet.training.config import preset

@@ -14,7 +14,7 @@ from capsnet.cli import main
 from capsnet.errors import CapsNetError
 from capsnet.serving.client import image_message
 from capsnet.export.precision import convolutions_in
-from capsnet.model_description import GATE_MAX_DIFF
+from capsnet.model_description.precision_gate import GATE_MAX_DIFF
 from capsnet.serving.backends.torch_backend import bf16_unavailable_reason
 from capsnet.serving.config import ServerConfig
 from capsnet.training.checkpoint import load_checkpoint

@@ -62,7 +62,7 @@ def facts(args) -> dict:
     import torch
 
     from capsnet.bench.machine import load_average
-    from capsnet.cpu import CpuKind
+    from capsnet.runtime.cpu import CpuKind
 
     values = {"dry_run": args.cpu_dry_run, "torch": torch.__version__, "cuda": torch.version.cuda,
               "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
@@ -477,7 +477,7 @@ def _markdown(summary: dict, parts: dict) -> str:
 def flops(args) -> dict:
     """FLOPs per image from the ONNX graph, and the bytes one image moves each way."""
     from capsnet.bench.analysis.flops import count_flops
-    from capsnet.model_description import ModelDescription
+    from capsnet.model_description.schema import ModelDescription
 
     description = ModelDescription.read(args.model)
     rows = 4 * sum(int(np.prod(shape)) for shape in description.output_shapes.values())
