@@ -17,7 +17,7 @@ from capsnet.training.config import preset
 from capsnet.training.model import CapsNet
 from capsnet.runtime import fused_routing as fr
 from capsnet.export.precision import convolutions_in, routing_inputs_in
-from capsnet.torch_runner import strict_fp32
+from capsnet.runtime.torch_runner import strict_fp32
 
 dev = torch.device("cuda", 0)
 with profile(activities=[ProfilerActivity.CUDA]):  # CUPTI started before any graph is captured

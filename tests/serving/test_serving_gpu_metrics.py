@@ -177,7 +177,7 @@ def cuda_total_with_driver_reserve(index: int) -> int:
 def test_the_bucket_runner_times_each_forward_pass_on_the_gpu(graphs):
     import torch
 
-    from capsnet.torch_runner import BucketRunner
+    from capsnet.runtime.torch_runner import BucketRunner
 
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(1, 8, 9).cuda().eval()
@@ -201,7 +201,7 @@ def test_the_aoti_runner_times_the_packages_work_on_its_stream(tmp_path):
     a few hundred microseconds of GPU time tells that apart from timing an empty stream (a few microseconds)."""
     import torch
 
-    from capsnet.torch_runner import AotiRunner
+    from capsnet.runtime.torch_runner import AotiRunner
 
     class Chain(torch.nn.Module):
         def __init__(self):
