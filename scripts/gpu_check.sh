@@ -128,7 +128,8 @@ step serve 100 "${check[@]}" serve "${common[@]}" --model "$work/model" --concur
 # the GPU tests, where pytest is there and time is left
 if (cd "$work" && "$python" -c "import pytest") 2>/dev/null; then
     # on the CPU they skip, each with its reason
-    step tests 150 "$python" -m pytest -q -rs -p no:cacheprovider -m gpu --rootdir "$repo" -c "$repo/pyproject.toml" \
+    # the GPU backends' tests, and the fused kernels' parity compiled for the GPU (on the CPU: the interpreter)
+    step tests 150 "$python" -m pytest -q -rs -p no:cacheprovider --rootdir "$repo" -c "$repo/pyproject.toml" \
         -k "not cuda_packages" "$repo/tests/serving/test_serving_gpu_backends.py" "$repo/tests/runtime" \
         > "$work/tests.log" 2>&1
     save_tail tests "$work/tests.log"
