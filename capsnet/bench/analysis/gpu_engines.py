@@ -29,7 +29,7 @@ PROFILED_BATCHES = (1, 256)
 # torch.compile compiles each batch size anew (a minute or more on the GPU machine's 16 cores for all four): it is
 # timed at the sizes its target is stated for
 COMPILED_BATCHES = (1, 256)
-CALLS = {"small": 30, "large": 15}  # timed calls per cell: batches up to 256, then larger
+CALLS = {"small": 30, "large": 15, "dry": 3}  # timed calls per cell: batches up to 256, larger; the CPU dry run
 WARMUP_CALLS = 3
 REFERENCE_SPECS = ("public", "eager", "compile")
 # numpy in and out, in process: the fastest served engine against the public formulation at batches 1 and 256, and
@@ -134,7 +134,7 @@ def _served_engine(spec: str, model_dir: Path, dry_run: bool, max_batch: int, th
                   {"passed": check.passed, "describe": check.describe()})
 
 
-def _time_cells(engine: Engine, images: np.ndarray, device, batches: tuple[int, ...]) -> list[dict]:
+def _time_cells(engine: Engine, images: np.ndarray, device, batches: tuple[int, ...], dry_run: bool) -> list[dict]:
     import torch
 
     rows = []
@@ -142,7 +142,7 @@ def _time_cells(engine: Engine, images: np.ndarray, device, batches: tuple[int, 
     for batch in batches:
         if engine.spec == "compile" and batch not in COMPILED_BATCHES and max(batches) >= max(COMPILED_BATCHES):
             continue
-        calls = CALLS["small" if batch <= 256 else "large"]
+        calls = CALLS["dry" if dry_run else "small" if batch <= 256 else "large"]
         for _ in range(WARMUP_CALLS):
             engine.with_numpy(images[:batch])
             engine.on_device(resident[:batch])
@@ -227,7 +227,7 @@ def engines(args) -> dict:
             "results": results, "profiles": profiles}
     for engine in loaded:
         try:
-            results += _time_cells(engine, images, device, batches)
+            results += _time_cells(engine, images, device, batches, args.cpu_dry_run)
         except Exception as err:
             failed[engine.spec] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
     # the timings are kept before any profiling: CUPTI has taken a process down under graph replays
