@@ -14,8 +14,7 @@ from capsnet.cli import main
 from capsnet.errors import CapsNetError
 from capsnet.serving.artifacts import load_artifacts
 from capsnet.serving.backends import create_backend
-from capsnet.serving.client import CapsNetClient
-from serving_helpers import ServerThread, onnxruntime_reference, server_config
+from serving_helpers import assert_served_as_onnxruntime, server_config
 
 ON_GPU = torch.cuda.is_available()
 
@@ -38,23 +37,8 @@ def test_export_names_the_fused_engine_and_gates_its_precisions(tiny_model_dir):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_fused_backend_serves_as_onnxruntime_does(tiny_model_dir, precision):
     images = np.random.default_rng(3).random((11, 1, 28, 28), dtype=np.float32)
-    served = ServerThread(server_config(tiny_model_dir, backend="fused", precision=precision, max_batch_size=16,
-                                        gpu=0 if ON_GPU else None))
-    try:
-        spec = served.server.service.spec
-        assert (spec.backend, spec.precision) == ("fused", precision) and spec.self_check.passed
-        assert "routing in the fused kernels" in served.server.service.backend.description
-        with CapsNetClient(served.target) as client:
-            predictions = client.classify(list(images[:4]), reconstruction=True)
-        direct = served.server.service.backend.run(images)
-    finally:
-        served.stop()
-    expected = onnxruntime_reference(tiny_model_dir, images)
-    bound = 1e-4 if precision == "fp32" else spec.self_check.tolerance
-    for name in ("probabilities", "poses", "reconstruction") if precision == "fp32" else ("probabilities",):
-        assert np.abs(direct[name] - expected[name]).max() <= bound, name
-    served_probabilities = np.stack([p.probabilities for p in predictions])
-    assert np.abs(served_probabilities - expected["probabilities"][:4]).max() <= bound
+    assert_served_as_onnxruntime(tiny_model_dir, "fused", precision, images, described="routing in the fused kernels",
+                                 max_batch_size=16, gpu=0 if ON_GPU else None)
 
 
 def test_models_outside_the_kernels_are_refused_with_the_reason(random_checkpoint, tmp_path):
@@ -65,7 +49,7 @@ def test_models_outside_the_kernels_are_refused_with_the_reason(random_checkpoin
     artifacts = load_artifacts(out)
     assert artifacts.routing["gpu_engine"].startswith("unfused: arch em ")
     config = server_config(out, backend="fused", gpu=0 if ON_GPU else None)
-    with pytest.raises(CapsNetError, match="the fused backend cannot run this model: arch em .*--backend torch"):
+    with pytest.raises(CapsNetError, match=r"the fused backend cannot run this model: arch em .*--backend torch"):
         create_backend("fused", "fp32", artifacts, config)
 
 

@@ -13,8 +13,7 @@ from capsnet.cli import main
 from capsnet.serving.artifacts import load_artifacts
 from capsnet.serving.backends import create_backend
 from capsnet.serving.backends.torch_backend import TorchBackend
-from capsnet.serving.client import CapsNetClient
-from serving_helpers import ServerThread, onnxruntime_reference, server_config
+from serving_helpers import ServerThread, assert_served_as_onnxruntime, server_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible to torch")]
 
@@ -39,25 +38,8 @@ def aoti_cuda_model_dir(trained_tiny_checkpoint, tmp_path_factory):
 
 def _served_as_onnxruntime(model_dir, backend: str, precision: str) -> None:
     images = np.random.default_rng(7).random((MAX_BATCH // 2 + 3, 1, 28, 28), dtype=np.float32)
-    served = ServerThread(server_config(model_dir, backend=backend, precision=precision, gpu=0,
-                                        max_batch_size=MAX_BATCH))
-    try:
-        spec = served.server.service.spec
-        assert (spec.backend, spec.precision) == (backend, precision) and spec.self_check.passed
-        assert "GPU 0" in served.server.service.backend.description
-        with CapsNetClient(served.target) as client:
-            predictions = client.classify(list(images[:8]), reconstruction=True)
-        direct = served.server.service.backend.run(images)
-    finally:
-        served.stop()
-    expected = onnxruntime_reference(model_dir, images)
-    bound = 1e-4 if precision == "fp32" else spec.self_check.tolerance
-    assert np.abs(direct["probabilities"] - expected["probabilities"]).max() <= bound
-    if precision == "fp32":
-        for name in ("poses", "reconstruction"):
-            assert np.abs(direct[name] - expected[name]).max() <= 1e-4, name
-    got = np.stack([p.probabilities for p in predictions])
-    assert np.abs(got - expected["probabilities"][:8]).max() <= bound
+    assert_served_as_onnxruntime(model_dir, backend, precision, images, described="GPU 0", gpu=0,
+                                 max_batch_size=MAX_BATCH)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
