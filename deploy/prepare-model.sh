@@ -25,7 +25,7 @@ preset=${CAPSNET_PRESET:-paper}
 epochs=${CAPSNET_EPOCHS:-3}
 
 if [ -f "$model_dir/model.json" ]; then
-    if python -c "import sys; from capsnet.model_description import ModelDescription; ModelDescription.read(sys.argv[1])" \
+    if python -c "import sys; from capsnet.model_description.schema import ModelDescription; ModelDescription.read(sys.argv[1])" \
             "$model_dir" 2>/dev/null; then
         echo "==> reusing the model in $model_dir (delete it to train and export again)"
         exit 0

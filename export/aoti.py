@@ -14,11 +14,12 @@ from pathlib import Path
 
 import torch
 
-from capsnet.cpu import CpuKind
+from capsnet.runtime.cpu import CpuKind
 from capsnet.errors import CapsNetError
 from capsnet.export.logs import quiet
-from capsnet.model_description import AOTI_PRECISIONS, AotiPackage, aoti_name
-from capsnet.torch_runner import gpu_facts
+from capsnet.model_description.files import AOTI_PRECISIONS, aoti_name
+from capsnet.model_description.schema import AotiPackage
+from capsnet.runtime.torch_runner import gpu_facts
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from capsnet.cpu import CpuKind
+from capsnet.runtime.cpu import CpuKind
 from capsnet.errors import CapsNetError
 from capsnet.export.config import EngineConfig, ExportConfig
 from capsnet.export import aoti
@@ -54,9 +54,8 @@ from capsnet.export.tensorrt_build import (
 )
 from capsnet.export.tensorrt_ops import tensorrt_problems
 from capsnet.export.triton import CONFIG_NAME, write_model_directory
-from capsnet.model_description import (
+from capsnet.model_description.files import (
     CHECKPOINT_NAME,
-    MODEL_NAME,
     ONNX_FP16_NAME,
     ONNX_INT8_NAME,
     ONNX_NAME,
@@ -64,13 +63,13 @@ from capsnet.model_description import (
     PLAN_NAME,
     REFERENCE_NAME,
     SIDECAR_NAME,
-    AotiPackage,
-    ModelDescription,
-    PrecisionGate,
     file_sha256,
 )
-from capsnet.tensorrt_runner import unavailable_reason
-from capsnet.torch_runner import cuda_unavailable_reason
+from capsnet.model_description.precision_gate import PrecisionGate
+from capsnet.model_description.schema import MODEL_NAME, AotiPackage, ModelDescription
+from capsnet.runtime.tensorrt_runner import unavailable_reason
+from capsnet.runtime.torch_runner import cuda_unavailable_reason
+from capsnet.runtime.fused_support import fused_unsupported_reason
 from capsnet.training.checkpoint import Checkpoint, load_checkpoint
 from capsnet.training.config import CAPSULE_ARCHITECTURES
 from capsnet.training.data import Dataset
@@ -183,11 +182,11 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
     if not checkpoint.config.input_sizes.fixed:
         parity["sizes"] = _size_parity(model, fp32_session, dataset, names)
     reference = _write_reference(staging / REFERENCE_NAME, fp32_session, dataset, names)
-    # the precision gate: every reduced precision measured on this model's own data, stated in model_description.py
+    # the precision gate: every reduced precision measured on this model's own data, stated in model_description/precision_gate.py
     test = dataset.test
     fp32_test = onnxruntime_probabilities(fp32_session, test.images)
     gates = torch_gates(checkpoint.build_model, reference.images, reference.outputs, test.images, test.labels,
-                        fp32_test, config.max_accuracy_drop)
+                        fp32_test, config.max_accuracy_drop, fused=fused_unsupported_reason(checkpoint.config) is None)
     cpu = CpuKind.this_host()
 
     def onnx_gate(precision: str, path: Path) -> PrecisionGate:
@@ -214,7 +213,7 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
         check_graph(fp16_model)
         onnx.save(fp16_model, str(variants["fp16"]))
         gates["onnx_fp16"] = onnx_gate("fp16", variants["fp16"])
-    for name in ("torch_fp16", "torch_bf16"):  # not refused here: the server refuses them if asked (see the gate)
+    for name in [name for name in gates if not name.startswith("onnx_")]:  # not refused here: the server refuses them if asked (see the gate)
         log.log(logging.INFO if gates[name].accepted else logging.WARNING, "%s %s%s", name, _describe_gate(gates[name]),
                 "" if gates[name].accepted else "; not accepted, so not served")
     packages = _compile_aoti(staging, program, checkpoint, config, names, batches, pytorch_outputs, reference, gates)
@@ -340,7 +339,7 @@ def _compile_aoti(staging: Path, program, checkpoint: Checkpoint, config: Export
     PyTorch (FP32_TOLERANCE, every image the same class), fp16/bf16 by the precision gate on the reference images."""
     import torch
 
-    from capsnet.torch_runner import AotiRunner
+    from capsnet.runtime.torch_runner import AotiRunner
 
     packages = []
     for device, precision in config.aoti_targets():

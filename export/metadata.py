@@ -1,4 +1,4 @@
-"""The export's description of the model (capsnet/model_description.py): written as `model.json`,
+"""The export's description of the model (capsnet/model_description/schema.py): written as `model.json`,
 and the same facts inside every ONNX file's metadata_props.
 
 In metadata_props each top-level key is one entry whose value is that key's JSON text, so
@@ -13,8 +13,9 @@ from typing import Any
 
 import onnx
 
+from capsnet.runtime.fused_support import gpu_engine
 from capsnet import __version__
-from capsnet.model_description import POSES_NAME, PROBABILITIES_NAME, RECONSTRUCTION_NAME, ModelDescription
+from capsnet.model_description.schema import POSES_NAME, PROBABILITIES_NAME, RECONSTRUCTION_NAME, ModelDescription
 from capsnet.training.checkpoint import Checkpoint
 
 
@@ -36,9 +37,9 @@ def routing_description(config) -> dict[str, Any]:
         return {}
     if config.arch == "em":
         return {"variant": "em", "iterations": config.routing_iterations,
-                "inverse_temperature": config.em_inverse_temperature}
+                "inverse_temperature": config.em_inverse_temperature, "gpu_engine": gpu_engine(config)}
     return {"variant": config.routing, "iterations": config.routing_iterations,
-            "squash_constant": config.squash_constant}
+            "squash_constant": config.squash_constant, "gpu_engine": gpu_engine(config)}
 
 
 def describe(checkpoint: Checkpoint, opset: int, reconstruction: bool, **facts: Any) -> ModelDescription:

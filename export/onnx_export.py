@@ -16,7 +16,7 @@ import onnx
 from capsnet.errors import CapsNetError
 from capsnet.export.config import check_opset
 from capsnet.export.logs import quiet
-from capsnet.model_description import INPUT_NAME
+from capsnet.model_description.schema import INPUT_NAME
 
 BATCH_DIM = "batch"
 HEIGHT_DIM, WIDTH_DIM = "height", "width"  # free in the graph of a model of any size

@@ -1,5 +1,5 @@
 """Reduced precision for the checkpoint's PyTorch model (the torch backend, the AOTInductor packages), and the
-measurements of the precision gate (capsnet/model_description.py states the criterion).
+measurements of the precision gate (capsnet/model_description/precision_gate.py states the criterion).
 
 The convolutions are 95-98% of CapsNet's FLOPs, so they are what runs in fp16 or bf16; routing, squash and the
 decoder keep fp32, whose sums over 1,152 capsules an 8-bit (bf16) or 11-bit (fp16) mantissa would blur.
@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from capsnet.cpu import CpuKind
+from capsnet.runtime.cpu import CpuKind
 from capsnet.errors import CapsNetError
-from capsnet.model_description import PrecisionGate
+from capsnet.model_description.precision_gate import PrecisionGate
 from capsnet.training.data import to_float
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -42,6 +42,18 @@ def convolutions_in(model: nn.Module, precision: str, emulate: bool = False) -> 
             conv.register_forward_pre_hook(lambda _, inputs: tuple(x.to(dtype) for x in inputs))
             conv.register_forward_hook(lambda _, inputs, output: output.float())
     return len(convolutions)
+
+
+def routing_inputs_in(model: nn.Module, precision: str) -> None:
+    """Emulates the fused routing kernels' rounding (capsnet/runtime/fused_routing.py) on top of
+    `convolutions_in(..., emulate=True)`: DigitCaps' weights and input capsules rounded to `precision`, every
+    product and sum in fp32, which is what their fp16/bf16 tensor-core products with fp32 accumulation compute."""
+    dtype = DTYPES[precision]
+    digit_caps = model.get_submodule("digit_caps")
+    weight = digit_caps.get_parameter("weight")
+    with torch.no_grad():
+        weight.copy_(weight.to(dtype).float())
+    digit_caps.register_forward_pre_hook(lambda _, inputs: tuple(x.to(dtype).float() for x in inputs))
 
 
 def model_outputs(model: nn.Module, images: np.ndarray, names: tuple[str, ...], batch: int = ACCURACY_BATCH) -> dict:
@@ -89,19 +101,27 @@ def require(gate: PrecisionGate) -> PrecisionGate:
 
 
 def torch_gates(model_factory, reference_images: np.ndarray, fp32_reference: dict[str, np.ndarray],
-                test_images: np.ndarray, labels: np.ndarray, fp32_test: np.ndarray, max_drop: float) -> dict:
-    """The torch_fp16 and torch_bf16 gate entries, each measured by emulation on this CPU (`test_images` uint8).
-    `model_factory()` gives a fresh FP32 model (the conversion changes the model it is given)."""
+                test_images: np.ndarray, labels: np.ndarray, fp32_test: np.ndarray, max_drop: float,
+                fused: bool = False) -> dict:
+    """The torch_fp16 and torch_bf16 gate entries, and fused_fp16 and fused_bf16 where `fused` (the model's routing
+    runs in the fused kernels), each measured by emulation on this CPU (`test_images` uint8). `model_factory()`
+    gives a fresh FP32 model (the conversion changes the model it is given)."""
     gates = {}
     cpu = CpuKind.this_host().describe()
-    for precision in DTYPES:
-        model = model_factory()
-        convolutions_in(model, precision, emulate=True)
-        candidate = model_outputs(model, reference_images, tuple(fp32_reference))
-        candidate_test = model_outputs(model, test_images, ("probabilities",))["probabilities"]
-        gates[f"torch_{precision}"] = measure_gate(
-            precision, f"the checkpoint, convolutions in {precision} (emulated in fp32)", fp32_reference, candidate,
-            labels, fp32_test, candidate_test, max_drop, cpu)
+    engines = {"torch": "convolutions"}
+    if fused:
+        engines["fused"] = "convolutions and routing products' inputs"
+    for engine, rounded in engines.items():
+        for precision in DTYPES:
+            model = model_factory()
+            convolutions_in(model, precision, emulate=True)
+            if engine == "fused":
+                routing_inputs_in(model, precision)
+            candidate = model_outputs(model, reference_images, tuple(fp32_reference))
+            candidate_test = model_outputs(model, test_images, ("probabilities",))["probabilities"]
+            gates[f"{engine}_{precision}"] = measure_gate(
+                precision, f"the checkpoint, {rounded} in {precision} (emulated in fp32)", fp32_reference, candidate,
+                labels, fp32_test, candidate_test, max_drop, cpu)
     return gates
 
 

@@ -4,7 +4,7 @@ TensorRT 11 builds strongly typed networks only and has no FP16/INT8 builder fla
 precision comes from the graph itself, so fp16 engines are built from model.fp16.onnx and int8
 engines from the Q/DQ nodes of model.int8.onnx. TensorRT 10 still has the weakly typed flags:
 there fp16 is the fp32 graph with BuilderFlag.FP16, and int8 the Q/DQ graph with BuilderFlag.INT8.
-The engine is built on the configured GPU (--gpu) and checked with capsnet.tensorrt_runner, the
+The engine is built on the configured GPU (--gpu) and checked with capsnet.runtime.tensorrt_runner, the
 runner the server's tensorrt backend serves with. NOT RUN: TensorRT cannot be installed where this
 project is developed and tested.
 """
@@ -21,7 +21,7 @@ import numpy as np
 from capsnet.errors import CapsNetError
 from capsnet.export.config import EngineConfig
 from capsnet.export.onnx_export import INPUT_NAME
-from capsnet.tensorrt_runner import EngineRunner, gpu_facts
+from capsnet.runtime.tensorrt_runner import EngineRunner, gpu_facts
 
 # Largest difference from ONNX Runtime running the same graph, and the least share of images
 # with the same predicted class, per engine precision.

@@ -10,7 +10,8 @@ import shutil
 from pathlib import Path
 
 from capsnet.export.config import TritonConfig
-from capsnet.model_description import ModelDescription, class_names_parameters
+from capsnet.model_description.classes import class_names_parameters
+from capsnet.model_description.schema import ModelDescription
 
 CONFIG_NAME = "config.pbtxt"
 MODEL_VERSION_DIR = "1"

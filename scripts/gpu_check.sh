@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check, on a bare GPU machine, in one run: install against the machine's own torch, train the paper model
-# briefly on the embedded digits on the GPU, export it, time every GPU backend and precision in process beside the
-# XifengGuo forward pass, serve it on the GPU under gRPC and REST load, compile the CUDA AOTInductor packages, run
-# the GPU tests. Every step has its own time limit within one budget; a failed step does not stop the others; the
+# briefly on the embedded digits on the GPU, export it, time every engine in one process (the public formulation,
+# the model eager and under torch.compile, every served engine; device-resident and numpy in and out; a profiler
+# table of each), serve it on the GPU under gRPC and REST load, run the GPU tests. Every step has its own time limit within one budget; a failed step does not stop the others; the
 # results so far are rewritten after each step to OUT/gpu_check.json and OUT/gpu_check.md (OUT/gpu_check.log: all
 # output).
 #
-#   bash scripts/gpu_check.sh OUT                 # on the GPU machine (budget: GPU_CHECK_BUDGET_S, default 320 s)
+#   bash scripts/gpu_check.sh OUT                 # on the GPU machine (budget: GPU_CHECK_BUDGET_S, default 420 s)
 #   bash scripts/gpu_check.sh --cpu-dry-run OUT   # every step on the CPU, small sizes: the script walked end to end
 #
 # Missing Python packages travel as pure-Python wheels in the repository's ignored .whl/ folder and are unpacked,
@@ -23,7 +23,7 @@ out=${1:?usage: bash scripts/gpu_check.sh [--cpu-dry-run] OUT}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-budget=${GPU_CHECK_BUDGET_S:-$([ $dry = 1 ] && echo 900 || echo 320)}
+budget=${GPU_CHECK_BUDGET_S:-$([ $dry = 1 ] && echo 900 || echo 420)}
 began=$SECONDS
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
 mkdir -p "$work/parts"
@@ -32,14 +32,13 @@ exec > >(tee -a "$out/gpu_check.log") 2>&1
 if [ $dry = 1 ]; then
     python=${PYTHON:-$repo/.venv/bin/python}
     dry_flag=(--cpu-dry-run)
-    preset=tiny device=cpu aoti_flags=(--aoti cpu --max-batch 32) specs_first=(torch:fp32 torch:fp32:plain public:fp32 onnxruntime:fp32)
-    specs_aoti=(aoti:fp32 torch:fp32) concurrency=(1 16) window=1 threads=2
+    export TRITON_INTERPRET=1  # the fused kernels on the CPU: Triton's interpreter
+    preset=tiny device=cpu engines=(public eager compile torch:fp32 fused:fp32) concurrency=(1 16) window=1 threads=2
 else
     python=${PYTHON:-$([ -x /opt/torch/.venv/bin/python3 ] && echo /opt/torch/.venv/bin/python3 || echo python3)}
     dry_flag=()
-    preset=paper device=cuda aoti_flags=(--aoti cuda --gpu 0 --max-batch 1024)
-    specs_first=(torch:fp32 torch:bf16 torch:fp16 torch:fp32:eager public:fp32)
-    specs_aoti=(aoti:fp32 torch:fp32 torch:bf16) concurrency=(1 16 64) window=2 threads=4
+    preset=paper device=cuda concurrency=(1 16 64) window=2 threads=4
+    engines=(public eager compile torch:fp32 torch:bf16 torch:fp16 fused:fp32 fused:bf16 fused:fp16)
 fi
 # Compiles and the timed runs never share the cores: threads are set for each; inductor compiles on all of them.
 cores=$(nproc)
@@ -117,29 +116,22 @@ step facts 40 "${check[@]}" facts "${common[@]}"
 step peak 60 "${check[@]}" peak "${common[@]}"
 
 # 2-3. train briefly on the GPU, export ONNX (the CUDA packages come after the timings: compiling loads every core)
-step train 120 "$python" -m capsnet train --data embedded --preset $preset --epochs 1 --device $device --threads "$threads" \
+step train 60 "$python" -m capsnet train --data embedded --preset $preset --epochs 1 --device $device --threads "$threads" \
     --seed 0 --out "$work/model.ckpt" --no-progress
-step export 150 "$python" -m capsnet export "$work/model.ckpt" --out "$work/model" --reconstruction
+step export 120 "$python" -m capsnet export "$work/model.ckpt" --out "$work/model" --reconstruction
 step flops 30 "${check[@]}" flops "${common[@]}" --model "$work/model"
 
-# 4-5. in process: every GPU backend and precision, and the XifengGuo forward pass on the same device
-step inprocess 150 "${check[@]}" inprocess "${common[@]}" --model "$work/model" --specs "${specs_first[@]}"
-
-# 6. served: auto on the GPU, gRPC and REST
-step serve 150 "${check[@]}" serve "${common[@]}" --model "$work/model" --concurrency "${concurrency[@]}" --window "$window"
-
-# the CUDA AOTInductor fp32 package (bf16 and fp16 too would not fit the budget), then in process beside torch again
-step aoti_export 240 "$python" -m capsnet export "$work/model.ckpt" --out "$work/model-aoti" --reconstruction "${aoti_flags[@]}" \
-    > "$work/aoti_export.log" 2>&1
-aoti_rc=$?
-save_tail aoti_export "$work/aoti_export.log"
-[ $aoti_rc = 0 ] && step inprocess_aoti 90 "${check[@]}" inprocess "${common[@]}" --label aoti --model "$work/model-aoti" --specs "${specs_aoti[@]}"
+# 4-5. in process: the public formulation, the model eager and compiled, every served engine; then served
+step engines 200 "${check[@]}" engines "${common[@]}" --model "$work/model" --specs "${engines[@]}"
+step serve 100 "${check[@]}" serve "${common[@]}" --model "$work/model" --concurrency "${concurrency[@]}" --window "$window"
 
 # the GPU tests, where pytest is there and time is left
 if (cd "$work" && "$python" -c "import pytest") 2>/dev/null; then
     # on the CPU they skip, each with its reason
-    step tests 200 "$python" -m pytest -q -rs -p no:cacheprovider -m gpu --rootdir "$repo" -c "$repo/pyproject.toml" \
-        "$repo/tests/serving/test_serving_gpu_backends.py" > "$work/tests.log" 2>&1
+    # the GPU backends' tests, and the fused kernels' parity compiled for the GPU (on the CPU: the interpreter)
+    step tests 150 "$python" -m pytest -q -rs -p no:cacheprovider --rootdir "$repo" -c "$repo/pyproject.toml" \
+        -k "not cuda_packages" "$repo/tests/serving/test_serving_gpu_backends.py" "$repo/tests/runtime" \
+        > "$work/tests.log" 2>&1
     save_tail tests "$work/tests.log"
 else
     record tests "skipped: pytest is not installed" 0 0

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from capsnet.model_description import ONNX_KEYS, PLAN_INFO_NAME, ModelDescription, read_plan_info
+from capsnet.model_description.files import PLAN_INFO_NAME, read_plan_info
+from capsnet.model_description.schema import ONNX_KEYS, ModelDescription
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -269,6 +269,9 @@ class Batcher:
                 request.future.set_result(BatchOutput(request.outputs, request.queue_wait, request.runs,
                                                       request.arrival))
         self.metrics.compute.observe(ended - started)
+        timer, gpu_compute = self.backend.gpu_timer, self.metrics.gpu_compute
+        if timer is not None and gpu_compute is not None:  # the run has synchronised: its events are complete
+            gpu_compute.observe(timer.seconds())
         self.metrics.batch_size.observe(size)
         self.metrics.images.inc(size)
         self.stats.record_batch(size, run.phases())

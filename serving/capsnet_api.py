@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 from google.protobuf.duration_pb2 import Duration
 
-from capsnet.model_description import PRESENT_THRESHOLD
+from capsnet.model_description.classes import PRESENT_THRESHOLD
 from capsnet.serving.errors import InvalidInput, ServerNotReady
 from capsnet.serving.images import decode_images
 from capsnet.serving.lifecycle import SHUTTING_DOWN

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from capsnet.errors import CapsNetError
+from capsnet.serving.backend_registry import BACKEND_KINDS, BACKENDS
 from capsnet.serving.repository import VersionPolicy
 
-BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch", "aoti")
 # Who may change the models served: nobody (as loaded at start), clients of the repository extension, or a rescan of
 # the repository every poll interval (Triton's --model-control-mode none, explicit, poll). SIGHUP rescans in the last
 # two.
@@ -115,12 +115,13 @@ class ServerConfig:
             raise CapsNetError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.precision not in PRECISIONS:
             raise CapsNetError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.precision == "bf16" and self.backend not in ("torch", "aoti"):
-            raise CapsNetError("--precision bf16 runs the checkpoint's convolutions in bf16 on the torch or aoti "
-                               "backend: add --backend torch or --backend aoti")
-        if self.backend in ("torch", "aoti") and self.precision == "int8":
-            raise CapsNetError(f"--precision int8 is an ONNX model: the {self.backend} backend runs fp32, fp16 or bf16 "
-                               "(int8: --backend onnxruntime or tensorrt)")
+        runs = [kind.name for kind in BACKEND_KINDS.values() if self.precision in kind.precisions]
+        if self.precision == "bf16" and self.backend not in runs:
+            raise CapsNetError("--precision bf16 runs the checkpoint's convolutions in bf16 on the "
+                               f"{either(runs)} backend: add --backend {either(runs)}")
+        if self.precision == "int8" and self.backend not in ("auto", *runs):
+            raise CapsNetError(f"--precision int8 is an ONNX model: the {self.backend} backend runs "
+                               f"{either(BACKEND_KINDS[self.backend].precisions)} (int8: --backend {either(runs)})")
         for name in ("grpc_port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise CapsNetError(f"{name.replace('_', '-')} must be in 0..65535 (0: any free port), got {getattr(self, name)}")
@@ -182,3 +183,9 @@ class ServerConfig:
         paths = {"model_dir", "model_repository", "tls_cert", "tls_key", "tls_client_ca"}
         settings: dict[str, Any] = {name: Path(value) if name in paths else value for name, value in values.items()}
         return cls(**settings)
+
+
+def either(names) -> str:
+    """"a", "a or b", "a, b or c"."""
+    *rest, last = names
+    return f"{', '.join(rest)} or {last}" if rest else last

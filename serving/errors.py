@@ -171,8 +171,8 @@ def bounded_message(message: str) -> str:
 
 
 # A client's deadline passes before the server's copy of it (which starts when the request arrives, its transit
-# later), so the cancellation its client sends at the deadline reaches the server early: up to 16 ms measured on
-# loopback (AMD EPYC, AVX2 only, 2 busy cores; bursts of short-deadline calls). A caller that gives up this close to
+# later), so the cancellation its client sends at the deadline reaches the server early, by as much as the request
+# took to arrive (docs/experiments: what the server's settings rest on). A caller that gives up this close to
 # its deadline gave up because of it.
 DEADLINE_SLACK_S = 0.1
 

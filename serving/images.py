@@ -9,7 +9,7 @@ from typing import NamedTuple
 import numpy as np
 from PIL import Image, ImageFile, JpegImagePlugin, PngImagePlugin, UnidentifiedImageError
 
-from capsnet.model_description import InputSizes
+from capsnet.model_description.input_sizes import InputSizes
 from capsnet.serving.errors import InvalidInput
 from capsnet.v1 import capsnet_pb2 as pb
 

@@ -32,7 +32,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from capsnet import __version__
-from capsnet.model_description import class_names_parameters
+from capsnet.model_description.classes import class_names_parameters
 from capsnet.serving.errors import InvalidInput, RegionNotFound, Unauthenticated
 from capsnet.serving.lifecycle import Lifecycle
 from capsnet.serving.model_manager import ModelManager, ModelRef

@@ -57,7 +57,7 @@ KEEPALIVE_S = 75.0
 # sends requests (pipelined) and never reads would otherwise hold their answers in memory without end.
 WRITE_TIMEOUT_S = 30.0
 # What aiohttp buffers of a connection's body before it stops reading its socket (twice this), whether the body is read
-# or not: 1,000 connections stalled mid-body held 512 KiB each with aiohttp's default (256 KiB).
+# or not: with aiohttp's default (256 KiB), every connection stalled mid-body holds 512 KiB (docs/experiments).
 READ_BUFFER_BYTES = 64 * 1024
 
 

@@ -3,27 +3,33 @@
 Request counts and latencies are recorded for every RPC by the gRPC interceptor (`serving/interceptor.py`:
 our API, KServe, health and reflection alike) and for every REST request by its middleware
 (`serving/kserve_http.py`), through `serving/observe.py`; queue wait, compute time, batch sizes and images inside
-each model version's batcher. Request and batch series carry the `model` and `version` that served them, names of
-the model repository (never a client's text), and a version's batch series go when it is unloaded. /metrics is
-prometheus-client's WSGI app behind a server with a few threads, socket timeouts and a deadline per connection, so
-idle or slow connections can neither pile up threads nor hold them; it is meant for Prometheus on a private network,
-never for the internet.
+each model version's batcher; the model's GPU time per batch, and the GPUs' own metrics under Triton's names
+(`serving/gpu_metrics.py`), registered only once a version serves on a GPU. Request and batch series carry the
+`model` and `version` that served them, names of the model repository (never a client's text), and a version's
+batch series go when it is unloaded. /metrics is prometheus-client's WSGI app behind a server with a few threads,
+socket timeouts and a deadline per connection, so idle or slow connections can neither pile up threads nor hold them;
+it is meant for Prometheus on a private network, never for the internet.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
 import wsgiref.simple_server
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge, Histogram,
     disable_created_metrics, make_wsgi_app,
 )
+
+if TYPE_CHECKING:  # for a type only: the metrics load no backend code
+    from capsnet.serving.backends.base import Backend
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +90,33 @@ class Metrics:
                                    "Loads of a model version: loaded (self-checked, warmed up, serving) or refused "
                                    "(unreadable or altered files, a failed self-check)",
                                    [*version, "outcome"], registry=registry)
+        # registered by the first version that needs them, so a server on the CPU exports neither
+        self._gpu_compute: Histogram | None = None
+        self._gpus_watched = False
+
+    def gpu_compute(self) -> Histogram:
+        """capsnet_gpu_compute_seconds, registered on first use (a version whose backend times its GPU work)."""
+        if self._gpu_compute is None:
+            self._gpu_compute = Histogram(
+                "capsnet_gpu_compute_seconds",
+                "GPU time of the model's work in one backend run (one batch), measured on the device with CUDA events "
+                "(the copies in and out aside)", ["model", "version"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        return self._gpu_compute
+
+    def watch_gpus(self) -> None:
+        """A version serves on a GPU: the nv_gpu_* families of the GPUs CUDA sees, read from NVML at each scrape;
+        once. Where NVML cannot be read they stay absent, and the log says why."""
+        if self._gpus_watched:
+            return
+        self._gpus_watched = True
+        from capsnet.serving.gpu_metrics import GpuCollector, open_nvml
+
+        reader, what = open_nvml(os.environ)
+        if reader is None:
+            log.warning("no GPU metrics (nv_gpu_*) on /metrics: %s", what)
+            return
+        self.registry.register(GpuCollector(reader))
+        log.info("GPU metrics (nv_gpu_*) on /metrics for %s", what)
 
     def for_version(self, model: str, version: str) -> "VersionMetrics":
         return VersionMetrics(self, model, version)
@@ -111,12 +144,17 @@ class VersionMetrics:
         self.images = metrics.images.labels(*self.labels)
         self.queue_depth = metrics.queue_depth.labels(*self.labels)
         self.dropped = {reason: metrics.dropped.labels(*self.labels, reason) for reason in DROP_REASONS}
+        self.gpu_compute: Histogram | None = None  # its backend's GPU time per run, where the backend measures it
         self._info: tuple[str, ...] | None = None
         self._outputs: tuple[str, ...] = ()
 
-    def record_serving(self, spec) -> None:
-        """The version serves: its model_info and self-check series."""
+    def record_serving(self, spec, backend: Backend) -> None:
+        """The version serves: its model_info and self-check series, and on a GPU the GPUs' and its GPU time's."""
         metrics, check = self._metrics, spec.self_check
+        if backend.on_gpu:
+            metrics.watch_gpus()
+        if backend.gpu_timer is not None:
+            self.gpu_compute = metrics.gpu_compute().labels(*self.labels)
         self._info = (*self.labels, spec.backend, spec.precision, str(spec.routing.get("iterations", "")))
         metrics.model_info.labels(*self._info).set(1)
         metrics.self_check_agreement.labels(*self.labels).set(check.argmax_agreement)
@@ -136,6 +174,8 @@ class VersionMetrics:
             _remove(metrics.self_check_diff, (*self.labels, output))
         if self._info is not None:
             _remove(metrics.model_info, self._info)
+        if self.gpu_compute is not None:
+            _remove(metrics.gpu_compute(), self.labels)
 
 
 def _remove(family, labels: tuple[str, ...]) -> None:

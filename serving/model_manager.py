@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +47,21 @@ from capsnet.serving.service import InferenceService, ModelSpec
 
 log = logging.getLogger(__name__)
 
-READY, LOADING, UNLOADING, UNAVAILABLE = "READY", "LOADING", "UNLOADING", "UNAVAILABLE"  # the index's states
+class VersionState(str, enum.Enum):
+    """A version's state as Triton's RepositoryIndex names it: the member is its own string, for the index's
+    messages and JSON."""
+
+    READY = "READY"
+    LOADING = "LOADING"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
 UNLOADED = "unloaded"
 
 
@@ -61,7 +76,7 @@ class ModelRef:
 
 @dataclass
 class VersionStatus:
-    state: str
+    state: VersionState
     reason: str = ""
 
 
@@ -127,8 +142,8 @@ class ModelManager:
                     raise CapsNetError(f"model {name} version {version}: {err}") from None
                 model.serving = {**model.serving, version: service}
                 model.fingerprints[version] = on_disk.fingerprints[version]
-                model.status[version] = VersionStatus(READY)
-                service.metrics.record_serving(service.spec)
+                model.status[version] = VersionStatus(VersionState.READY)
+                service.metrics.record_serving(service.spec, service.backend)
 
     async def warmup(self) -> None:
         for model in self.models.values():
@@ -175,7 +190,7 @@ class ModelManager:
             service = model.serving.get(ref.version)
             if service is None:
                 status = model.status.get(ref.version)
-                if status is None or status.state == READY:
+                if status is None or status.state == VersionState.READY:
                     raise ModelNotFound(f"{ref.version_field}: model {model.name!r} has no version {ref.version!r}; "
                                         f"expected {model.expected_versions()}")
                 raise ModelNotReady(f"{ref.version_field}: version {ref.version!r} of model {model.name!r} is "
@@ -247,9 +262,9 @@ class ModelManager:
             model = self.models.get(name)
             statuses = sorted(model.status.items(), key=lambda item: version_order(item[0])) if model else []
             if not statuses and not ready_only:
-                entries.append({"name": name, "version": "", "state": UNAVAILABLE, "reason": "not loaded"})
+                entries.append({"name": name, "version": "", "state": VersionState.UNAVAILABLE, "reason": "not loaded"})
             for version, status in statuses:
-                if not ready_only or status.state == READY:
+                if not ready_only or status.state == VersionState.READY:
                     entries.append({"name": name, "version": version, "state": status.state, "reason": status.reason})
         return entries
 
@@ -333,7 +348,7 @@ class ModelManager:
     async def _apply(self, model: ServedModel, on_disk: ModelOnDisk, retry_refused: bool) -> list[str]:
         """Open the selected versions that are new or changed, then switch; the refusals, one text each."""
         for version in [v for v, status in model.status.items() if v not in on_disk.versions and v not in model.serving
-                        and status.state != UNLOADING]:
+                        and status.state != VersionState.UNLOADING]:
             del model.status[version]  # gone from disk: the index lists the repository as it is
             model.refused.pop(version, None)
         selected = on_disk.selected()
@@ -351,7 +366,7 @@ class ModelManager:
                 held_back = True  # refused as it is on disk: logged then
                 continue
             if version not in model.serving:
-                model.status[version] = VersionStatus(LOADING)
+                model.status[version] = VersionStatus(VersionState.LOADING)
             try:
                 service = await self._open(model.name, version, on_disk)
                 await service.warmup()
@@ -374,8 +389,8 @@ class ModelManager:
         dropped = [] if held_back else [serving.pop(version) for version in list(serving) if version not in selected]
         model.serving = serving
         for version, service in opened.items():
-            model.status[version] = VersionStatus(READY)
-            service.metrics.record_serving(service.spec)
+            model.status[version] = VersionStatus(VersionState.READY)
+            service.metrics.record_serving(service.spec, service.backend)
         for service in replaced + dropped:
             self._retire(model, service)
         default = model.default
@@ -388,10 +403,10 @@ class ModelManager:
     def _refused(self, model: ServedModel, version: str, files: str, reason: str) -> str:
         model.refused[version] = files
         if version in model.serving:
-            model.status[version] = VersionStatus(READY, f"a reload was refused, the files loaded before serve: "
+            model.status[version] = VersionStatus(VersionState.READY, f"a reload was refused, the files loaded before serve: "
                                                          f"{reason}")
         else:
-            model.status[version] = VersionStatus(UNAVAILABLE, reason)
+            model.status[version] = VersionStatus(VersionState.UNAVAILABLE, reason)
         self.metrics.model_loads.labels(model.name, version, "refused").inc()
         current = model.default
         log.error("model %s version %s refused: %s; %s", model.name, version, reason,
@@ -402,7 +417,7 @@ class ModelManager:
         """Close `service`, out of model.serving already, once its requests are answered."""
         version = service.spec.version
         if version not in model.serving:
-            model.status[version] = VersionStatus(UNLOADING)
+            model.status[version] = VersionStatus(VersionState.UNLOADING)
         task = asyncio.get_running_loop().create_task(self._close(model, service), name=f"close {model.name} {version}")
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
@@ -413,7 +428,7 @@ class ModelManager:
         version = service.spec.version
         if version not in model.serving:  # not replaced by a reload of the same version
             service.metrics.remove()
-            model.status[version] = VersionStatus(UNAVAILABLE, UNLOADED)
+            model.status[version] = VersionStatus(VersionState.UNAVAILABLE, UNLOADED)
             model.fingerprints.pop(version, None)
         log.info("model %s version %s closed: its requests answered, its backend freed", model.name, version)
 
@@ -426,7 +441,7 @@ def _no_version(on_disk: ModelOnDisk) -> str:
 
 def _why_none(model: ServedModel) -> str:
     """Why a model serves no version: it was unloaded, or its versions were refused (their reasons)."""
-    if any(status.state == UNLOADING or status.reason == UNLOADED for status in model.status.values()):
+    if any(status.state == VersionState.UNLOADING or status.reason == UNLOADED for status in model.status.values()):
         return UNLOADED
     return "; ".join(f"version {version}: {status.reason}" for version, status in model.status.items()
                      if status.reason) or "not loaded"

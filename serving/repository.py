@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from capsnet.errors import CapsNetError, first_line
-from capsnet.model_description import SIDECAR_NAME, ModelDescription
+from capsnet.model_description.files import SIDECAR_NAME
+from capsnet.model_description.schema import ModelDescription
 from capsnet.serving.errors import InvalidInput, ModelNotFound
 
 log = logging.getLogger(__name__)
@@ -143,8 +144,6 @@ def fingerprint(folder: Path) -> str:
 class RepositoryDir:
     """`--model-repository DIR`: models are DIR's folders, each version a numbered folder in it."""
 
-    explicit = True  # the repository's content may change while serving
-
     def __init__(self, root: Path, default_policy: VersionPolicy):
         self.root = root
         self.default_policy = default_policy
@@ -205,8 +204,6 @@ class RepositoryDir:
 
 class OneModel:
     """`--model DIR`: one model, the name and version its model.json gives, loaded at start and never changed."""
-
-    explicit = False
 
     def __init__(self, folder: Path):
         self.folder = folder

@@ -2,7 +2,7 @@
 with the FP32 outputs recorded at export (reference.npz).
 
 FP32 must match them within the export's parity tolerance, every image in the same class. A reduced precision
-(INT8, FP16, BF16) answers to the precision gate (capsnet/model_description.py): it must reproduce what export
+(INT8, FP16, BF16) answers to the precision gate (capsnet/model_description/precision_gate.py): it must reproduce what export
 measured for that model on the same images, within the gate's margins. INT8 kernels differ between x86 kinds
 (AVX2's 16-bit intermediate sums saturate where VNNI's do not), GPU kernels between GPUs, so a variant gated on
 one machine is checked again on the one that serves it.
@@ -16,9 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from capsnet.cpu import CpuKind
+from capsnet.runtime.cpu import CpuKind
 from capsnet.errors import CapsNetError, first_line
-from capsnet.model_description import ModelDescription, PrecisionGate, gate_variant
+from capsnet.model_description.precision_gate import PrecisionGate
+from capsnet.model_description.schema import ModelDescription
+from capsnet.serving.backend_registry import gate_variant
 from capsnet.serving.backends.base import Backend
 
 FP32_TOLERANCE = 1e-4  # the export's parity tolerance (export/parity.py), on every output

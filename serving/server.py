@@ -211,7 +211,7 @@ class CapsNetServer:
             await self.models.warmup()
             # What startup made (torch, ONNX Runtime, the models: hundreds of thousands of objects) lives as long as
             # the server. Left in the collector's oldest generation, every full collection scans it again and holds
-            # the GIL for 100-270 ms (measured on a 2-core EPYC), stalling the event loop: requests wait, and calls
+            # the GIL for hundreds of ms (docs/experiments), stalling the event loop: requests wait, and calls
             # with short deadlines expire before their handler runs. Frozen, a collection scans only what came after.
             gc.collect()
             gc.freeze()

@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from capsnet.errors import CapsNetError, first_line
-from capsnet.model_description import ModelDescription
+from capsnet.model_description.schema import ModelDescription
 from capsnet.serving.artifacts import ModelArtifacts, load_artifacts
+from capsnet.serving.backend_registry import BACKEND_KINDS
 from capsnet.serving.backends import LoadedBackend, load_backend
 from capsnet.serving.backends.base import Backend
 from capsnet.serving.batcher import Batcher, BatcherConfig, ImageSource, OutputSink
@@ -38,8 +39,7 @@ from capsnet.serving.statistics import PHASES, ModelStatistics
 log = logging.getLogger(__name__)
 
 # KServe ModelMetadata platform of each backend, named as Triton names them
-PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "torch": "pytorch",  # eager: not TorchScript (pytorch_libtorch)
-             "aoti": "pytorch_aoti"}  # an AOTInductor package
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +148,7 @@ class InferenceService:
             max_batch_size=config.max_batch_size,
             backend=backend.name,
             precision=backend.precision,
-            platform=PLATFORMS[backend.name],
+            platform=BACKEND_KINDS[backend.name].platform,
             self_check=loaded.check,
             choice=loaded.why,
         )

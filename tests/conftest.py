@@ -6,6 +6,7 @@ Each area keeps its own tests (and any local conftest.py) in tests/<area>/.
 from __future__ import annotations
 
 import gzip
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -17,6 +18,11 @@ import torch
 from capsnet.training.checkpoint import Checkpoint, create_model, load_checkpoint, save_checkpoint
 from capsnet.training.config import preset
 from capsnet.training.data import DIGIT_NAMES
+
+# Without a CUDA GPU the fused routing kernels run in Triton's CPU interpreter, which Triton chooses when a kernel is
+# defined: set before any test imports capsnet.runtime.fused_routing
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _gpu_skip_reason() -> str | None:

@@ -1,5 +1,5 @@
 """FAKES, for unit checks only: stand-ins for the `tensorrt` package and cuda-python's CUDA runtime, which
-cannot be installed on the machines this project is tested on. They model what capsnet.tensorrt_runner
+cannot be installed on the machines this project is tested on. They model what capsnet.runtime.tensorrt_runner
 relies on: per-thread current device, pinned and device allocations (real host memory, so copies move real
 bytes), async copies, and an "engine" whose kernel is a known function of its input, so a runner that
 moves the wrong bytes, uses the wrong device or leaks a buffer fails. They prove nothing about TensorRT."""

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from capsnet import __version__
 from capsnet.errors import CapsNetError
@@ -35,10 +34,16 @@ FORMAT_VERSION = 1
 TEMPORARY_SUFFIX = ".tmp"
 
 
-def create_model(config: CapsNetConfig) -> nn.Module:
+# A model of any architecture: each keeps its CapsNetConfig as `config` and answers with a CapsNetOutput.
+Model = CapsNet | EMCapsNet | CnnBaseline | SharedCapsNet | GapCnn
+
+
+def create_model(config: CapsNetConfig) -> Model:
     """A freshly initialised model of the config's architecture."""
-    return {"capsnet": CapsNet, "em": EMCapsNet, "cnn-baseline": CnnBaseline, "shared-capsnet": SharedCapsNet,
-            "gap-cnn": GapCnn}[config.arch](config)
+    architectures: dict[str, Callable[[CapsNetConfig], Model]] = {
+        "capsnet": CapsNet, "em": EMCapsNet, "cnn-baseline": CnnBaseline, "shared-capsnet": SharedCapsNet,
+        "gap-cnn": GapCnn}
+    return architectures[config.arch](config)
 
 
 @dataclass
@@ -57,7 +62,7 @@ class Checkpoint:
     # None at an epoch's end; mid-epoch, the steps taken into epoch `epoch + 1` and their running totals
     epoch_progress: dict[str, Any] | None = None
 
-    def build_model(self) -> nn.Module:
+    def build_model(self) -> Model:
         """The model of `config.arch` (CapsNet, EMCapsNet, CnnBaseline, SharedCapsNet or GapCnn) in eval mode on the
         CPU with these weights."""
         model = create_model(self.config)

@@ -171,24 +171,25 @@ def run_eval(args: argparse.Namespace) -> int:
     device = resolve_device(args.device, DistributedContext())
     checkpoint = load_checkpoint(args.checkpoint)
     dataset = load_checkpoint_data(checkpoint, args.checkpoint, args.data, hold_out=args.split != "test")
-    if args.split == "validation" and dataset.validation is None:
-        raise CapsNetError(f"checkpoint {args.checkpoint} was trained without a validation split")
     split = {"train": dataset.train, "validation": dataset.validation, "test": dataset.test}[args.split]
+    if split is None:  # the validation split of a run that held none out
+        raise CapsNetError(f"checkpoint {args.checkpoint} was trained without a validation split")
     pairs = None
     if args.pairs is not None:  # built before the scoring, so a model that cannot take them fails at once
         pairs = build_pairs(checkpoint.config, split, len(split) if args.pair_count is None else args.pair_count,
                             args.seed or 0, args.pairs, f"checkpoint {args.checkpoint}")
     model = checkpoint.build_model().to(device)
     result = evaluate(model, split, tuple(checkpoint.class_names), args.batch_size, device)
-    pair_scores = pairs and score_pairs(model, pairs, args.pairs, args.seed or 0, args.batch_size, device)[1]
+    pair_scores = None if pairs is None else score_pairs(model, pairs, args.pairs, args.seed or 0, args.batch_size,
+                                                         device)[1]
     if args.json:
         # the checkpoint's share, also where the test split alone needed nothing held out
         print(json.dumps({"checkpoint": str(args.checkpoint), "data": dataset.name, "split": args.split,
                           "validation_fraction": checkpoint.metrics.get("validation_fraction", 0.0),
-                          **result.to_dict(), **({"pairs": pair_scores.to_dict()} if pairs else {})}))
+                          **result.to_dict(), **({"pairs": pair_scores.to_dict()} if pair_scores else {})}))
     else:
         print(f"checkpoint {args.checkpoint} (epoch {checkpoint.epoch}) on {dataset.name}, {args.split} split")
         print(result.format_report())
-        if pairs:
+        if pair_scores:
             print(pair_scores.format_report())
     return 0

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from capsnet.errors import CapsNetError
-from capsnet.model_description import InputSizes
+from capsnet.model_description.input_sizes import InputSizes
 
 ROUTING_VARIANTS = ("sabour", "leaky", "su")
 # em: training/em_model.py; cnn-baseline: training/cnn_baseline.py; shared-capsnet and gap-cnn:

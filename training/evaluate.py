@@ -15,12 +15,11 @@ import numpy as np
 import torch
 
 from capsnet.errors import CapsNetError
-from capsnet.training.checkpoint import Checkpoint
+from capsnet.training.checkpoint import Checkpoint, Model
 from capsnet.training.config import CapsNetConfig
 from capsnet.training.data import Dataset, Split, brief_list, load_dataset, to_float
 from capsnet.training.distributed import DistributedContext, all_reduce_sum
 from capsnet.training.loss import capsnet_loss
-from capsnet.training.model import CapsNet
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +118,7 @@ def check_dataset_fits(config: CapsNetConfig, dataset: Dataset, what: str, class
 
 
 @torch.no_grad()
-def evaluate(model: CapsNet, split: Split, class_names: tuple[str, ...], batch_size: int, device: torch.device,
+def evaluate(model: Model, split: Split, class_names: tuple[str, ...], batch_size: int, device: torch.device,
              context: DistributedContext = DistributedContext(),
              autocast: contextlib.AbstractContextManager = contextlib.nullcontext()) -> Evaluation:
     """Score `split`; each rank takes every world_size-th image and the counts are summed over ranks."""

@@ -12,7 +12,7 @@ The module imports neither torch nor numpy: `capsnet train --help` derives its h
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from capsnet.errors import CapsNetError
@@ -20,7 +20,7 @@ from capsnet.errors import CapsNetError
 if TYPE_CHECKING:
     from capsnet.training.checkpoint import Checkpoint
     from capsnet.training.config import CapsNetConfig
-    from capsnet.training.train import TrainOptions
+    from capsnet.training.train import RunOptions, TrainOptions
 
 
 class Resume(enum.Enum):
@@ -36,7 +36,7 @@ class ByArch:
     others: dict[str, Any] = field(default_factory=dict)
 
     def of(self, arch: str | None) -> Any:
-        return self.others.get(arch, self.base)
+        return self.base if arch is None else self.others.get(arch, self.base)
 
     def __str__(self) -> str:
         return "; ".join([str(self.base), *(f"{value} for --arch {arch}" for arch, value in self.others.items())])
@@ -147,7 +147,8 @@ def _completed(options: TrainOptions, names: tuple[str, ...], resumed: Checkpoin
         setting = SETTINGS[name]
         fallback = setting.default.of(arch) if isinstance(setting.default, ByArch) else setting.default
         given = getattr(options, name)
-        values[name] = given if given is not None else recorded.get(setting.metric, fallback)
+        kept = recorded.get(setting.metric, fallback) if setting.metric else fallback
+        values[name] = given if given is not None else kept
         if setting.metric in recorded and recorded[setting.metric] != values[name]:
             changes.append(setting.change(values[name], recorded[setting.metric]))
     return values, changes
@@ -157,8 +158,8 @@ def _refused(what: str, changes: list[str]) -> CapsNetError:
     return CapsNetError(f"--resume continues the checkpoint's {what}: {', '.join(changes)}")
 
 
-def run_options(options: TrainOptions, resumed: Checkpoint | None) -> TrainOptions:
-    """`options` with the validation share, --seed, --max-shift, --hflip and --erase filled in: given, the resumed
+def run_options(options: TrainOptions, resumed: Checkpoint | None) -> dict[str, Any]:
+    """The validation share, --seed, --max-shift, --hflip and --erase as the run takes them: given, the resumed
     run's, or the defaults. A resumed run keeps them: its training images, batches and draws derive from them and
     the epoch, and its checkpoints say that the whole run used them."""
     fraction, changes = _completed(options, ("val_fraction",), resumed)
@@ -166,13 +167,14 @@ def run_options(options: TrainOptions, resumed: Checkpoint | None) -> TrainOptio
         raise _refused(TRAINING_IMAGES, changes)
     drawn = tuple(name for name in BATCH_PLAN if SETTINGS[name].resume is Resume.KEEPS)
     values, changes = _completed(options, drawn, resumed)
-    if changes and resumed.epoch_progress is None:  # mid-epoch, check_resumable names every batch setting changed
+    # mid-epoch, check_resumable names every batch setting changed
+    if changes and resumed is not None and resumed.epoch_progress is None:
         raise _refused(AUGMENTATION, changes)
-    return replace(options, **fraction, **values)
+    return {**fraction, **values}
 
 
-def learning_rate_options(options: TrainOptions, arch: str, resumed: Checkpoint | None) -> TrainOptions:
-    """`options` with the learning rate, the schedule and its setting filled in: given, the resumed run's, or the
+def learning_rate_options(options: TrainOptions, arch: str, resumed: Checkpoint | None) -> dict[str, Any]:
+    """The learning rate, the schedule and its setting as the run takes them: given, the resumed run's, or the
     architecture's default. A resumed run keeps its rate and schedule; a linear one also its length, since the rate
     reaches 0 at its last step."""
     values = {}
@@ -190,8 +192,7 @@ def learning_rate_options(options: TrainOptions, arch: str, resumed: Checkpoint 
             raise CapsNetError("--lr-decay belongs to --lr-schedule exponential; the linear schedule falls to 0 "
                                "at the last step of --epochs")
         setting = "warmup"
-        planned = resumed.metrics.get("epochs", options.epochs) if resumed is not None else options.epochs
-        if planned != options.epochs:
+        if resumed is not None and (planned := resumed.metrics.get("epochs", options.epochs)) != options.epochs:
             if resumed.epoch >= planned:
                 raise CapsNetError(f"{options.resume} has finished its linear learning-rate schedule (the rate "
                                    f"fell to 0 in epoch {planned}); a longer run is a new one with a larger --epochs")
@@ -200,16 +201,16 @@ def learning_rate_options(options: TrainOptions, arch: str, resumed: Checkpoint 
     value, changes = _completed(options, (setting,), resumed, arch)
     if changes:
         raise _refused(SCHEDULE, changes)
-    return replace(options, **values, **value)
+    return {**values, **value}
 
 
-def batch_plan(options: TrainOptions, world_size: int, train_images: int) -> dict[str, Any]:
+def batch_plan(options: RunOptions, world_size: int, train_images: int) -> dict[str, Any]:
     """The values of BATCH_PLAN for this run."""
     run = {"world_size": world_size, "train_images": train_images}
     return {name: run[name] if name in run else getattr(options, name) for name in BATCH_PLAN}
 
 
-def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOptions,
+def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: RunOptions,
                     plan: dict[str, Any]) -> EpochProgress:
     """Resuming continues the same model; flags given again must agree with the checkpoint.
     Returns how far into its next epoch the checkpoint got (nothing at an epoch's end)."""
@@ -243,7 +244,7 @@ def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: TrainOp
     return progress
 
 
-def check_linear_schedule_steps(resumed: Checkpoint, options: TrainOptions, progress: EpochProgress,
+def check_linear_schedule_steps(resumed: Checkpoint, options: RunOptions, progress: EpochProgress,
                                 plan: dict[str, Any], steps: int) -> None:
     """A linear schedule is laid out in steps (--epochs times the `steps` of an epoch), and the resumed scheduler
     continues at its step count. Another number of steps an epoch (--batch-size, the training set, the processes)
@@ -254,7 +255,8 @@ def check_linear_schedule_steps(resumed: Checkpoint, options: TrainOptions, prog
     if done == resumed.epoch * steps + progress.step:
         return
     changes = [setting.change(plan[name], resumed.metrics[setting.metric]) for name, setting in SETTINGS.items()
-               if setting.resume is Resume.EPOCH_END and resumed.metrics[setting.metric] != plan[name]]
+               if setting.resume is Resume.EPOCH_END and setting.metric
+               and resumed.metrics[setting.metric] != plan[name]]
     raise CapsNetError(f"{options.resume} follows a linear learning-rate schedule of "
                        f"{(done - progress.step) // resumed.epoch} steps an epoch; this run takes {steps}"
                        f"{': ' + ', '.join(changes) if changes else ''}")

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from capsnet.model_description import PRESENT_THRESHOLD  # the one default, which serving uses too
+from capsnet.model_description.classes import PRESENT_THRESHOLD  # the one default, which serving uses too
 from capsnet.training.cli import CHECKPOINT_DATA_HELP, DEVICE_HELP
 
 # The pairs are built in memory at once, about 6 kB each for 28x28 images (200,000: 1.2 GB, 20 s): this many

@@ -21,8 +21,9 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, MutableMapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -30,16 +31,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
-from capsnet.cpu import MAX_THREADS, CpuKind, bf16_autocast_pays
+from capsnet.runtime.cpu import MAX_THREADS, CpuKind, bf16_autocast_pays
 from capsnet.errors import CapsNetError
 from capsnet.training import distributed
-from capsnet.training.checkpoint import (Checkpoint, create_model, load_checkpoint, remove_leftover_temporaries,
+from capsnet.training.checkpoint import (Checkpoint, Model, create_model, load_checkpoint, remove_leftover_temporaries,
                                          save_checkpoint)
 from capsnet.training.config import PRESETS, CapsNetConfig, preset
 from capsnet.training.data import (Augmentation, Dataset, Split, channel_mean_std, data_location, load_dataset,
                                    to_float)
 from capsnet.training.distributed import DistributedContext
-from capsnet.training.evaluate import check_dataset_fits, evaluate
+from capsnet.training.evaluate import Evaluation, check_dataset_fits, evaluate
 from capsnet.training.loss import capsnet_loss
 from capsnet.training.model import count_parameters
 from capsnet.training.resume import (LR_SCHEDULES, MODEL_FLAGS, EpochProgress, batch_plan, check_linear_schedule_steps,
@@ -126,6 +127,35 @@ class TrainOptions:
         self.out = Path(self.out)
         self.resume = None if self.resume is None else Path(self.resume)
 
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The settings a run trains with: TrainOptions completed from the resumed checkpoint and the defaults
+    (resume.run_options, resume.learning_rate_options), so none is left "not given"."""
+    data: str
+    out: Path
+    resume: Path | None
+    val_fraction: float
+    epochs: int
+    batch_size: int
+    lr: float
+    lr_schedule: str
+    lr_decay: float | None  # the exponential schedule's; None under the linear one
+    warmup: float | None  # the linear schedule's; None under the exponential one
+    max_shift: int
+    hflip: bool
+    erase: float
+    seed: int
+    amp: bool
+    compile: bool
+    checkpoint_every: int | None
+    progress: bool
+
+    @classmethod
+    def completed(cls, options: TrainOptions, resolved: dict[str, Any]) -> RunOptions:
+        """`options`, with the settings the run resolved from the checkpoint and the defaults in place of its own."""
+        return cls(**{setting.name: resolved.get(setting.name, getattr(options, setting.name)) for setting in fields(cls)})
+
     @property
     def last_path(self) -> Path:
         return last_checkpoint_path(self.out)
@@ -162,20 +192,24 @@ def model_config(options: TrainOptions, dataset: Dataset, base: CapsNetConfig | 
 def epoch_batches(num_images: int, batch_size: int, context: DistributedContext, seed: int,
                   epoch: int) -> list[np.ndarray]:
     """This rank's shuffled share of the epoch, cut into batches; every rank gets the same number of batches."""
-    sampler = DistributedSampler(range(num_images), num_replicas=context.world_size, rank=context.rank,
-                                 shuffle=True, seed=seed, drop_last=True)
+    # the sampler asks its dataset for nothing but its length
+    sampler: DistributedSampler[int] = DistributedSampler(
+        range(num_images), num_replicas=context.world_size, rank=context.rank,  # type: ignore[arg-type]
+        shuffle=True, seed=seed, drop_last=True)
     sampler.set_epoch(epoch)
     indices = np.fromiter(sampler, dtype=np.int64)
     return np.array_split(indices, range(batch_size, len(indices), batch_size))
 
 
-def learning_rate_scheduler(optimizer: torch.optim.Optimizer, options: TrainOptions,
+def learning_rate_scheduler(optimizer: torch.optim.Optimizer, options: RunOptions,
                             steps_per_epoch: int) -> torch.optim.lr_scheduler.LRScheduler:
     """Exponential: the rate times --lr-decay after every epoch. Linear: stepped after every batch, the rate
     rises from lr/W to lr over the first W steps (W: --warmup of all S steps), then falls to lr/(S − W) at
     the last step of --epochs, so the last steps are small and the last weights carry little batch noise."""
     if options.lr_schedule == "exponential":
+        assert options.lr_decay is not None  # learning_rate_options sets the schedule's own setting
         return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=options.lr_decay)
+    assert options.warmup is not None
     total = options.epochs * steps_per_epoch
     warmup = round(options.warmup * total)
 
@@ -210,7 +244,7 @@ class EpochResult:
 
 def train_one_epoch(step_model: torch.nn.Module, config: CapsNetConfig, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler, split: Split,
-                    epoch: int, options: TrainOptions, context: DistributedContext, device: torch.device,
+                    epoch: int, options: RunOptions, context: DistributedContext, device: torch.device,
                     progress: EpochProgress, save_progress: Callable[[int, EpochProgress], None]) -> EpochResult:
     """One pass over this rank's share of `split`, from `progress.step` on; the loss and accuracy returned are
     summed over ranks. Every `options.checkpoint_every` steps, `save_progress` gets the progress so far.
@@ -249,7 +283,9 @@ def train_one_epoch(step_model: torch.nn.Module, config: CapsNetConfig, optimize
         if options.checkpoint_every and step % options.checkpoint_every == 0 and step < len(batches):
             summed = totals.clone()
             distributed.all_reduce_sum(summed, context)
-            save_progress(epoch, EpochProgress(step, *summed.tolist(), progress.seconds + time.perf_counter() - started))
+            loss_sum, correct_sum, image_sum = summed.tolist()
+            save_progress(epoch, EpochProgress(step, loss_sum, correct_sum, image_sum,
+                                               progress.seconds + time.perf_counter() - started))
     distributed.all_reduce_sum(totals, context)
     loss_sum, correct, images = totals.tolist()
     return EpochResult(loss_sum / images, correct / images, int(images),
@@ -304,12 +340,12 @@ def train(options: TrainOptions) -> Checkpoint:
     with torch_threads(threads), distributed.process_group(context, device):
         # the ranks check together: a mistake on any of them stops every one, with one line from rank 0
         with distributed.errors_reported_once(context):
-            options, config, dataset, resumed, progress = prepare_run(options, context, device)
+            run, config, dataset, resumed, progress = prepare_run(options, context, device)
         if context.is_distributed:  # each rank read its own copy of the data and checkpoint
             with distributed.errors_reported_once(context):
                 distributed.check_same_on_every_rank(context, "data or checkpoints",
                                                      run_fingerprint(dataset, resumed, progress))
-        return run_epochs(options, config, dataset, resumed, progress, context, device)
+        return run_epochs(run, config, dataset, resumed, progress, context, device)
 
 
 @contextlib.contextmanager
@@ -328,7 +364,7 @@ def torch_threads(count: int | None) -> Iterator[None]:
 
 
 def prepare_run(options: TrainOptions, context: DistributedContext, device: torch.device,
-                ) -> tuple[TrainOptions, CapsNetConfig, Dataset, Checkpoint | None, EpochProgress]:
+                ) -> tuple[RunOptions, CapsNetConfig, Dataset, Checkpoint | None, EpochProgress]:
     """Check the user's input against the data and the resumed checkpoint; return the options completed from them,
     the model config, the data, the resumed checkpoint and how far into its next epoch it got."""
     if options.batch_size % context.world_size:
@@ -340,24 +376,24 @@ def prepare_run(options: TrainOptions, context: DistributedContext, device: torc
             options = replace(options, amp=False)
     prepare_output(options.out, context)
     resumed = load_checkpoint(options.resume) if options.resume is not None else None
-    options = run_options(options, resumed)
-    dataset = load_dataset(options.data, options.val_fraction)
-    if options.max_shift >= min(dataset.image_shape[1:]):
-        raise CapsNetError(f"--max-shift {options.max_shift} is not smaller than the {dataset.image_shape[1]}x"
+    drawn = run_options(options, resumed)
+    dataset = load_dataset(options.data, drawn["val_fraction"])
+    if drawn["max_shift"] >= min(dataset.image_shape[1:]):
+        raise CapsNetError(f"--max-shift {drawn['max_shift']} is not smaller than the {dataset.image_shape[1]}x"
                            f"{dataset.image_shape[2]} images")
     config = model_config(options, dataset, resumed.config if resumed else None)
-    options = learning_rate_options(options, config.arch, resumed)
+    run = RunOptions.completed(options, {**drawn, **learning_rate_options(options, config.arch, resumed)})
     progress = EpochProgress()
     if resumed is not None:
         # the model keeps its classes, each by its name: not clothes for digits, nor only some digits
-        check_dataset_fits(resumed.config, dataset, f"checkpoint {options.resume}", tuple(resumed.class_names),
+        check_dataset_fits(resumed.config, dataset, f"checkpoint {run.resume}", tuple(resumed.class_names),
                            every_class=True)
-        plan = batch_plan(options, context.world_size, len(dataset.train))
-        progress = check_resumable(resumed, config, options, plan)
-        check_linear_schedule_steps(resumed, options, progress, plan,
-                                    epoch_steps(len(dataset.train), options.batch_size, context))
+        plan = batch_plan(run, context.world_size, len(dataset.train))
+        progress = check_resumable(resumed, config, run, plan)
+        check_linear_schedule_steps(resumed, run, progress, plan,
+                                    epoch_steps(len(dataset.train), run.batch_size, context))
     check_dataset_fits(config, dataset, "the model")
-    return options, config, dataset, resumed, progress
+    return run, config, dataset, resumed, progress
 
 
 def run_fingerprint(dataset: Dataset, resumed: Checkpoint | None, progress: EpochProgress) -> dict[str, object]:
@@ -365,13 +401,13 @@ def run_fingerprint(dataset: Dataset, resumed: Checkpoint | None, progress: Epoc
     weights: DDP makes the ranks' weights equal once, and ranks with other optimizer states would drift apart)."""
     splits = (dataset.train, dataset.validation, dataset.test)
     pixels, weights = hashlib.blake2b(digest_size=16), hashlib.blake2b(digest_size=16)
-    for split in splits:
+    for split in splits:  # .data: the arrays' bytes, as a buffer the type checker knows
         if split is not None:
-            pixels.update(np.ascontiguousarray(split.images))
-            pixels.update(np.ascontiguousarray(split.labels))
+            pixels.update(np.ascontiguousarray(split.images).data)
+            pixels.update(np.ascontiguousarray(split.labels).data)
     for name, tensor in sorted(resumed.state_dict.items() if resumed else ()):
         weights.update(name.encode())
-        weights.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+        weights.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
     return {"training/validation/test images": "/".join(str(len(split or ())) for split in splits),
             "classes": ", ".join(dataset.class_names), "image shape": "x".join(map(str, dataset.image_shape)),
             "images' content hash": pixels.hexdigest(),
@@ -384,36 +420,60 @@ def epoch_steps(num_images: int, batch_size: int, context: DistributedContext) -
     return len(epoch_batches(num_images, batch_size // context.world_size, context, 0, 0))
 
 
-def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, resumed: Checkpoint | None,
-               progress: EpochProgress, context: DistributedContext, device: torch.device) -> Checkpoint:
-    """Train from the start, or from `resumed` and `progress` into its next epoch, up to `options.epochs`."""
+@dataclass
+class TrainingState:
+    """What a run trains and a checkpoint keeps: the model, its optimizer, learning-rate schedule and loss scaling,
+    and a record of every epoch so far."""
+    model: Model
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    history: list[dict] = field(default_factory=list)
+
+
+def new_state(options: RunOptions, config: CapsNetConfig, steps_per_epoch: int, device: torch.device) -> TrainingState:
+    """A model initialised from --seed, with a fresh optimizer, schedule and loss scaling."""
     torch.manual_seed(options.seed)
     model = create_model(config).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=options.lr)
-    per_rank_batch = options.batch_size // context.world_size
-    scheduler = learning_rate_scheduler(optimizer, options, epoch_steps(len(dataset.train), options.batch_size, context))
+    scheduler = learning_rate_scheduler(optimizer, options, steps_per_epoch)
     scaler = torch.amp.GradScaler(device.type, enabled=options.amp and device.type == "cuda")
-    history: list[dict] = []
-    if resumed is not None:
-        with distributed.errors_reported_once(context):  # every rank loads the same file: one line, not N
-            model.load_state_dict(resumed.state_dict)
-            try:  # load_checkpoint checked that these are dicts, not what they hold
-                optimizer.load_state_dict(resumed.optimizer_state)
-                scheduler.load_state_dict(resumed.scheduler_state)
-                if resumed.scaler_state:  # empty when the run had no CUDA mixed precision
-                    scaler.load_state_dict(resumed.scaler_state)
-            except (KeyError, TypeError, ValueError) as err:
-                raise CapsNetError(f"checkpoint {options.resume} is damaged: its optimizer state does not load "
-                                   f"({type(err).__name__}: {err})") from None
-        history = list(resumed.history)
+    return TrainingState(model, optimizer, scheduler, scaler)
+
+
+def restore(state: TrainingState, resumed: Checkpoint, options: RunOptions, context: DistributedContext) -> None:
+    """Load the resumed run's weights, optimizer, schedule, loss scaling and history into `state`."""
+    with distributed.errors_reported_once(context):  # every rank loads the same file: one line, not N
+        state.model.load_state_dict(resumed.state_dict)
+        # check_resumable refused a checkpoint without them
+        assert resumed.optimizer_state is not None and resumed.scheduler_state is not None
+        try:  # load_checkpoint checked that these are dicts, not what they hold
+            state.optimizer.load_state_dict(resumed.optimizer_state)
+            state.scheduler.load_state_dict(resumed.scheduler_state)
+            if resumed.scaler_state:  # empty when the run had no CUDA mixed precision
+                state.scaler.load_state_dict(resumed.scaler_state)
+        except (KeyError, TypeError, ValueError) as err:
+            raise CapsNetError(f"checkpoint {options.resume} is damaged: its optimizer state does not load "
+                               f"({type(err).__name__}: {err})") from None
+    state.history = list(resumed.history)
+
+
+def step_model_for(model: Model, options: RunOptions, context: DistributedContext) -> torch.nn.Module:
+    """What the training steps call: `model`, in DistributedDataParallel under torchrun, compiled with --compile."""
     if context.is_distributed:
         # A 1-channel Conv1 weight (256, 1, 9, 9) gets its gradient with another (equivalent) stride for the
         # size-1 axis; DDP warns about it on every backward though nothing is wrong.
         warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
-    step_model = DistributedDataParallel(model) if context.is_distributed else model
+    step_model: torch.nn.Module = DistributedDataParallel(model) if context.is_distributed else model
     if options.compile:
-        step_model = torch.compile(step_model)
-    run_info = {
+        step_model = cast(torch.nn.Module, torch.compile(step_model))  # an OptimizedModule, which is a Module
+    return step_model
+
+
+def run_info(options: RunOptions, dataset: Dataset, model: Model, context: DistributedContext,
+             device: torch.device) -> dict[str, Any]:
+    """What every checkpoint of the run records about it beside the epoch's figures."""
+    return {
         # where the data is, so `capsnet export` calibrates and gates INT8 on the model's own data by default
         "dataset": dataset.name, "data": data_location(options.data),
         "train_images": len(dataset.train), "test_images": len(dataset.test),
@@ -424,20 +484,64 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
         "seed": options.seed, "device": device.type, "world_size": context.world_size, "amp": options.amp,
         "compile": options.compile,
     }
+
+
+def snapshot(state: TrainingState, config: CapsNetConfig, dataset: Dataset, epochs_done: int, metrics: dict,
+             plan: dict[str, Any], partial: EpochProgress | None = None) -> Checkpoint:
+    """The checkpoint of `state` after `epochs_done` epochs, and `partial`'s steps into the next one."""
+    return Checkpoint(
+        config=config, state_dict=state.model.state_dict(), class_names=list(dataset.class_names), metrics=metrics,
+        epoch=epochs_done, optimizer_state=state.optimizer.state_dict(), scheduler_state=state.scheduler.state_dict(),
+        history=list(state.history), dataset=dataset.name, scaler_state=state.scaler.state_dict(),
+        epoch_progress=None if partial is None else {**asdict(partial), "batch_plan": plan},
+    )
+
+
+def best_epoch(history: list[dict]) -> dict | None:
+    """The best epoch by validation accuracy (the earliest of equals); without a validation split every epoch is."""
+    return max(history, key=lambda record: record.get("validation_accuracy", -1.0), default=None)
+
+
+def is_new_best(scored: dict[str, Evaluation], best: dict | None, out: Path) -> bool:
+    """Whether an epoch scored so replaces the best one (`out`): selection sees the validation split only, the test
+    split is reported."""
+    return ("validation" not in scored or best is None
+            or scored["validation"].accuracy > best["validation_accuracy"] or not out.exists())
+
+
+def score(model: Model, dataset: Dataset, options: RunOptions, context: DistributedContext,
+          device: torch.device) -> dict[str, Evaluation]:
+    """The model on the validation split (where there is one) and the test split."""
+    per_rank_batch = options.batch_size // context.world_size
+    return {name: evaluate(model, split, dataset.class_names, per_rank_batch, device, context,
+                           autocast_context(device, options.amp))
+            for name, split in (("validation", dataset.validation), ("test", dataset.test)) if split is not None}
+
+
+def epoch_record(epoch: int, lr: float, trained: EpochResult, scored: dict[str, Evaluation],
+                 eval_seconds: float) -> dict[str, Any]:
+    """One epoch's line of the history: its rate, its training figures and its scores."""
+    record = {"epoch": epoch + 1, "lr": lr, "train_loss": trained.loss, "train_accuracy": trained.accuracy}
+    for name, result in scored.items():
+        record.update({f"{name}_loss": result.loss, f"{name}_accuracy": result.accuracy})
+    record.update({"train_seconds": trained.seconds, "train_images_per_second": trained.images / trained.seconds,
+                   "eval_seconds": eval_seconds})
+    return record
+
+
+def run_epochs(options: RunOptions, config: CapsNetConfig, dataset: Dataset, resumed: Checkpoint | None,
+               progress: EpochProgress, context: DistributedContext, device: torch.device) -> Checkpoint:
+    """Train from the start, or from `resumed` and `progress` into its next epoch, up to `options.epochs`; save the
+    last and the best epoch after each one, and return the last epoch's checkpoint."""
+    state = new_state(options, config, epoch_steps(len(dataset.train), options.batch_size, context), device)
+    if resumed is not None:
+        restore(state, resumed, options, context)
+    step_model = step_model_for(state.model, options, context)
+    info = run_info(options, dataset, state.model, context, device)
     plan = batch_plan(options, context.world_size, len(dataset.train))
-
-    def snapshot(epochs_done: int, metrics: dict, partial: EpochProgress | None = None) -> Checkpoint:
-        return Checkpoint(
-            config=config, state_dict=model.state_dict(), class_names=list(dataset.class_names), metrics=metrics,
-            epoch=epochs_done, optimizer_state=optimizer.state_dict(), scheduler_state=scheduler.state_dict(),
-            history=list(history), dataset=dataset.name, scaler_state=scaler.state_dict(),
-            epoch_progress=None if partial is None else {**asdict(partial), "batch_plan": plan},
-        )
-
-    # The best epoch by validation accuracy (the earliest of equals); without a validation split every epoch is.
-    best = max(history, key=lambda record: record.get("validation_accuracy", -1.0), default=None)
+    best = best_epoch(state.history)
     processes = f"{context.world_size} process{'es' if context.is_distributed else ''}"
-    announce(context, f"training {run_info['parameters']:,} parameters on {len(dataset.train):,} images of "
+    announce(context, f"training {info['parameters']:,} parameters on {len(dataset.train):,} images of "
                       f"{dataset.name} ({device}, {processes})")
     start_epoch = resumed.epoch if resumed else 0
     if progress.step:
@@ -446,32 +550,25 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
 
     def save_progress(epoch: int, partial: EpochProgress) -> None:
         if context.is_main:  # weights are the same on every rank
-            save_checkpoint(snapshot(epoch, {**run_info, "steps_into_epoch": partial.step}, partial), options.last_path)
+            save_checkpoint(snapshot(state, config, dataset, epoch, {**info, "steps_into_epoch": partial.step}, plan,
+                                     partial), options.last_path)
 
     for epoch in range(start_epoch, options.epochs):
-        lr = optimizer.param_groups[0]["lr"]
-        trained = train_one_epoch(step_model, config, optimizer, scheduler, scaler, dataset.train, epoch, options,
-                                  context, device, progress, save_progress)
+        lr = state.optimizer.param_groups[0]["lr"]
+        trained = train_one_epoch(step_model, config, state.optimizer, state.scheduler, state.scaler, dataset.train,
+                                  epoch, options, context, device, progress, save_progress)
         progress = EpochProgress()
         if options.lr_schedule == "exponential":
-            scheduler.step()
+            state.scheduler.step()
         started = time.perf_counter()
-        scored = {name: evaluate(model, split, dataset.class_names, per_rank_batch, device, context,
-                                 autocast_context(device, options.amp))
-                  for name, split in (("validation", dataset.validation), ("test", dataset.test)) if split is not None}
-        record = {"epoch": epoch + 1, "lr": lr, "train_loss": trained.loss, "train_accuracy": trained.accuracy}
-        for name, result in scored.items():
-            record.update({f"{name}_loss": result.loss, f"{name}_accuracy": result.accuracy})
-        record.update({"train_seconds": trained.seconds, "train_images_per_second": trained.images / trained.seconds,
-                       "eval_seconds": time.perf_counter() - started})
-        history.append(record)
-        # selection sees the validation split only; the test split is reported
-        is_best = ("validation" not in scored or best is None
-                   or scored["validation"].accuracy > best["validation_accuracy"] or not options.out.exists())
+        scored = score(state.model, dataset, options, context, device)
+        record = epoch_record(epoch, lr, trained, scored, time.perf_counter() - started)
+        state.history.append(record)
+        is_best = is_new_best(scored, best, options.out)
         if is_best:
             best = record
         per_class = {f"{name}_per_class_accuracy": result.per_class_accuracy for name, result in scored.items()}
-        checkpoint = snapshot(epoch + 1, {**record, **run_info, **per_class})
+        checkpoint = snapshot(state, config, dataset, epoch + 1, {**record, **info, **per_class}, plan)
         if context.is_main:
             save_checkpoint(checkpoint, options.last_path)
             if is_best:
@@ -482,6 +579,14 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
                           f"train loss {trained.loss:.4f} acc {100 * trained.accuracy:.2f}% | {figures} | "
                           f"{record['train_images_per_second']:.0f} images/s, {trained.seconds:.1f}s"
                           + (f" | best -> {options.out}" if is_best and "validation" in scored else ""))
+    # check_resumable left at least one epoch to train
+    assert checkpoint is not None and best is not None
+    announce_selection(best, dataset, options, context)
+    return checkpoint
+
+
+def announce_selection(best: dict, dataset: Dataset, options: RunOptions, context: DistributedContext) -> None:
+    """Which epoch `options.out` holds, and why."""
     if dataset.validation is None:
         announce(context, f"no validation split (--val-fraction 0), so no selection: {options.out} holds the last "
                           f"epoch (test accuracy {100 * best['test_accuracy']:.2f}%)")
@@ -489,4 +594,3 @@ def run_epochs(options: TrainOptions, config: CapsNetConfig, dataset: Dataset, r
         announce(context, f"best validation accuracy {100 * best['validation_accuracy']:.2f}% after epoch "
                           f"{best['epoch']} (its test accuracy, not used to choose: {100 * best['test_accuracy']:.2f}%): "
                           f"{options.out}; last epoch: {options.last_path}")
-    return checkpoint

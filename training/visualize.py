@@ -145,8 +145,8 @@ def visualize(checkpoint_path: Path, data: str | None, out: Path, images: int, e
     if arch in ANY_SIZE_ARCHITECTURES:
         pairs = build_pairs(checkpoint.config, dataset.test, images, 0, PAIRS_LAYOUT, f"checkpoint {checkpoint_path}")
         lengths, scores = score_pairs(model, pairs, PAIRS_LAYOUT, 0, batch_size, device)
-        shown = slice(PAIRS_SHOWN)
-        written.append(draw_pairs(pairs.images[shown], lengths[shown], pairs.labels[shown], names, scores, arch,
+        first = slice(PAIRS_SHOWN)
+        written.append(draw_pairs(pairs.images[first], lengths[first], pairs.labels[first], names, scores, arch,
                                   out / "pairs.png"))
     if arch not in CAPSULE_ARCHITECTURES:
         # said, not only left out: the help promises reconstructions, perturbations and routing

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from capsnet.errors import CapsNetError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -44,7 +45,10 @@ def load_backend(name: str, model_dir: str, threads: int, max_batch_size: int) -
     if name == PUBLIC_REFERENCE:  # the analysis' (the bench extra); a run without it never asks for it
         from capsnet.bench.analysis.public_reference import load_reference_backend
 
-        return load_reference_backend(artifacts.checkpoint, threads)
+        try:
+            return load_reference_backend(artifacts.checkpoint, threads)
+        except CapsNetError as err:  # a routing variant the public code does not have
+            raise BackendUnavailable(str(err)) from None
     server_backend, precision = SERVER_BACKENDS[name]
     if server_backend == "onnxruntime" and precision not in artifacts.onnx:
         raise BackendUnavailable(f"{model_dir} has no {precision} ONNX model (export with --{precision})")
@@ -54,7 +58,7 @@ def load_backend(name: str, model_dir: str, threads: int, max_batch_size: int) -
         if reason := bf16_unavailable_reason():
             raise BackendUnavailable(reason)
     if server_backend == "tensorrt":
-        from capsnet.tensorrt_runner import unavailable_reason
+        from capsnet.runtime.tensorrt_runner import unavailable_reason
 
         reason = unavailable_reason() or (None if artifacts.tensorrt_plan else f"{model_dir} has no TensorRT plan")
         if reason:

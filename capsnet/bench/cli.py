@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from capsnet.cpu import MAX_THREADS
+from capsnet.runtime.cpu import MAX_THREADS
 from capsnet.errors import CapsNetError
 
 # (full run, --quick) for each setting the user did not give
@@ -74,8 +74,8 @@ def register(subparsers) -> None:
 def run_bench_command(args: argparse.Namespace) -> int:
     from capsnet.bench.analysis import missing
     from capsnet.bench.machine import cores
-    from capsnet.bench.report import check_out_dir, verdict
-    from capsnet.bench.suite import Analysis, BenchOptions, run_bench
+    from capsnet.bench.report_files import check_out_dir, verdict
+    from capsnet.bench.run import Analysis, BenchOptions, run_bench
 
     settings = {name: getattr(args, name) if getattr(args, name) is not None else values[args.quick]
                 for name, values in DEFAULTS.items()}
@@ -102,7 +102,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print(f"capsnet bench: measuring throughput and latency only: {why}", file=sys.stderr)
         analysis = Analysis(why)
     else:
-        from capsnet.bench.analysis.suite import BenchAnalysis
+        from capsnet.bench.analysis.hooks import BenchAnalysis
 
         analysis = BenchAnalysis(options)
     # SIGTERM (`timeout`, a job scheduler, `kill`) unwinds like Ctrl-C: the server and the workers are stopped and

@@ -7,7 +7,7 @@ import os
 import platform
 from pathlib import Path
 
-from capsnet.cpu import CpuKind, bf16_autocast_pays, read_cpuinfo
+from capsnet.runtime.cpu import CpuKind, bf16_autocast_pays, read_cpuinfo
 
 PACKAGES = ("capsnet-serve", "torch", "onnxruntime", "onnx", "numpy", "grpcio", "tensorrt")
 

@@ -1,5 +1,5 @@
 """AOTInductor: serves a package compiled by `capsnet export --aoti` (model.<device>.<precision>.pt2) on the CPU or
-on CUDA device --gpu N, through capsnet.torch_runner.AotiRunner, the runner export checked the package with.
+on CUDA device --gpu N, through capsnet.runtime.torch_runner.AotiRunner, the runner export checked the package with.
 
 A package runs only with the torch that compiled it, and a CUDA one only on a GPU of its compute capability; both
 are checked against model.json before it is loaded, so a mismatch is one line at startup, not a crash.
@@ -11,11 +11,12 @@ import numpy as np
 import torch
 
 from capsnet.errors import CapsNetError
-from capsnet.model_description import AotiPackage
+from capsnet.model_description.schema import AotiPackage
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import DeviceBackend, DeviceFailure
+from capsnet.serving.config import ServerConfig
 from capsnet.serving.backends.torch_backend import torch_device
-from capsnet.torch_runner import AotiRunner, gpu_facts, is_device_error
+from capsnet.runtime.torch_runner import AotiRunner, gpu_facts, is_device_error
 
 
 def find_package(artifacts: ModelArtifacts, device: str, precision: str) -> AotiPackage:
@@ -49,6 +50,11 @@ def package_problem(package: AotiPackage, gpu: int | None, max_batch_size: int) 
 class AotiBackend(DeviceBackend):
     name = "aoti"
 
+    @classmethod
+    def create(cls, artifacts: ModelArtifacts, precision: str, config: ServerConfig) -> AotiBackend:
+        return cls(artifacts, "fp32" if precision == "auto" else precision, config.intra_op_threads, config.gpu,
+                   config.max_batch_size)
+
     def __init__(self, artifacts: ModelArtifacts, precision: str, threads: int, gpu: int | None, max_batch_size: int):
         self.device = torch_device(gpu)
         package = find_package(artifacts, self.device.type, precision)
@@ -60,6 +66,7 @@ class AotiBackend(DeviceBackend):
         self.precision = precision
         self.output_names = artifacts.output_names
         self.runner = AotiRunner(path, self.device, artifacts.input_shape, dict(artifacts.output_shapes), max_batch_size)
+        self.on_gpu, self.gpu_timer = self.device.type == "cuda", self.runner.gpu_timer
         where = (f"GPU {gpu} {gpu_facts(gpu)[0]}" if self.device.type == "cuda" else f"CPU, {threads} threads")
         self.description = f"{package.file} ({precision}) on {where}, torch {torch.__version__}"
 

@@ -4,17 +4,31 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from capsnet.serving.errors import BackendUnusable
 
+if TYPE_CHECKING:  # torch (capsnet.gpu_timing), which a server of ONNX Runtime on the CPU never loads
+    from capsnet.gpu_timing import GpuTimer
+    from capsnet.serving.artifacts import ModelArtifacts
+    from capsnet.serving.config import ServerConfig
+
 
 class Backend(ABC):
-    name: str  # "onnxruntime" | "tensorrt" | "torch"
+    name: str  # a name of serving/backend_registry.py's BACKEND_KINDS
     precision: str  # "fp32" | "fp16" | "int8" | "bf16"
     description: str  # what it runs on, for the startup log, e.g. "CPUExecutionProvider, 2 threads"
     output_names: tuple[str, ...]  # the outputs run() returns, as in model.json
+    on_gpu: bool = False  # runs on a CUDA GPU: the server then exports the GPUs' nv_gpu_* metrics
+    # times each run's model work on the GPU (the torch and AOTInductor runners on CUDA); read after run() returns
+    gpu_timer: GpuTimer | None = None
+
+    @classmethod
+    @abstractmethod
+    def create(cls, artifacts: ModelArtifacts, precision: str, config: ServerConfig) -> Backend:
+        """The backend for `config` in `precision` ("auto": the backend's own choice)."""
 
     @abstractmethod
     def run(self, images: np.ndarray) -> dict[str, np.ndarray]:

@@ -11,6 +11,7 @@ import onnxruntime as ort
 from capsnet.errors import CapsNetError
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import Backend
+from capsnet.serving.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,10 @@ def gpu_providers_installed() -> list[str]:
 
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
+
+    @classmethod
+    def create(cls, artifacts: ModelArtifacts, precision: str, config: ServerConfig) -> OnnxRuntimeBackend:
+        return cls(artifacts, precision, config.intra_op_threads, config.max_batch_size, config.gpu_or_first)
 
     def __init__(self, artifacts: ModelArtifacts, precision: str, threads: int, max_batch_size: int, gpu: int = 0):
         path = artifacts.onnx.get(precision)
@@ -49,6 +54,7 @@ class OnnxRuntimeBackend(Backend):
         self.input_name = artifacts.input_name
         self.output_names = artifacts.output_names
         self.precision = precision
+        self.on_gpu = self.session.get_providers()[0] in GPU_PROVIDERS  # else it fell back to the CPU
         self.description = f"{path.name} on {', '.join(self.session.get_providers())}, {threads} threads"
 
     @staticmethod

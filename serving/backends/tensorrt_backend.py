@@ -1,4 +1,4 @@
-"""TensorRT: serves the serialized engine (model.plan) with capsnet.tensorrt_runner, the runner export's
+"""TensorRT: serves the serialized engine (model.plan) with capsnet.runtime.tensorrt_runner, the runner export's
 parity check uses too. NOT RUN: TensorRT cannot be installed where this project is developed and tested.
 
 An engine only runs on the TensorRT version and GPU it was built for, so model.plan.json is checked
@@ -15,13 +15,19 @@ import numpy as np
 from capsnet.errors import CapsNetError
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import Backend
-from capsnet.tensorrt_runner import EngineRunner, gpu_facts, unavailable_reason
+from capsnet.serving.config import ServerConfig
+from capsnet.runtime.tensorrt_runner import EngineRunner, gpu_facts, unavailable_reason
 
 log = logging.getLogger(__name__)
 
 
 class TensorRTBackend(Backend):
     name = "tensorrt"
+    on_gpu = True
+
+    @classmethod
+    def create(cls, artifacts: ModelArtifacts, precision: str, config: ServerConfig) -> TensorRTBackend:
+        return cls(artifacts, None if precision == "auto" else precision, config.max_batch_size, config.gpu_or_first)
 
     def __init__(self, artifacts: ModelArtifacts, precision: str | None, max_batch_size: int, gpu: int = 0):
         plan, info = artifacts.tensorrt_plan, artifacts.tensorrt_info

@@ -3,20 +3,24 @@
 On the CPU: the reference the exported backends are compared with (fp32), and the bf16 path for CPUs with native
 bf16 (AVX512_BF16, AMX), where oneDNN runs the convolutions in bf16.
 On a GPU: fp32 (no TF32), fp16 or bf16 convolutions, every padded batch bucket up to --max-batch-size a CUDA graph
-captured at start-up (capsnet/torch_runner.py), so a batch is one graph launch between two pinned-memory copies.
+captured at start-up (capsnet/runtime/torch_runner.py), so a batch is one graph launch between two pinned-memory copies.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
+from torch import nn
 
-from capsnet.cpu import CpuKind, bf16_autocast_pays
+from capsnet.runtime.cpu import CpuKind, bf16_autocast_pays
 from capsnet.errors import CapsNetError
 from capsnet.export.precision import convolutions_in
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import DeviceBackend, DeviceFailure
-from capsnet.torch_runner import BucketRunner, cuda_unavailable_reason, gpu_facts, is_device_error
+from capsnet.serving.config import ServerConfig
+from capsnet.runtime.torch_runner import BucketRunner, cuda_unavailable_reason, gpu_facts, is_device_error
 from capsnet.training.checkpoint import load_checkpoint
 
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -41,6 +45,11 @@ def torch_device(gpu: int | None) -> torch.device:
 class TorchBackend(DeviceBackend):
     name = "torch"
 
+    @classmethod
+    def create(cls, artifacts: ModelArtifacts, precision: str, config: ServerConfig) -> TorchBackend:
+        return cls(artifacts, "fp32" if precision == "auto" else precision, config.intra_op_threads, config.gpu,
+                   config.max_batch_size)
+
     def __init__(self, artifacts: ModelArtifacts, precision: str, threads: int, gpu: int | None = None,
                  max_batch_size: int = 32, buckets: bool | None = None, graphs: bool = True):
         """`buckets` (default: on a GPU) runs every batch padded to its bucket from static tensors; `graphs` makes
@@ -49,7 +58,7 @@ class TorchBackend(DeviceBackend):
             raise CapsNetError(f"the torch backend runs the checkpoint in {', '.join(PRECISIONS)}; --precision {precision} "
                                "needs onnxruntime or tensorrt")
         self.device = torch_device(gpu)
-        on_gpu = self.device.type == "cuda"
+        self.on_gpu = on_gpu = self.device.type == "cuda"
         if precision == "fp16" and not on_gpu:
             raise CapsNetError("--precision fp16 on the torch backend runs on a GPU: add --gpu N (on the CPU: "
                                "--backend onnxruntime with an --fp16 export)")
@@ -62,21 +71,27 @@ class TorchBackend(DeviceBackend):
             raise CapsNetError(f"{artifacts.checkpoint} is for {config.in_channels}x{config.height}x{config.width} "
                                f"images, model.json says {'x'.join(map(str, artifacts.input_shape))}")
         self.precision = precision
-        converted = f", {convolutions_in(model, precision)} convolutions in {precision}" if precision != "fp32" else ""
-        self.model = model.to(self.device).eval()
         self.output_names = artifacts.output_names
+        self.model, converted = self.prepare(model.to(self.device).eval(), precision)
         where = f"GPU {self.device.index} {gpu_facts(self.device.index)[0]}" if on_gpu else f"CPU, {threads} threads"
         self.runner = None
         if on_gpu if buckets is None else buckets:
             names = self.output_names
             self.runner = BucketRunner(lambda images: tuple(getattr(self.model(images), name) for name in names),
                                        self.device, artifacts.input_shape, dict(artifacts.output_shapes), max_batch_size,
-                                       graphs)
+                                       graphs, fp32=precision == "fp32")
+            self.gpu_timer = self.runner.gpu_timer
             mode = "CUDA graphs" if self.runner.graphs else "eager"
             where += f", {mode} for batch buckets {'/'.join(map(str, self.runner.buckets))}"
             if on_gpu:  # what the largest bucket took: the backend's GPU memory, bounded by --max-batch-size
                 where += f", {torch.cuda.memory_reserved(self.device) / 2**30:.2f} GiB of GPU memory reserved"
         self.description = f"{artifacts.checkpoint.name} on {where}{converted}"
+
+    def prepare(self, model: nn.Module, precision: str) -> tuple[Callable, str]:
+        """The forward pass to serve (images -> outputs by name), and what it runs in, for the description."""
+        if precision == "fp32":
+            return model, ""
+        return model, f", {convolutions_in(model, precision)} convolutions in {precision}"
 
     def run(self, images: np.ndarray) -> dict[str, np.ndarray]:
         if self.failed:

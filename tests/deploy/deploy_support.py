@@ -146,5 +146,45 @@ def as_promql(expr: str) -> str:
 
 
 def metric_names(expr: str) -> set[str]:
-    """Series names a query reads (all of ours start with capsnet_)."""
-    return set(re.findall(r"\b(capsnet_[A-Za-z0-9_]+)\b", expr))
+    """Series names a query reads (ours start with capsnet_, the GPUs' with Triton's nv_)."""
+    return set(re.findall(r"\b((?:capsnet|nv)_[A-Za-z0-9_]+)\b", expr))
+
+
+def label_names(expr: str) -> set[str]:
+    """Label names a query groups by or matches on, less those Prometheus adds (instance, job) and `le`."""
+    names: set[str] = set()
+    for group in re.findall(r"\bby\s*\(([^)]*)\)", expr):
+        names |= {name.strip() for name in group.split(",") if name.strip()}
+    for selector in re.findall(r"\{([^}]*)\}", expr):
+        names |= set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", selector))
+    return names - {"instance", "job", "le"}
+
+
+class _OneGpu:
+    """A GPU reader (serving/gpu_metrics.py's GpuReader) of one GPU reporting every figure."""
+
+    def read(self):
+        from capsnet.serving.gpu_metrics import GpuReading
+
+        return [GpuReading("GPU-00000000-0000-0000-0000-000000000000", utilization=0.5, memory_used_bytes=2**30,
+                           memory_total_bytes=2**34, power_usage_watts=100.0, power_limit_watts=700.0,
+                           energy_joules=1.0)]
+
+
+def gpu_only_series() -> dict[str, set[str]]:
+    """Series name -> label names of what a server exports only while a model serves on a GPU (so no replica of the
+    CPU stack has it), as the server's own code registers it: the model's GPU time per batch, and the NVML
+    collector's families read from a GPU that reports every figure."""
+    from capsnet.serving.gpu_metrics import GpuCollector
+    from capsnet.serving.metrics import Metrics
+
+    metrics = Metrics(max_batch_size=8)
+    without = {sample.name for family in metrics.registry.collect() for sample in family.samples}
+    metrics.gpu_compute().labels("capsnet", "1").observe(0.001)
+    metrics.registry.register(GpuCollector(_OneGpu()))
+    labels_of: dict[str, set[str]] = {}
+    for family in metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name not in without:
+                labels_of.setdefault(sample.name, set()).update(sample.labels)
+    return labels_of

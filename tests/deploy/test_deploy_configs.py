@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from deploy_support import (
-    DASHBOARD, DEPLOY, PROMETHEUS_CONF, REPO, as_promql, dashboard_queries, local_stack, run_tool, tool,
+    DASHBOARD, DEPLOY, PROMETHEUS_CONF, REPO, as_promql, dashboard_queries, gpu_only_series, label_names, local_stack,
+    metric_names, run_tool, tool,
 )
 
 # PyYAML comes with the dev extra (pip install -e ".[dev]").
@@ -103,7 +104,7 @@ def test_deploy_project_installs_as_the_image_installs_it(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in ("capsnet/cli.py", "capsnet/training/data/mnist_5k.npz", "capsnet/export/__init__.py",
                    "capsnet/serving/metrics.py", "capsnet/v1/capsnet_pb2_grpc.py", "capsnet/kserve/grpc_service_pb2.py",
-                   "capsnet/bench/analysis/suite.py"):
+                   "capsnet/bench/analysis/hooks.py"):
         assert needed in names, f"{needed} missing from the wheel"
     # The benchmark analysis' and the pictures' plotting library comes with their extras only, which no image asks for.
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
@@ -194,6 +195,28 @@ def test_deploy_grafana_provisioning_and_dashboard(tmp_path):
     rules_file = tmp_path / "rules.yml"
     rules_file.write_text(yaml.safe_dump(rules))
     run_tool([tool("promtool", "Debian package prometheus"), "check", "rules", str(rules_file)])
+
+
+def test_deploy_dashboard_gpu_panels_read_what_a_server_on_a_gpu_exports():
+    """No replica here has a GPU, so the GPU panels are checked against the series the server's code registers on
+    one: each names only those series and their labels, and together they show every GPU figure the collector
+    reads (energy aside: a counter for billing, not a panel) and the quantiles of the model's GPU time."""
+    from capsnet.serving.gpu_metrics import FAMILIES
+
+    on_gpu = gpu_only_series()
+    read: set[str] = set()
+    for title, expr in dashboard_queries():
+        metrics = metric_names(expr)
+        if not any(m in on_gpu or m.startswith(("nv_", "capsnet_gpu_")) for m in metrics):
+            continue  # not a GPU panel
+        assert metrics <= set(on_gpu), f"{title}: a server on a GPU exports no {sorted(metrics - set(on_gpu))}"
+        unknown = label_names(expr) - set().union(*(on_gpu[m] for m in metrics))
+        assert not unknown, f"{title}: no label {sorted(unknown)} on {sorted(metrics)}"
+        read |= metrics
+    shown = {name for name, _, _ in FAMILIES if name != "nv_energy_consumption"} | {"capsnet_gpu_compute_seconds_bucket"}
+    assert shown <= read, f"no panel reads {sorted(shown - read)}"
+    quantiles = [expr for _, expr in dashboard_queries() if "capsnet_gpu_compute_seconds_bucket" in expr]
+    assert {re.match(r"histogram_quantile\((0\.\d+),", expr).group(1) for expr in quantiles} == {"0.5", "0.99"}
 
 
 def compose_defaults(args: list[str]) -> list[str]:

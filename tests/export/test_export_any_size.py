@@ -12,7 +12,8 @@ import torch
 
 from capsnet.cli import main
 from capsnet.export.onnx_export import CONTROL_FLOW_OPS
-from capsnet.model_description import InputSizes, ModelDescription
+from capsnet.model_description.input_sizes import InputSizes
+from capsnet.model_description.schema import ModelDescription
 from capsnet.training.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset
 
@@ -57,7 +58,7 @@ def test_every_size_matches_pytorch_and_each_image_alone_matches_its_batch(share
         np.testing.assert_allclose(alone, batched, rtol=0, atol=1e-5, err_msg=f"{name} at {height}x{width}")
         with torch.no_grad():
             expected = model(torch.from_numpy(images)).probabilities.numpy()
-        # INT8 is held to its gate's bound (model_description.GATE_MAX_DIFF), FP32 to the export's parity
+        # INT8 is held to its gate's bound (model_description.precision_gate.GATE_MAX_DIFF), FP32 to the export's parity
         np.testing.assert_allclose(batched, expected, rtol=0, atol=1e-4 if fp32 else 0.1,
                                    err_msg=f"{name} at {height}x{width}")
 

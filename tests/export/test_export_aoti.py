@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from capsnet.cli import main
-from capsnet.cpu import CpuKind
+from capsnet.runtime.cpu import CpuKind
 from capsnet.errors import CapsNetError
 from capsnet.export.config import ExportConfig
-from capsnet.model_description import ModelDescription, file_sha256
-from capsnet.torch_runner import AotiRunner
+from capsnet.model_description.files import file_sha256
+from capsnet.model_description.schema import ModelDescription
+from capsnet.runtime.torch_runner import AotiRunner
 from capsnet.training.checkpoint import load_checkpoint
 
 AOTI_MAX_BATCH = 16  # the aoti_model_dir fixture's --max-batch

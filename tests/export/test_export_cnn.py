@@ -15,7 +15,8 @@ import torch
 
 from capsnet.errors import CapsNetError
 from capsnet.export.metadata import output_shapes, read_metadata
-from capsnet.model_description import InputSizes, ModelDescription
+from capsnet.model_description.input_sizes import InputSizes
+from capsnet.model_description.schema import ModelDescription
 from capsnet.training.checkpoint import load_checkpoint
 from capsnet.training.config import preset
 from capsnet.training.data import load_dataset

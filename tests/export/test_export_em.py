@@ -27,7 +27,9 @@ def em_export(trained_em_tiny_checkpoint, tmp_path_factory):
 
 def test_em_export_sidecar_describes_em_routing(em_export, trained_em_tiny_checkpoint):
     sidecar = json.loads((em_export / "model.json").read_text())
-    assert sidecar["routing"] == {"variant": "em", "iterations": 2, "inverse_temperature": 0.01}  # em-tiny
+    assert sidecar["routing"] == {"variant": "em", "iterations": 2, "inverse_temperature": 0.01,  # em-tiny
+                                  "gpu_engine": "unfused: arch em has no dynamic routing over a fixed grid of primary "
+                                                "capsules"}
     assert [(o["name"], o["shape"]) for o in sidecar["outputs"]] == [
         ("probabilities", [10]), ("poses", [10, 16]), ("reconstruction", [784])]
     assert sidecar["parity"]["onnxruntime"]["argmax_agreement"] == 1.0

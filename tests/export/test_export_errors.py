@@ -14,7 +14,7 @@ import torch
 from capsnet.cli import main
 from capsnet.export import exporter
 from capsnet.export.parity import onnxruntime_session
-from capsnet.model_description import file_sha256
+from capsnet.model_description.files import file_sha256
 from capsnet.training.checkpoint import load_checkpoint, save_checkpoint
 
 

@@ -11,7 +11,7 @@ from capsnet.export import exporter
 from capsnet.export.fp16 import FP32_OPS
 from capsnet.export.onnx_export import check_graph
 from capsnet.export.parity import onnxruntime_session
-from capsnet.model_description import GATE_MAX_DIFF
+from capsnet.model_description.precision_gate import GATE_MAX_DIFF
 from capsnet.training.data import to_float
 
 

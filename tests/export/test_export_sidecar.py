@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from capsnet.cpu import CpuKind
+from capsnet.runtime.cpu import CpuKind
 from capsnet.export.metadata import read_metadata
 from capsnet.export.parity import onnxruntime_session
-from capsnet.model_description import ModelDescription, file_sha256
+from capsnet.model_description.files import file_sha256
+from capsnet.model_description.schema import ModelDescription
 from capsnet.training.checkpoint import load_checkpoint
 
 CONTRACT_KEYS = {
@@ -38,7 +39,7 @@ def test_export_sidecar_describes_the_checkpoint(tiny_export):
     ]
     assert sidecar["class_names"] == checkpoint.class_names
     assert sidecar["routing"] == {"variant": config.routing, "iterations": config.routing_iterations,
-                                  "squash_constant": config.squash_constant}
+                                  "squash_constant": config.squash_constant, "gpu_engine": "fused"}
     assert sidecar["training_metrics"] == checkpoint.metrics and checkpoint.metrics
     assert (tiny_export.out / "model.ckpt").read_bytes() == tiny_export.checkpoint.read_bytes()
     assert sidecar["artifacts"] == {"onnx": "model.onnx", "onnx_int8": "model.int8.onnx", "onnx_fp16": "model.fp16.onnx",
@@ -48,8 +49,10 @@ def test_export_sidecar_describes_the_checkpoint(tiny_export):
     assert sidecar["sha256"] == {name: file_sha256(tiny_export.out / name) for name in FILES if name != "model.json"}
     assert sidecar["sha256"]["model.ckpt"] == file_sha256(tiny_export.checkpoint)
     assert ModelDescription.read(tiny_export.out).to_json() == sidecar  # the reader gives back what export wrote
-    # the precision gate: the variants written, and the checkpoint's fp16/bf16 convolutions always
-    assert set(sidecar["precision_gate"]["variants"]) == {"onnx_int8", "onnx_fp16", "torch_fp16", "torch_bf16"}
+    # the precision gate: the variants written, the checkpoint's fp16/bf16 convolutions always, and the fused
+    # kernels' fp16/bf16 for a model whose routing they run
+    assert set(sidecar["precision_gate"]["variants"]) == {"onnx_int8", "onnx_fp16", "torch_fp16", "torch_bf16",
+                                                          "fused_fp16", "fused_bf16"}
     assert sidecar["precision_gate"]["criterion"]["agreement_slack_images"] == 2 and sidecar["aoti"] == []
 
 

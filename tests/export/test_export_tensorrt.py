@@ -1,5 +1,5 @@
 """TensorRT: without a GPU or the package, --tensorrt fails in one line after writing everything else;
-the one runner (capsnet.tensorrt_runner), which export's parity check and the server share, is checked against
+the one runner (capsnet.runtime.tensorrt_runner), which export's parity check and the server share, is checked against
 labelled FAKES of tensorrt and the CUDA runtime (tests/fake_tensorrt.py: neither can be installed here);
 with a GPU and TensorRT (GPU tests), engines of each precision are built, described and checked against ONNX Runtime."""
 
@@ -11,14 +11,14 @@ import threading
 import numpy as np
 import pytest
 
-from capsnet import tensorrt_runner
+from capsnet.runtime import tensorrt_runner
 from capsnet.cli import main
 from capsnet.errors import CapsNetError
 from capsnet.export.config import EngineConfig
 from capsnet.export.tensorrt_build import PARITY_TOLERANCE, engine_outputs, source_variant
-from capsnet.model_description import PLAN_INFO_KEYS
+from capsnet.model_description.files import PLAN_INFO_KEYS
 from capsnet.serving.backends.tensorrt_backend import check_plan_matches
-from capsnet.tensorrt_runner import EngineRunner, unavailable_reason
+from capsnet.runtime.tensorrt_runner import EngineRunner, unavailable_reason
 from fake_tensorrt import INPUT, OUTPUTS, FakeCudaRuntime, fake_tensorrt, kernel
 
 

@@ -11,7 +11,7 @@ from tritonclient.grpc import model_config_pb2
 
 from capsnet.export.config import TritonConfig
 from capsnet.export.triton import config_pbtxt
-from capsnet.model_description import ModelDescription
+from capsnet.model_description.schema import ModelDescription
 
 
 def _parse_model_config(text: str) -> dict:

@@ -4,6 +4,9 @@ visualize's pairs.png, on briefly trained any-size models."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,3 +116,17 @@ def test_pairs_figure_shows_each_length_the_classes_and_who_is_present(digits):
         assert outlined == np.flatnonzero(lengths[row] > 0.5).tolist()
         assert [text.get_text() for text in axes.texts] == ["present"] * len(outlined)
         assert axes.get_title(loc="right") == verdict
+
+
+def test_pair_png_script_writes_two_test_digits_of_different_classes_side_by_side(digits, tmp_path):
+    script = Path(__file__).resolve().parents[2] / "scripts" / "pair_png.py"
+    out = tmp_path / "models" / "pair.png"
+    run = subprocess.run([sys.executable, str(script), str(out), "--seed", "3"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    pixels = np.asarray(Image.open(out))  # (28, 56)
+    left, right = pixels[:, :28], pixels[:, 28:]
+    sources = [np.flatnonzero((digits.images[:, 0] == half).all(axis=(1, 2))) for half in (left, right)]
+    assert all(len(found) for found in sources)
+    first, second = (int(digits.labels[found[0]]) for found in sources)
+    assert first != second and run.stdout.strip() == f"{out}: digits {first} and {second} side by side"

@@ -80,6 +80,31 @@ def onnxruntime_reference(model_dir: Path, images):
     return create_backend("onnxruntime", "fp32", load_artifacts(model_dir), server_config(model_dir)).run(images)
 
 
+def assert_served_as_onnxruntime(model_dir: Path, backend: str, precision: str, images, *, described: str,
+                                  **settings) -> None:
+    """`backend` in `precision` serves `model_dir`: it passes its self-check, its description names `described`,
+    and its answers (run directly, and through our API for the first 8 images) match ONNX Runtime's FP32: every
+    output within 1e-4 in fp32, the probabilities within the self-check's bound in a reduced precision."""
+    from capsnet.serving.client import CapsNetClient
+
+    served = ServerThread(server_config(model_dir, backend=backend, precision=precision, **settings))
+    try:
+        spec = served.server.service.spec
+        assert (spec.backend, spec.precision) == (backend, precision) and spec.self_check.passed
+        assert described in served.server.service.backend.description
+        with CapsNetClient(served.target) as client:
+            predictions = client.classify(list(images[:8]), reconstruction=True)
+        direct = served.server.service.backend.run(images)
+    finally:
+        served.stop()
+    expected = onnxruntime_reference(model_dir, images)
+    bound = 1e-4 if precision == "fp32" else spec.self_check.tolerance
+    for name in ("probabilities", "poses", "reconstruction") if precision == "fp32" else ("probabilities",):
+        assert np.abs(direct[name] - expected[name]).max() <= bound, name
+    served_probabilities = np.stack([p.probabilities for p in predictions])
+    assert np.abs(served_probabilities - expected["probabilities"][:8]).max() <= bound
+
+
 def graph_probabilities(model_dir: Path):
     """The exported FP32 graph run directly in ONNX Runtime, apart from the server's backends:
     (N, C, H, W) float32 -> (N, J) probabilities."""

@@ -13,7 +13,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from capsnet.cli import main
-from capsnet.model_description import file_sha256
+from capsnet.model_description.files import file_sha256
 from serving_helpers import ServerThread, onnxruntime_reference, server_config
 
 OUTPUTS = ("probabilities", "poses", "reconstruction")

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from capsnet import tensorrt_runner
+from capsnet.runtime import tensorrt_runner
 from capsnet.cli import main
-from capsnet.model_description import file_sha256
+from capsnet.model_description.files import file_sha256
 from capsnet.training.checkpoint import Checkpoint, create_model, save_checkpoint
 from capsnet.training.config import preset
 from fake_tensorrt import FakeCudaRuntime, fake_tensorrt

@@ -14,7 +14,7 @@ from capsnet.cli import main
 from capsnet.errors import CapsNetError
 from capsnet.serving.client import image_message
 from capsnet.export.precision import convolutions_in
-from capsnet.model_description import GATE_MAX_DIFF
+from capsnet.model_description.precision_gate import GATE_MAX_DIFF
 from capsnet.serving.backends.torch_backend import bf16_unavailable_reason
 from capsnet.serving.config import ServerConfig
 from capsnet.training.checkpoint import load_checkpoint
@@ -54,10 +54,10 @@ def test_bf16_conversion_leaves_a_model_without_convolutions_alone():
     assert convolutions_in(model, "bf16") == 0 and model[0].weight.dtype == torch.float32
 
 
-def test_bf16_is_for_the_torch_and_aoti_backends_only():
+def test_bf16_is_for_the_backends_that_run_the_checkpoint_only():
     for backend in ("auto", "onnxruntime", "tensorrt"):
         with pytest.raises(CapsNetError, match="--precision bf16 runs the checkpoint's convolutions in bf16 on the "
-                                               "torch or aoti backend: add --backend torch or --backend aoti"):
+                                               "torch, aoti or fused backend: add --backend torch, aoti or fused"):
             ServerConfig.from_sources({"model_dir": "m", "backend": backend, "precision": "bf16"}, env={})
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from capsnet.cli import main
-from capsnet.tensorrt_runner import unavailable_reason
+from capsnet.runtime.tensorrt_runner import unavailable_reason
 from capsnet.serving.client import CapsNetClient
 from serving_helpers import ServerThread, onnxruntime_reference, server_config
 

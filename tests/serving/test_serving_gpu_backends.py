@@ -1,7 +1,7 @@
 """The GPU backends on a real CUDA GPU (skipped without one): the torch backend with CUDA graphs in fp32, fp16 and
-bf16, the CUDA AOTInductor packages compiled by `capsnet export --aoti cuda`, each self-checked, served and answering
-as ONNX Runtime does (fp32 within 1e-4, the reduced precisions within their gate), and `--backend auto` choosing
-among them and saying why. scripts/gpu_check.sh runs these on the lent GPU."""
+bf16, the fused routing kernels in the same three, the CUDA AOTInductor packages compiled by `capsnet export --aoti
+cuda`, each self-checked, served and answering as ONNX Runtime does (fp32 within 1e-4, the reduced precisions within
+their gate), and `--backend auto` choosing among them and saying why. scripts/gpu_check.sh runs these."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 
 from capsnet.cli import main
 from capsnet.serving.artifacts import load_artifacts
+from capsnet.serving.backends import create_backend
 from capsnet.serving.backends.torch_backend import TorchBackend
-from capsnet.serving.client import CapsNetClient
-from serving_helpers import ServerThread, onnxruntime_reference, server_config
+from serving_helpers import ServerThread, assert_served_as_onnxruntime, server_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible to torch")]
 
@@ -38,30 +38,27 @@ def aoti_cuda_model_dir(trained_tiny_checkpoint, tmp_path_factory):
 
 def _served_as_onnxruntime(model_dir, backend: str, precision: str) -> None:
     images = np.random.default_rng(7).random((MAX_BATCH // 2 + 3, 1, 28, 28), dtype=np.float32)
-    served = ServerThread(server_config(model_dir, backend=backend, precision=precision, gpu=0,
-                                        max_batch_size=MAX_BATCH))
-    try:
-        spec = served.server.service.spec
-        assert (spec.backend, spec.precision) == (backend, precision) and spec.self_check.passed
-        assert "GPU 0" in served.server.service.backend.description
-        with CapsNetClient(served.target) as client:
-            predictions = client.classify(list(images[:8]), reconstruction=True)
-        direct = served.server.service.backend.run(images)
-    finally:
-        served.stop()
-    expected = onnxruntime_reference(model_dir, images)
-    bound = 1e-4 if precision == "fp32" else spec.self_check.tolerance
-    assert np.abs(direct["probabilities"] - expected["probabilities"]).max() <= bound
-    if precision == "fp32":
-        for name in ("poses", "reconstruction"):
-            assert np.abs(direct[name] - expected[name]).max() <= 1e-4, name
-    got = np.stack([p.probabilities for p in predictions])
-    assert np.abs(got - expected["probabilities"][:8]).max() <= bound
+    assert_served_as_onnxruntime(model_dir, backend, precision, images, described="GPU 0", gpu=0,
+                                 max_batch_size=MAX_BATCH)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_the_torch_backend_serves_as_onnxruntime_does(cuda_model_dir, precision):
     _served_as_onnxruntime(cuda_model_dir, "torch", precision)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_the_fused_backend_serves_as_onnxruntime_does(cuda_model_dir, precision):
+    _served_as_onnxruntime(cuda_model_dir, "fused", precision)
+
+
+def test_an_fp32_engine_leaves_the_process_tf32_switches_as_they_were(cuda_model_dir):
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    for name in ("torch", "fused"):
+        backend = create_backend(name, "fp32", load_artifacts(cuda_model_dir),
+                                 server_config(cuda_model_dir, backend=name, gpu=0, max_batch_size=MAX_BATCH))
+        backend.run(np.zeros((3, 1, 28, 28), dtype=np.float32))
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before, name
 
 
 def test_cuda_graph_buckets_match_eager_on_the_gpu(cuda_model_dir):
@@ -81,8 +78,9 @@ def test_auto_serves_the_fastest_gpu_backend_and_says_why(cuda_model_dir):
     served = ServerThread(server_config(cuda_model_dir, backend="auto", max_batch_size=MAX_BATCH))
     try:
         spec = served.server.service.spec
-        assert spec.backend in ("torch", "aoti") and spec.self_check.passed
+        assert spec.backend in ("fused", "torch") and spec.self_check.passed
         assert "the fastest of those passing their self-check" in spec.choice and "not tensorrt" in spec.choice
+        assert "fused fp32" in spec.choice and "torch fp32" in spec.choice  # both timed
     finally:
         served.stop()
 

@@ -1,4 +1,4 @@
-"""The precision gate (capsnet/model_description.py), one criterion at export and at load: a model with many
+"""The precision gate (capsnet/model_description/precision_gate.py), one criterion at export and at load: a model with many
 near-ties, whose INT8 variant changes the class of a few percent of images (as a 1-epoch Fashion-MNIST model did: 96.9%
 same class, an unchanged test accuracy), is served in INT8 on a machine that reproduces what export measured; a damaged
 INT8 file and INT8 weights distorted as AVX2's saturating int16 sums distort them are still refused."""
@@ -16,7 +16,9 @@ from onnx import numpy_helper
 
 from capsnet.cli import main
 from capsnet.export.parity import onnxruntime_probabilities, onnxruntime_session
-from capsnet.model_description import GATE_AGREEMENT_SLACK_IMAGES, ModelDescription, file_sha256
+from capsnet.model_description.files import file_sha256
+from capsnet.model_description.precision_gate import GATE_AGREEMENT_SLACK_IMAGES
+from capsnet.model_description.schema import ModelDescription
 from capsnet.training.data import load_dataset
 from serving_helpers import ServerThread, server_config
 

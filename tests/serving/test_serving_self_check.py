@@ -15,8 +15,8 @@ import pytest
 from onnx import numpy_helper
 
 from capsnet.cli import main
-from capsnet.cpu import CpuKind
-from capsnet.model_description import file_sha256
+from capsnet.runtime.cpu import CpuKind
+from capsnet.model_description.files import file_sha256
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
 from serving_helpers import ServerThread, metric, scrape, server_config

@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from capsnet import tensorrt_runner
+from capsnet.runtime import tensorrt_runner
 from capsnet.cli import main
-from capsnet.model_description import file_sha256
+from capsnet.model_description.files import file_sha256
 from capsnet.serving.artifacts import load_artifacts
 from capsnet.serving.backends import choose_backend
 from capsnet.serving.client import CapsNetClient

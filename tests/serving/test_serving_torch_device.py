@@ -21,7 +21,7 @@ from capsnet.serving.backends.base import DeviceFailure
 from capsnet.serving.backends.torch_backend import TorchBackend
 from capsnet.serving.client import image_message
 from capsnet.serving.config import ServerConfig
-from capsnet.torch_runner import bucket_for, bucket_sizes
+from capsnet.runtime.torch_runner import bucket_for, bucket_sizes
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
 from serving_helpers import ServerThread, server_config

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from capsnet.cli import main
-from capsnet.cpu import CpuKind, bf16_autocast_pays
+from capsnet.runtime.cpu import CpuKind, bf16_autocast_pays
 from capsnet.training.checkpoint import load_checkpoint
 
 AVX2 = CpuKind("AMD EPYC", frozenset({"avx2", "fma"}))

@@ -263,7 +263,8 @@ def test_cuda_mixed_precision_resume_mid_epoch_keeps_the_loss_scale(cuda_amp_run
 def test_the_linear_schedule_warms_up_then_falls_towards_zero():
     weight = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.Adam([weight], lr=0.01)
-    options = train_module.TrainOptions(epochs=3, lr_schedule="linear", warmup=0.1)
+    given = train_module.TrainOptions(epochs=3, lr_schedule="linear", warmup=0.1)
+    options = train_module.RunOptions.completed(given, {})
     scheduler = train_module.learning_rate_scheduler(optimizer, options, steps_per_epoch=10)  # 30 steps, 3 rising
     rates = []
     for _ in range(30):

@@ -97,15 +97,11 @@ def _squash(s: Tensor) -> Tensor:
 
 def load_reference_backend(checkpoint_path: Path, threads: int) -> tuple[Callable[[np.ndarray], np.ndarray], str]:
     """The `pytorch-public` backend of `capsnet bench` (capsnet.bench.backends): images -> probabilities on the CPU
-    with the checkpoint's weights, and what runs."""
-    from capsnet.bench.backends import BackendUnavailable
+    with the checkpoint's weights, and what runs; CapsNetError for a model the public code cannot compute."""
     from capsnet.training.checkpoint import load_checkpoint
 
     torch.set_num_threads(threads)
-    try:
-        model = PublicCapsNet(load_checkpoint(checkpoint_path).build_model())
-    except CapsNetError as err:  # a routing variant the public code does not have
-        raise BackendUnavailable(str(err)) from None
+    model = PublicCapsNet(load_checkpoint(checkpoint_path).build_model())
 
     def infer(images: np.ndarray) -> np.ndarray:
         with torch.inference_mode():

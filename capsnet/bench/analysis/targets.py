@@ -7,7 +7,7 @@ what bounds it (`bound`), from the same run's profile and server metrics.
 from __future__ import annotations
 
 from capsnet.bench.analysis.ortprofile import CONV_OP_TYPES
-from capsnet.cpu import CpuKind
+from capsnet.runtime.cpu import CpuKind
 
 FP32, INT8, PUBLIC = "onnxruntime-fp32", "onnxruntime-int8", "pytorch-public"
 TORCH_FP32, TORCH_BF16 = "pytorch", "pytorch-bf16"  # bf16 runs only on CPUs with native bf16

@@ -6,14 +6,11 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from capsnet.bench.backends import BACKEND_NAMES
 from capsnet.errors import CapsNetError
-
-if TYPE_CHECKING:
-    from capsnet.bench.suite import Analysis
 
 # Where the analysis' sections go among the measurements' own (inprocess, grpc): after the backends' table, then
 # these in order.
@@ -58,8 +55,10 @@ def _starts_with(path: Path, text: str) -> bool:
         return False
 
 
-def write_report(results: dict, out_dir: Path, analysis: Analysis) -> list[Path]:
-    """Write results.json, README.md and the analysis' plots into `out_dir`; return the paths written.
+def write_report(results: dict, out_dir: Path, sections: dict[str, list[str]],
+                 plot: Callable[[dict, Path], list[Path]]) -> list[Path]:
+    """Write results.json, README.md with the analysis' `sections` (by SECTIONS), and the plots that `plot(results,
+    folder)` draws into a folder, into `out_dir`; return the paths written.
 
     Every file is written into a hidden folder in `out_dir` first and moved into place only when all are complete,
     so a failure or Ctrl-C meanwhile leaves the previous report whole, never a new results.json beside an old
@@ -69,8 +68,8 @@ def write_report(results: dict, out_dir: Path, analysis: Analysis) -> list[Path]
         out_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".capsnet-bench-", dir=out_dir))
         (staging / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-        plots = analysis.plots(results, staging)
-        readme = markdown(results, [p.name for p in plots], (out_dir / NOTES).is_file(), analysis.sections(results))
+        plots = plot(results, staging)
+        readme = markdown(results, [p.name for p in plots], (out_dir / NOTES).is_file(), sections)
         (staging / "README.md").write_text(readme)
         written = [out_dir / name for name in ("results.json", "README.md", *(p.name for p in plots))]
         for path in written:

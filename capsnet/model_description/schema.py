@@ -1,7 +1,5 @@
-"""model.json: the one description of an exported model (docs/artifacts.md), as Triton's model config
-is for Triton. Export builds a ModelDescription and writes it; serving, bench and deployment read it
-back through `ModelDescription.from_json`, which checks every key. Dependency-free (no torch, onnx
-or grpc), so every stage can import it.
+"""model.json's schema: `ModelDescription`, what export writes and every stage reads back through `from_json`,
+which checks every key.
 
 Every file an export writes is listed with its SHA-256 under `sha256`; readers resolve names only
 inside the model directory (`resolve`), so a model.json cannot point at other files.
@@ -10,7 +8,6 @@ inside the model directory (`resolve`), so a model.json cannot point at other fi
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import math
 import os
@@ -19,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from capsnet.errors import CapsNetError
+from capsnet.model_description.files import AOTI_PRECISIONS, SIDECAR_NAME, file_sha256, read_json
+from capsnet.model_description.input_sizes import INPUT_SIZE_KEYS, InputSizes
+from capsnet.model_description.precision_gate import GATE_KEYS, GATE_VARIANTS, PrecisionGate, gate_criterion
 
-SIDECAR_NAME = "model.json"
 FORMAT_NAME = "capsnet-model"
 # 2: file hashes, the self-check reference set, the INT8 gate's data and CPU, the FP16 gate
 # 3: AOTInductor packages; one precision gate for INT8, FP16 and BF16, measured per model (`precision_gate`)
@@ -38,202 +37,9 @@ RECONSTRUCTION_NAME = "reconstruction"
 # every output a model may have, in model.json's order: probabilities always, poses for a model with capsules, the
 # decoder's reconstruction when exported with it
 OUTPUT_NAMES = (PROBABILITIES_NAME, POSES_NAME, RECONSTRUCTION_NAME)
-# Where Triton's model config carries the class names (its `parameters`, free-form strings): a client such as the
-# page at / names the classes from it, since KServe v2 metadata has no place for them.
-CLASS_NAMES_PARAMETER = "class_names"
-
-CHECKPOINT_NAME = "model.ckpt"
-ONNX_NAME = "model.onnx"
-ONNX_INT8_NAME = "model.int8.onnx"
-ONNX_FP16_NAME = "model.fp16.onnx"
-PLAN_NAME = "model.plan"
-PLAN_INFO_NAME = "model.plan.json"
-REFERENCE_NAME = "reference.npz"  # self-check images and their FP32 outputs
 # `artifacts` key of each precision's ONNX file
 ONNX_KEYS = {"fp32": "onnx", "fp16": "onnx_fp16", "int8": "onnx_int8"}
 ARTIFACT_KEYS = ("onnx", "onnx_int8", "onnx_fp16", "tensorrt", "checkpoint", "reference")
-# model.plan.json: what the engine was built for (TensorRT rejects a plan from another GPU or version)
-PLAN_INFO_KEYS = ("tensorrt_version", "gpu_name", "compute_capability", "precision", "min_batch", "opt_batch", "max_batch")
-# AOTInductor packages: one per device kind and precision; CPU ones are fp32, CUDA ones fp32, fp16 or bf16
-AOTI_DEVICES = ("cpu", "cuda")
-AOTI_PRECISIONS = {"cpu": ("fp32",), "cuda": ("fp32", "fp16", "bf16")}
-
-
-def aoti_name(device: str, precision: str) -> str:
-    return f"model.{device}.{precision}.pt2"
-
-
-# A class is present when its probability (capsule length, or a baseline's sigmoid) is above this: each class's score
-# says on its own whether it is in the image, so several can be present at once. Serving's default, and the
-# threshold of the pairs test (training/pairs.py).
-PRESENT_THRESHOLD = 0.5
-
-
-# The precision gate: ONE criterion for every reduced precision (INT8, FP16, BF16), used by export and by the
-# server's self-check. Export accepts a variant whose top-1 accuracy on the model's own test split is at most the
-# export's --max-accuracy-drop below FP32's, and records what the variant does on the 128 reference images: the
-# share with FP32's class and the largest |difference| of the probabilities. A server accepts that variant only
-# where it reproduces both on the same images within these margins. Near-ties that changed class at export change
-# again and pass; a kernel that saturates, a damaged file or a wrong conversion moves them by far more.
-GATE_AGREEMENT_SLACK_IMAGES = 2  # reference images that may change class beyond those export saw change
-GATE_DIFF_FACTOR = 2.0  # the max |diff| may be this multiple of export's ...
-GATE_DIFF_SLACK = 1e-3  # ... plus this, so that a variant export saw almost exact is not held to rounding noise
-# Export's bound on the max |diff| (fp16/bf16: of every output; int8: of the probabilities, as quantisation moves
-# poses more), far above what sound variants measured (INT8 5e-3 and FP16 3e-4 on the trained tiny model, BF16
-# convolutions 1.2e-3 on the trained paper model): a conversion bug that keeps the accuracy but moves the outputs is
-# not recorded as the model's behaviour.
-GATE_MAX_DIFF = {"int8": 0.1, "fp16": 1e-2, "bf16": 2e-2}
-# The variants gated, by what computes them: ONNX Runtime's INT8/FP16 graphs (also what TensorRT builds from), and
-# the checkpoint with its convolutions in fp16/bf16 (the torch backend and the AOTInductor packages).
-GATE_VARIANTS = ("onnx_int8", "onnx_fp16", "torch_fp16", "torch_bf16")
-GATE_KEYS = ("precision", "computed_by", "accuracy_fp32", "accuracy", "accuracy_change_points", "max_drop_points",
-             "test_images", "argmax_agreement", "max_abs_diff", "bounded_diff", "reference_images", "measured_on")
-
-
-def gate_variant(backend: str, precision: str) -> str | None:
-    """The gate entry that a backend serving `precision` answers to (None: fp32, held to the FP32 parity)."""
-    if precision == "fp32":
-        return None
-    return f"{'torch' if backend in ('torch', 'aoti') else 'onnx'}_{precision}"
-
-
-@dataclass(frozen=True)
-class InputSizes:
-    """The images a model takes: `channels` channels, a height from min_height to max_height and a width from
-    min_width to max_width, each a multiple of `multiple_of` (1 for the models here: their pooling floors an odd
-    size, so every whole number in between is valid). A fixed-size model has min = max. model.json records it
-    as `input.sizes`; export traces the graph over it and serving refuses any other size naming it."""
-
-    channels: int
-    min_height: int
-    min_width: int
-    max_height: int
-    max_width: int
-    multiple_of: int = 1
-
-    @classmethod
-    def fixed_at(cls, shape: tuple[int, int, int]) -> "InputSizes":
-        channels, height, width = shape
-        return cls(channels, height, width, height, width)
-
-    @property
-    def fixed(self) -> bool:
-        return (self.min_height, self.min_width) == (self.max_height, self.max_width)
-
-    @property
-    def largest(self) -> tuple[int, int, int]:
-        """(C, H, W) of the largest image taken: what message and memory limits are sized for."""
-        return self.channels, self.max_height, self.max_width
-
-    def dims(self, shape: tuple[int, int, int]) -> list[int]:
-        """`shape` (C, H, W) with -1 for a height or width left free, as Triton's config and KServe's metadata
-        give a dimension of any size."""
-        channels, height, width = shape
-        return [channels, height if self.min_height == self.max_height else -1,
-                width if self.min_width == self.max_width else -1]
-
-    def __contains__(self, shape: tuple[int, ...]) -> bool:
-        """(C, H, W) in sizes."""
-        channels, height, width = shape
-        try:
-            self.check(channels, height, width)
-        except CapsNetError:
-            return False
-        return True
-
-    def describe(self) -> str:
-        """'1x28x28', or '1-channel images of 14x14 to 256x256 (height x width, any in between)'."""
-        if self.fixed:
-            return f"{self.channels}x{self.min_height}x{self.min_width}"
-        step = "any in between" if self.multiple_of == 1 else f"multiples of {self.multiple_of}"
-        return (f"{self.channels}-channel images of {self.min_height}x{self.min_width} to {self.max_height}x"
-                f"{self.max_width} (height x width, {step})")
-
-    def check(self, channels: int, height: int, width: int, what: str = "the model") -> None:
-        """A one-line CapsNetError naming the valid sizes, for an image `what` cannot take. Comparisons only, so a
-        traced forward pass with symbolic H and W turns them into guards its dimension ranges already decide."""
-        # the step is tested only where there is one, so that a traced pass meets no modulo of H and W
-        if not (channels == self.channels and self.min_height <= height <= self.max_height
-                and self.min_width <= width <= self.max_width) or (
-                self.multiple_of != 1 and (height % self.multiple_of or width % self.multiple_of)):
-            raise CapsNetError(f"{what} takes {self.describe()}; got {channels}x{height}x{width}")
-
-    def to_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in INPUT_SIZE_KEYS}
-
-
-INPUT_SIZE_KEYS = ("channels", "min_height", "min_width", "max_height", "max_width", "multiple_of")
-
-
-@dataclass(frozen=True)
-class PrecisionGate:
-    """What export measured for one reduced-precision variant, and the bounds a server must then meet."""
-
-    precision: str  # "int8" | "fp16" | "bf16"
-    computed_by: str  # what ran it at export, e.g. "onnxruntime model.int8.onnx on AMD EPYC [avx2 fma]"
-    accuracy_fp32: float  # top-1 on the test split
-    accuracy: float
-    accuracy_change_points: float
-    max_drop_points: float
-    test_images: int
-    argmax_agreement: float  # on the reference images: share with FP32's class
-    max_abs_diff: float  # on the reference images: probabilities against FP32
-    bounded_diff: float  # what GATE_MAX_DIFF bounds: fp16/bf16 every output's max |diff|, int8 the probabilities'
-    reference_images: int
-    measured_on: str  # the CPU (or GPU) that measured it
-
-    @property
-    def accepted(self) -> bool:
-        """The export half of the criterion: accuracy kept within max_drop_points, and finite outputs."""
-        return -self.accuracy_change_points <= self.max_drop_points and self.bounded_diff <= GATE_MAX_DIFF[self.precision]
-
-    def refusal(self) -> str:
-        """Why export did not accept this variant."""
-        if not math.isfinite(self.bounded_diff):
-            return f"NaN or infinity in its outputs ({self.computed_by})"
-        if -self.accuracy_change_points <= self.max_drop_points:
-            what = "probabilities" if self.precision == "int8" else "outputs"
-            return (f"{self.computed_by}: max |diff| of its {what} {self.bounded_diff:.2e} against FP32 on "
-                    f"{self.reference_images} reference images, more than {GATE_MAX_DIFF[self.precision]:g}")
-        return (f"{self.computed_by} on {self.test_images} test images: accuracy {self.accuracy_fp32:.2%} -> "
-                f"{self.accuracy:.2%} ({self.accuracy_change_points:+.2f} points), more than --max-accuracy-drop "
-                f"{self.max_drop_points:g}")
-
-    @property
-    def least_agreement(self) -> float:
-        return max(0.0, self.argmax_agreement - GATE_AGREEMENT_SLACK_IMAGES / self.reference_images)
-
-    @property
-    def most_diff(self) -> float:
-        return GATE_DIFF_FACTOR * self.max_abs_diff + GATE_DIFF_SLACK
-
-    def describe_bounds(self) -> str:
-        return (f"export measured {self.argmax_agreement:.1%} and {self.max_abs_diff:.2e} on {self.measured_on}; "
-                f"allowed: {GATE_AGREEMENT_SLACK_IMAGES} more images of {self.reference_images} changing class, "
-                f"{GATE_DIFF_FACTOR:g}x the difference + {GATE_DIFF_SLACK:g}")
-
-    def to_json(self) -> dict[str, Any]:
-        return {key: getattr(self, key) for key in GATE_KEYS}
-
-
-def gate_criterion() -> dict[str, Any]:
-    """model.json's statement of the criterion its gate entries were measured for."""
-    return {"accuracy": "top-1 on the test split at most max_drop_points below FP32's (export)",
-            "max_abs_diff": GATE_MAX_DIFF,
-            "reproduced": "on the reference images: same-class share >= export's less agreement_slack_images, "
-                          "max |diff| of probabilities <= diff_factor x export's + diff_slack (every load)",
-            "agreement_slack_images": GATE_AGREEMENT_SLACK_IMAGES, "diff_factor": GATE_DIFF_FACTOR,
-            "diff_slack": GATE_DIFF_SLACK}
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 AOTI_KEYS = ("file", "device", "precision", "torch_version", "min_batch", "max_batch", "built_on", "compute_capability",
              "parity")
 
@@ -266,7 +72,8 @@ class ModelDescription:
     input_shape: tuple[int, int, int]  # (C, H, W), float32 in [0, 1], NCHW
     class_names: tuple[str, ...]
     output_shapes: dict[str, tuple[int, ...]]  # without the batch axis: probabilities (J,)[, poses (J, D)][, reconstruction]
-    # {"variant", "iterations", "squash_constant"}, or EM's {"variant": "em", "iterations", "inverse_temperature"};
+    # {"variant", "iterations", "squash_constant", "gpu_engine"} (gpu_engine: "fused" or "unfused: <why>"), or EM's
+    # {"variant": "em", "iterations", "inverse_temperature"};
     # {} for a model without routing (written as null)
     routing: dict
     artifacts: dict[str, str | None]  # ARTIFACT_KEYS -> file name in the model directory (None: not exported)
@@ -476,6 +283,8 @@ class _Reader:
         iterations = self.get(routing, "iterations", int, "routing.")
         if not 0 < iterations < 2**31:
             raise self.fail(f"routing.iterations must be a positive 32-bit integer, got {iterations}")
+        if "gpu_engine" in routing:
+            self.get(routing, "gpu_engine", str, "routing.")
         for key in ("squash_constant", "inverse_temperature"):
             if key in routing:
                 value = self.get(routing, key, (int, float), "routing.")
@@ -576,34 +385,3 @@ class _Reader:
             raise self.fail(f"output reconstruction must have shape [{channels * height * width}]")
         return shapes
 
-
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except OSError as err:  # unreadable (permissions), a directory, an I/O error
-        raise CapsNetError(f"cannot read {path}: {err.strerror or err}") from None
-    except (ValueError, RecursionError) as err:
-        # ValueError: bad UTF-8, bad JSON, an integer of over 4,300 digits; RecursionError: nesting too deep
-        raise CapsNetError(f"{path} is damaged: not valid JSON ({str(err)[:200]})") from None
-
-
-def read_plan_info(path: Path) -> dict:
-    """model.plan.json (a resolved path): the GPU and TensorRT version the engine was built for."""
-    info = read_json(path)
-    missing = [key for key in PLAN_INFO_KEYS if not isinstance(info, dict) or key not in info]
-    if missing:
-        raise CapsNetError(f"{path} is damaged: missing {', '.join(missing)}")
-    # the server compares and counts with these before TensorRT sees the plan
-    batches = [info[key] for key in ("min_batch", "opt_batch", "max_batch")]
-    if (not all(isinstance(info[key], str) for key in ("tensorrt_version", "gpu_name"))
-            or not isinstance(info["compute_capability"], (str, int, float))
-            or info["precision"] not in ("fp32", "fp16", "int8")
-            or not all(type(batch) is int for batch in batches) or not 1 <= batches[0] <= batches[1] <= batches[2]):
-        raise CapsNetError(f"{path} is damaged: expected tensorrt_version and gpu_name strings, compute_capability "
-                           "like \"9.0\", precision fp32|fp16|int8 and integers 1 <= min_batch <= opt_batch <= max_batch")
-    return info
-
-
-def class_names_parameters(class_names: tuple[str, ...] | list[str]) -> dict[str, dict[str, str]]:
-    """Triton model config `parameters` naming the classes: a JSON list, index for index with the probabilities."""
-    return {CLASS_NAMES_PARAMETER: {"string_value": json.dumps(list(class_names), ensure_ascii=False)}}

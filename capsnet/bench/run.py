@@ -15,7 +15,7 @@ from capsnet.bench.backends import PUBLIC_REFERENCE, SERVER_BACKENDS
 from capsnet.bench.grpc_load import run_grpc_load
 from capsnet.bench.inprocess import BackendPlan, Schedule, run_inprocess
 from capsnet.bench.machine import cpu_shares, cpu_times, load_average, machine_facts
-from capsnet.bench.report import write_report
+from capsnet.bench.report_files import write_report
 from capsnet.errors import CapsNetError
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class Analysis:
         return []
 
     def sections(self, results: dict) -> dict[str, list[str]]:
-        """Markdown lines for the report, by where they go (report.SECTIONS)."""
+        """Markdown lines for the report, by where they go (report_files.SECTIONS)."""
         return {}
 
     def plots(self, results: dict, out_dir: Path) -> list[Path]:
@@ -135,7 +135,7 @@ def run_bench(options: BenchOptions, analysis: Analysis) -> dict:
         **analysed,
     }
     results["targets"] = analysis.targets(results)
-    for path in write_report(results, options.out, analysis):
+    for path in write_report(results, options.out, analysis.sections(results), analysis.plots):
         log.info("wrote %s", path)
     return results
 
@@ -163,7 +163,7 @@ def _prepare_models(options: BenchOptions, tmp: Path) -> tuple[Path, dict[str, P
         raise CapsNetError(f"{options.model} does not exist: give a checkpoint or an export directory")
     _check_dynamic_routing(options.model, options.model)
     from capsnet.export.exporter import export_model
-    from capsnet.tensorrt_runner import unavailable_reason
+    from capsnet.runtime.tensorrt_runner import unavailable_reason
 
     max_batch = max(options.batch_sizes + options.concurrency)
     log.info("exporting %s (ONNX FP32 + INT8)", options.model)

@@ -1,5 +1,5 @@
 """The analysis' part of a `capsnet bench` run: the CPU's fp32 ceiling, ONNX Runtime's profile, the targets, the report
-sections and the plots, at the points capsnet.bench.suite.run_bench calls them."""
+sections and the plots, at the points capsnet.bench.run.run_bench calls them."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import numpy as np
 
-from capsnet.bench.analysis import report
+from capsnet.bench.analysis import plots, sections
 from capsnet.bench.analysis.flops import FlopCount, count_flops
 from capsnet.bench.analysis.ortprofile import conv_rate, profile_onnx
 from capsnet.bench.analysis.peak import measure_peak, median_peak
 from capsnet.bench.analysis.targets import evaluate
 from capsnet.bench.inprocess import tile
-from capsnet.bench.suite import Analysis, BenchOptions
+from capsnet.bench.run import Analysis, BenchOptions
 from capsnet.training.config import CapsNetConfig
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class BenchAnalysis(Analysis):
         return evaluate(results)
 
     def sections(self, results: dict) -> dict[str, list[str]]:
-        return report.sections(results)
+        return sections.sections(results)
 
     def plots(self, results: dict, out_dir: Path) -> list[Path]:
-        return report.plots(results, out_dir)
+        return plots.plots(results, out_dir)

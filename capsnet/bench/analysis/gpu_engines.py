@@ -1,0 +1,304 @@
+"""The GPU check's `engines` step: every way of running the model on one GPU, timed side by side in one process.
+
+    the public formulation      XifengGuo/CapsNet-Pytorch's forward pass, eager, at torch's defaults
+    the model, eager            training/model.py's CapsNet, eager, at torch's defaults
+    the model, torch.compile    the same under torch.compile(mode="reduce-overhead") with bf16 autocast throughout:
+                                what a PyTorch user would deploy
+    every served engine         the server's backends (torch and fused, each in fp32, fp16 and bf16), as served:
+                                CUDA graphs per batch bucket, self-checked first
+
+Each at every batch size (torch.compile at 1 and 256: each size is a compile of its own), two ways: device-resident (images already on the GPU, outputs left there: the engine's
+own time, from CUDA events) and numpy in and out (the host copies included: what a server pays). p50 of a fixed
+number of calls after warm-up calls. Then where each engine's time goes: a torch.profiler table of its kernels at
+batches 1 and 256. Every ratio the report gives comes from this one process on this one GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from capsnet.bench.timing import summarize
+
+PROFILED_BATCHES = (1, 256)
+# torch.compile compiles each batch size anew (a minute or more on the GPU machine's 16 cores for all four): it is
+# timed at the sizes its target is stated for
+COMPILED_BATCHES = (1, 256)
+CALLS = {"small": 30, "large": 15, "dry": 3}  # timed calls per cell: batches up to 256, larger; the CPU dry run
+WARMUP_CALLS = 3
+REFERENCE_SPECS = ("public", "eager", "compile")
+# numpy in and out, in process: the fastest served engine against the public formulation at batches 1 and 256, and
+# against torch.compile of the model at 256
+TARGETS = {"public": 10.0, "compile": 2.0}
+
+
+@dataclass
+class Engine:
+    spec: str
+    description: str
+    on_device: Callable  # device tensor (N, C, H, W) -> outputs on the device
+    with_numpy: Callable  # numpy (N, C, H, W) -> numpy outputs
+    self_check: dict | None = None
+
+
+def _synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reference_engine(spec: str, model_dir: Path, device, batches: tuple[int, ...]) -> Engine:
+    """The public formulation, the model eager, or the model compiled, on `device` at torch's own defaults."""
+    import torch
+
+    from capsnet.bench.analysis.public_reference import DESCRIBED_IN, SOURCE, PublicCapsNet
+    from capsnet.serving.artifacts import load_artifacts
+    from capsnet.training.checkpoint import load_checkpoint
+
+    model = load_checkpoint(load_artifacts(model_dir).checkpoint).build_model().to(device).eval()
+    if spec == "public":
+        public = PublicCapsNet(model).to(device).eval()
+
+        def forward(images):
+            probabilities, poses, reconstruction = public(images)
+            return {"probabilities": probabilities, "poses": poses, "reconstruction": reconstruction}
+
+        description = f"{SOURCE}'s formulation ({DESCRIBED_IN}), eager, torch's defaults"
+    elif spec == "eager":
+        def forward(images):
+            output = model(images)
+            return {"probabilities": output.probabilities, "poses": output.poses,
+                    "reconstruction": output.reconstruction}
+
+        description = "training/model.py's CapsNet, eager, torch's defaults"
+    else:
+        compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(batches))
+        autocast = device.type == "cuda"
+
+        def forward(images):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                output = compiled(images)
+            # reduce-overhead replays a CUDA graph whose outputs the next replay overwrites: cloned as a caller keeps them
+            return {"probabilities": output.probabilities.clone(), "poses": output.poses.clone(),
+                    "reconstruction": output.reconstruction.clone()}
+
+        description = ("training/model.py's CapsNet under torch.compile(mode='reduce-overhead')"
+                       + (", bf16 autocast throughout" if autocast else ""))
+
+    def on_device(images):
+        with torch.inference_mode():
+            return forward(images)
+
+    def with_numpy(images: np.ndarray) -> dict:
+        with torch.inference_mode():
+            outputs = forward(torch.from_numpy(images).to(device))
+            return {name: value.float().cpu().numpy() for name, value in outputs.items()}
+
+    return Engine(spec, description, on_device, with_numpy)
+
+
+def _served_engine(spec: str, model_dir: Path, dry_run: bool, max_batch: int, threads: int) -> Engine:
+    """A server backend ("torch:bf16", "fused:fp32", ...) as `capsnet serve` makes it, self-checked."""
+    import torch
+
+    from capsnet.serving.artifacts import load_artifacts
+    from capsnet.serving.backends import create_backend  # before self_check, which the backends package imports
+    from capsnet.serving.config import ServerConfig
+    from capsnet.serving.self_check import self_check
+
+    name, precision = spec.split(":")
+    artifacts = load_artifacts(model_dir)
+    config = ServerConfig(model_dir=model_dir, backend=name, precision=precision, gpu=None if dry_run else 0,
+                          threads=threads, max_batch_size=max_batch)
+    backend = create_backend(name, precision, artifacts, config)
+    check = self_check(backend, artifacts.reference, max_batch, artifacts)
+    runner = getattr(backend, "runner", None)
+    if runner is not None:
+        on_device = runner.run_on_device
+    else:  # the torch backends on the CPU, without buckets: the model itself
+        model = getattr(backend, "model")  # noqa: B009 (a torch backend's, which the Backend interface does not name)
+
+        def on_device(images):
+            with torch.inference_mode():
+                output = model(images)
+            return {name: getattr(output, name) for name in backend.output_names}
+
+    return Engine(spec, backend.description, on_device, backend.run,
+                  {"passed": check.passed, "describe": check.describe()})
+
+
+def _time_cells(engine: Engine, images: np.ndarray, device, batches: tuple[int, ...], dry_run: bool) -> list[dict]:
+    import torch
+
+    rows = []
+    resident = torch.from_numpy(images).to(device)
+    for batch in batches:
+        if engine.spec == "compile" and batch not in COMPILED_BATCHES and max(batches) >= max(COMPILED_BATCHES):
+            continue
+        calls = CALLS["dry" if dry_run else "small" if batch <= 256 else "large"]
+        for _ in range(WARMUP_CALLS):
+            engine.with_numpy(images[:batch])
+            engine.on_device(resident[:batch])
+        _synchronize(device)
+        device_seconds = []
+        for _ in range(calls):
+            if device.type == "cuda":
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                engine.on_device(resident[:batch])
+                stop.record()
+                stop.synchronize()
+                device_seconds.append(start.elapsed_time(stop) / 1e3)
+            else:
+                began = time.perf_counter()
+                engine.on_device(resident[:batch])
+                device_seconds.append(time.perf_counter() - began)
+        numpy_seconds = []
+        for _ in range(calls):
+            began = time.perf_counter()
+            engine.with_numpy(images[:batch])
+            numpy_seconds.append(time.perf_counter() - began)
+        rows.append({"engine": engine.spec, "batch_size": batch, "device_resident": summarize(device_seconds, batch),
+                     "numpy": summarize(numpy_seconds, batch)})
+    return rows
+
+
+def _start_the_profiler(device) -> None:
+    """One empty profile before any engine captures its CUDA graphs: the CUDA graphs captured before CUPTI first
+    started, replayed after a profile, hit an illegal memory access on an H200 (torch 2.11, CUDA 13.0)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]):
+        torch.ones(1, device=device).add_(1)
+        _synchronize(device)
+
+
+def _profile(engine: Engine, images: np.ndarray, device, batch: int) -> str:
+    """torch.profiler's kernel table for 5 device-resident calls at `batch`, by each kernel's own device time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    resident = torch.from_numpy(images[:batch]).to(device)
+    engine.on_device(resident)
+    _synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(5):
+            engine.on_device(resident)
+        _synchronize(device)
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort_by, row_limit=12, max_name_column_width=60)
+
+
+def engines(args) -> dict:
+    import torch
+
+    from capsnet.bench.analysis.gpu_check import device_of, write_part
+    from capsnet.serving.loadgen import random_images
+
+    torch.set_num_threads(args.threads)
+    device = device_of(args.cpu_dry_run)
+    batches = tuple(args.batches)
+    images = random_images(max(batches), (1, 28, 28), seed=1)
+    if args.profile and device.type == "cuda":
+        _start_the_profiler(device)
+    loaded, failed = [], {}
+    for spec in args.specs:
+        try:
+            if spec in REFERENCE_SPECS:
+                loaded.append(_reference_engine(spec, Path(args.model), device, batches))
+            else:
+                loaded.append(_served_engine(spec, Path(args.model), args.cpu_dry_run, max(batches), args.threads))
+        except Exception as err:  # one engine that cannot load costs its own row only
+            failed[spec] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+    results: list[dict] = []
+    profiles: dict[str, dict[str, str]] = {}
+    part = {"device": str(device), "threads": args.threads, "failed": failed,
+            "engines": {engine.spec: {"description": engine.description, "self_check": engine.self_check}
+                        for engine in loaded},
+            "results": results, "profiles": profiles}
+    for engine in loaded:
+        try:
+            results += _time_cells(engine, images, device, batches, args.cpu_dry_run)
+        except Exception as err:
+            failed[engine.spec] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+    # the timings are kept before any profiling: CUPTI has taken a process down under graph replays
+    write_part(Path(args.work), "engines", part)
+    for engine in loaded if args.profile else ():
+        try:
+            profiles[engine.spec] = {str(batch): _profile(engine, images, device, batch)
+                                     for batch in PROFILED_BATCHES if batch <= max(batches)}
+        except Exception as err:
+            failed[f"{engine.spec} profile"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+    with contextlib.suppress(Exception):
+        torch.cuda.empty_cache()
+    return part
+
+
+def ratios(part: dict) -> dict:
+    """The targets' ratios from one engines part: the fastest served engine (numpy in and out) against the public
+    formulation at batches 1 and 256, and against torch.compile at 256; and device-resident alike."""
+    cells = {(row["engine"], row["batch_size"]): row for row in part.get("results", [])}
+    served = {spec for spec, _ in cells if spec not in REFERENCE_SPECS}
+    found = {}
+    for way in ("numpy", "device_resident"):
+        for batch in (1, 256):
+            ours = [(cells[spec, batch][way]["p50_ms"], spec) for spec in served if (spec, batch) in cells]
+            if not ours:
+                continue
+            best_ms, best = min(ours)
+            entry = {"best": best, "best_p50_ms": best_ms, "images_per_s": batch / best_ms * 1e3}
+            for reference in ("public", "compile"):
+                if (reference, batch) in cells:
+                    entry[f"vs_{reference}"] = cells[reference, batch][way]["p50_ms"] / best_ms
+            found[f"{way}_batch_{batch}"] = entry
+    return found
+
+
+def _verdict(key: str, name: str, value: float) -> str:
+    reference = name.removeprefix("vs_")
+    if not key.startswith("numpy") or (reference == "compile" and not key.endswith("_256")):
+        return ""
+    target = TARGETS[reference]
+    return f" (target {target:g}x: {'met' if value >= target else 'MISSED'})"
+
+
+def markdown(part: dict) -> str:
+    """The engines table (p50 ms device-resident / numpy, and images/s), the ratios, and the profiler tables."""
+    results = part.get("results", [])
+    if not results:
+        return "\n## Engines\n\nnot measured" + (f": {part.get('failed')}" if part.get("failed") else "") + "\n"
+    batches = sorted({row["batch_size"] for row in results})
+    cells = {(row["engine"], row["batch_size"]): row for row in results}
+    text = ("\n## Engines, one process, one GPU\n\np50 ms device-resident / numpy in and out (images/s numpy)\n\n"
+            f"| engine | {' | '.join(f'batch {b}' for b in batches)} |\n|---|{'---|' * len(batches)}\n")
+    for spec in dict.fromkeys(row["engine"] for row in results):
+        row_cells = []
+        for batch in batches:
+            cell = cells.get((spec, batch))
+            row_cells.append("—" if cell is None else
+                             f"{cell['device_resident']['p50_ms']:.3f} / {cell['numpy']['p50_ms']:.3f} "
+                             f"({cell['numpy']['images_per_s']:,.0f}/s)")
+        text += f"| {spec} | {' | '.join(row_cells)} |\n"
+    text += "\n" + "\n".join(f"- {spec}: {info['description']}"
+                             + (f"; self-check {'passed' if info['self_check']['passed'] else 'FAILED'}"
+                                if info.get("self_check") else "")
+                             for spec, info in part.get("engines", {}).items()) + "\n"
+    for key, entry in ratios(part).items():
+        versus = ", ".join(f"{value:.1f}x {name.removeprefix('vs_')}{_verdict(key, name, value)}"
+                           for name, value in entry.items() if name.startswith("vs_"))
+        text += f"- {key.replace('_', ' ')}: {entry['best']} {entry['best_p50_ms']:.3f} ms ({versus})\n"
+    for spec, failure in part.get("failed", {}).items():
+        text += f"- {spec}: did not run: {failure}\n"
+    for spec, tables in part.get("profiles", {}).items():
+        for batch, table in tables.items():
+            text += f"\n### Where {spec}'s time goes at batch {batch}\n\n```\n{table}\n```\n"
+    return text

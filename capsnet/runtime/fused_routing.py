@@ -1,0 +1,280 @@
+"""Dynamic routing (Sabour et al. 2017) as Triton kernels that never write û to memory.
+
+û_j|i = W_ij·u_i is (B, 1152, 10, 16): 737 KB an image in fp32, 189 MB at batch 256. The unfused graph writes it
+once and reads it on every iteration, and its batched products over B·10 pairs of 1 × 1,152 by 1,152 × 16
+matrices keep the tensor cores idle. Here each routing iteration is one pass over the input capsules that
+recomputes û tile by tile on chip, from u (B × 1152 × 8) and W (1152 × 8 × 160, read from L2 by every
+program), with a tensor-core product per capsule:
+
+    pass k, program (sample block, capsule slice):
+        for each capsule i of the slice:
+            u_i = squash(primary capsule i)                    (BB, P)      the PrimaryCaps squash, in registers
+            û_i = u_i @ W_i                                    (BB, J·D)    fp32 accumulation
+            k = 0:  c = 1/J (uniform)                          (sabour, su; 1/(J+1) leaky)
+            k > 0:  c = softmax_j(û_i · g)                     g = Σ_{m<k} v_m (sabour, leaky), v_{k-1} (su)
+            s_partial += c · û_i                               (BB, J·D)
+    reduce k: s = Σ_slices s_partial; v_k = squash(s); g for the next pass, or the poses and their lengths.
+
+The logits b_k = Σ_{m<k} û·v_m are linear in û, so they are one dot product with the running sum of the poses:
+nothing of size (B, I, J) is kept between passes either. An iteration is two launches; the three iterations of
+the paper's model six, whatever the batch.
+
+Inputs are fp32, fp16 or bf16 (the compute dtype of the convolutions that produce them); every product
+accumulates in fp32, and softmax, squash and the sums run in fp32. In fp32 the products run in IEEE fp32 (no TF32),
+so the result matches `capsnet.training.model.route` to rounding.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from capsnet.runtime.fused_support import MIN_DOT, fused_unsupported_reason
+from capsnet.training.config import CapsNetConfig
+from capsnet.training.model import CapsNet
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How one batch is cut: `block` samples by `slices` capsule slices of `per_slice` capsules, one program each,
+    of `warps` warps, its capsule loop software-pipelined `stages` deep."""
+
+    block: int
+    slices: int
+    per_slice: int
+    warps: int = 4
+    stages: int = 2
+
+
+def launch_plan(batch: int, capsules: int, programs_wanted: int) -> LaunchPlan:
+    """Blocks of 16 samples up to 64 as the batch grows (larger tensor-core tiles), and as many capsule slices as
+    it takes to give the GPU `programs_wanted` programs (every block reads all of W, from L2)."""
+    block = MIN_DOT if batch <= 128 else 32 if batch <= 512 else 64
+    blocks = -(-batch // block)
+    slices = max(1, min(capsules, -(-programs_wanted // blocks)))
+    per_slice = -(-capsules // slices)
+    return LaunchPlan(block, -(-capsules // per_slice), per_slice, warps=4 if block <= 16 else 8)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 -> the nearest bf16 (ties to even), kept in fp32: the interpreter's own conversion truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _routing_pass(
+    primary_ptr, weight_ptr, agree_ptr, partial_ptr,
+    batch, capsules, per_slice, squash_constant,
+    stride_b, stride_c, stride_y, stride_x, grid_h, grid_w,
+    DIM_IN: tl.constexpr, DIM_IN_PADDED: tl.constexpr, CLASSES: tl.constexpr, CLASSES_PADDED: tl.constexpr,
+    DIM_OUT: tl.constexpr, BLOCK: tl.constexpr, FIRST: tl.constexpr, LEAKY: tl.constexpr, IEEE: tl.constexpr,
+    ROUNDED_IN_FP32: tl.constexpr,
+):
+    """One routing iteration over one slice of the input capsules for one block of samples: the partial sum
+    Σ_i c_ij û_j|i (BLOCK, CLASSES_PADDED·DIM_OUT) into partial_ptr[slice]."""
+    OUT: tl.constexpr = CLASSES_PADDED * DIM_OUT
+    block_id = tl.program_id(0)
+    slice_id = tl.program_id(1)
+    samples = block_id * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
+    live = samples < batch
+    comps = tl.arange(0, DIM_IN_PADDED)  # (P',)
+    outs = tl.arange(0, OUT)  # (J'·D,)
+    classes = tl.arange(0, CLASSES_PADDED)  # (J',)
+    # primary capsule i = (channel c, y, x) is conv channels c·P .. c·P+P-1 at (y, x): any strides (NCHW, NHWC)
+    in_mask = live[:, None] & (comps[None, :] < DIM_IN)  # (BLOCK, P')
+    in_offsets = samples[:, None].to(tl.int64) * stride_b + comps[None, :] * stride_c  # (BLOCK, P')
+    if not FIRST:
+        agree = tl.load(agree_ptr + samples[:, None] * OUT + outs[None, :], mask=live[:, None], other=0.0)
+    acc = tl.zeros((BLOCK, OUT), dtype=tl.float32)
+    first = slice_id * per_slice
+    last = tl.minimum(first + per_slice, capsules)
+    cells = grid_h * grid_w
+    for i in range(first, last):
+        channel = i // cells
+        cell = i % cells
+        where = channel * DIM_IN * stride_c + (cell // grid_w) * stride_y + (cell % grid_w) * stride_x
+        raw = tl.load(primary_ptr + in_offsets + where, mask=in_mask, other=0.0).to(tl.float32)  # (BLOCK, P')
+        norm2 = tl.sum(raw * raw, axis=1)  # (BLOCK,)
+        u = raw * (tl.sqrt(norm2) / (squash_constant + norm2))[:, None]  # (BLOCK, P'): squash
+        # rows past P are the product's zero padding: masked, so they cost no memory traffic
+        w = tl.load(weight_ptr + i * DIM_IN * OUT + comps[:, None] * OUT + outs[None, :],
+                    mask=comps[:, None] < DIM_IN, other=0.0)  # (P', J'·D)
+        if IEEE:
+            u_hat = tl.dot(u, w, input_precision="ieee")  # (BLOCK, J'·D)
+        elif ROUNDED_IN_FP32:
+            u_hat = tl.dot(_round_to_bf16(u), w.to(tl.float32), input_precision="ieee")  # (BLOCK, J'·D)
+        else:
+            u_hat = tl.dot(u.to(w.dtype), w)  # (BLOCK, J'·D), fp32 accumulation
+        if FIRST:
+            acc += u_hat
+        else:
+            votes = tl.reshape(u_hat, (BLOCK, CLASSES_PADDED, DIM_OUT))  # (BLOCK, J', D)
+            logits = tl.sum(votes * tl.reshape(agree, (BLOCK, CLASSES_PADDED, DIM_OUT)), axis=2)  # (BLOCK, J')
+            logits = tl.where(classes[None, :] < CLASSES, logits, float("-inf"))
+            top = tl.max(logits, axis=1)  # (BLOCK,)
+            if LEAKY:
+                top = tl.maximum(top, 0.0)  # the extra "none of these" logit is 0
+            weights = tl.exp(logits - top[:, None])  # (BLOCK, J')
+            total = tl.sum(weights, axis=1)
+            if LEAKY:
+                total += tl.exp(-top)
+            coupling = weights / total[:, None]  # (BLOCK, J')
+            acc += tl.reshape(votes * coupling[:, :, None], (BLOCK, OUT))
+    tl.store(partial_ptr + (slice_id * batch + samples[:, None]).to(tl.int64) * OUT + outs[None, :], acc,
+             mask=live[:, None])
+
+
+@triton.jit
+def _routing_reduce(
+    partial_ptr, agree_ptr, poses_ptr, lengths_ptr,
+    batch, slices, scale, squash_constant,
+    CLASSES: tl.constexpr, CLASSES_PADDED: tl.constexpr, DIM_OUT: tl.constexpr, SLICE_BLOCK: tl.constexpr,
+    FIRST: tl.constexpr, LAST: tl.constexpr, REPLACE: tl.constexpr,
+):
+    """s = scale·Σ_slices partial for one sample, v = squash(s) per class; then the next pass's agreement vector
+    (g + v, or v where each iteration's logits replace the last's), or the poses (J, D) and their lengths (J,)."""
+    OUT: tl.constexpr = CLASSES_PADDED * DIM_OUT
+    sample = tl.program_id(0)
+    outs = tl.arange(0, OUT)
+    rows = tl.arange(0, SLICE_BLOCK)
+    s = tl.zeros((OUT,), dtype=tl.float32)
+    for start in range(0, slices, SLICE_BLOCK):
+        here = start + rows  # (SLICE_BLOCK,)
+        tile = tl.load(partial_ptr + (here[:, None] * batch + sample).to(tl.int64) * OUT + outs[None, :],
+                       mask=(here < slices)[:, None], other=0.0)  # (SLICE_BLOCK, J'·D)
+        s += tl.sum(tile, axis=0)
+    s = tl.reshape(s * scale, (CLASSES_PADDED, DIM_OUT))  # (J', D)
+    norm2 = tl.sum(s * s, axis=1)  # (J',)
+    norm = tl.sqrt(norm2)
+    v = s * (norm / (squash_constant + norm2))[:, None]  # (J', D): squash
+    if LAST:
+        classes = tl.arange(0, CLASSES_PADDED)
+        dims = tl.arange(0, DIM_OUT)
+        mask = classes < CLASSES
+        tl.store(poses_ptr + sample * CLASSES * DIM_OUT + classes[:, None] * DIM_OUT + dims[None, :], v,
+                 mask=mask[:, None])
+        # |v| = |s|² / (c + |s|²): the length of the squashed vector, without a second square root
+        tl.store(lengths_ptr + sample * CLASSES + classes, norm2 / (squash_constant + norm2), mask=mask)
+    else:
+        flat = tl.reshape(v, (OUT,))
+        if not (FIRST or REPLACE):
+            flat += tl.load(agree_ptr + sample * OUT + outs)
+        tl.store(agree_ptr + sample * OUT + outs, flat)
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, read when triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class FusedDigitCaps:
+    """DigitCaps with its routing on the fused kernels, for the primary convolution's raw output: squash of the
+    primary capsules, û, every routing iteration, the poses and their lengths. W is packed once, its classes
+    zero-padded to the tiles the kernels read, in the dtype of the primary convolution (fp32, fp16 or bf16)."""
+
+    def __init__(self, config: CapsNetConfig, weight: torch.Tensor, dtype: torch.dtype, programs_wanted: int):
+        reason = fused_unsupported_reason(config)
+        if reason:
+            raise ValueError(f"the fused routing kernels cannot run this model: {reason}")
+        self.config = config
+        self.dtype = dtype
+        self.programs_wanted = programs_wanted
+        self.dim_in_padded = max(MIN_DOT, triton.next_power_of_2(config.primary_caps_dim))
+        self.classes_padded = triton.next_power_of_2(config.num_classes)
+        self.dim_out = config.digit_caps_dim
+        capsules, dim_in = config.num_primary_caps, config.primary_caps_dim
+        packed = torch.zeros((capsules, dim_in, self.classes_padded, self.dim_out), dtype=dtype,
+                             device=weight.device)  # (I, P, J', D)
+        packed[:, :, :config.num_classes] = weight.detach().view(
+            capsules, dim_in, config.num_classes, self.dim_out).to(dtype)  # (I, P, J, D)
+        self.weight = packed
+        self.out = self.classes_padded * self.dim_out
+        # Triton's interpreter multiplies bf16 operands wrongly (it reads their bits as another type) and truncates
+        # fp32 to bf16; there the operands are rounded to the nearest bf16 and multiplied in fp32, which is exact for
+        # a product of two bf16 values, so the CPU checks the tensor cores' arithmetic up to the order of the sums
+        self.rounded_in_fp32 = dtype == torch.bfloat16 and interpreted()
+
+    def __call__(self, primary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """primary (B, channels·P, H, W), the primary convolution's output before the squash, any strides ->
+        poses (B, J, D) and probabilities (B, J), float32."""
+        cfg = self.config
+        batch, _, grid_h, grid_w = primary.shape
+        capsules = cfg.primary_caps_channels * grid_h * grid_w
+        if capsules != cfg.num_primary_caps:
+            raise ValueError(f"{capsules} primary capsules, the weights are for {cfg.num_primary_caps}")
+        plan = launch_plan(batch, capsules, self.programs_wanted)
+        device = primary.device
+        partial = torch.empty((plan.slices, batch, self.out), dtype=torch.float32, device=device)  # (S, B, J'·D)
+        agree = torch.empty((batch, self.out), dtype=torch.float32, device=device)  # (B, J'·D)
+        poses = torch.empty((batch, cfg.num_classes, self.dim_out), dtype=torch.float32, device=device)  # (B, J, D)
+        lengths = torch.empty((batch, cfg.num_classes), dtype=torch.float32, device=device)  # (B, J)
+        leaky = cfg.routing == "leaky"
+        stride_b, stride_c, stride_y, stride_x = primary.stride()
+        slice_block = min(32, triton.next_power_of_2(plan.slices))
+        for iteration in range(cfg.routing_iterations):
+            first, last = iteration == 0, iteration == cfg.routing_iterations - 1
+            _routing_pass[(triton.cdiv(batch, plan.block), plan.slices)](
+                primary, self.weight, agree, partial,
+                batch, capsules, plan.per_slice, cfg.squash_constant,
+                stride_b, stride_c, stride_y, stride_x, grid_h, grid_w,
+                DIM_IN=cfg.primary_caps_dim, DIM_IN_PADDED=self.dim_in_padded, CLASSES=cfg.num_classes,
+                CLASSES_PADDED=self.classes_padded, DIM_OUT=self.dim_out, BLOCK=plan.block, FIRST=first,
+                LEAKY=leaky, IEEE=self.dtype == torch.float32, ROUNDED_IN_FP32=self.rounded_in_fp32,
+                num_warps=plan.warps, num_stages=plan.stages,
+            )
+            _routing_reduce[(batch,)](
+                partial, agree, poses, lengths,
+                batch, plan.slices, 1.0 / (cfg.num_classes + leaky) if first else 1.0, cfg.squash_constant,
+                CLASSES=cfg.num_classes, CLASSES_PADDED=self.classes_padded, DIM_OUT=self.dim_out,
+                SLICE_BLOCK=slice_block, FIRST=first, LAST=last, REPLACE=cfg.routing == "su",
+                num_warps=4,
+            )
+        return poses, lengths
+
+
+def default_programs(device: torch.device) -> int:
+    """Programs per routing pass: four per streaming multiprocessor on a GPU (a block's products and softmax
+    then overlap another's loads); any number runs under the interpreter, which is sequential."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+
+class FusedOutputs(NamedTuple):
+    probabilities: torch.Tensor  # (B, J)
+    poses: torch.Tensor  # (B, J, D)
+    reconstruction: torch.Tensor | None  # (B, C·H·W), where asked for
+
+
+class FusedCapsNet:
+    """The CapsNet forward pass for serving on a GPU: Conv1 and PrimaryCaps in `dtype` through cuDNN on channels-last
+    tensors, then the PrimaryCaps squash and all of DigitCaps in the fused kernels, then the decoder in fp32 where
+    the reconstruction is asked for. In fp32 nothing runs in TF32: the caller runs it under `strict_fp32()`."""
+
+    def __init__(self, model: CapsNet, dtype: torch.dtype, reconstruction: bool, programs_wanted: int):
+        self.model = model.eval()
+        self.dtype = dtype
+        self.reconstruction = reconstruction
+        for conv in (model.conv1, model.primary_caps.conv):
+            conv.to(dtype=dtype)
+            conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last)
+        self.digit_caps = FusedDigitCaps(model.config, model.digit_caps.weight, dtype, programs_wanted)
+
+    def __call__(self, images: torch.Tensor) -> FusedOutputs:
+        model = self.model
+        x = model.normalised(images).to(self.dtype).contiguous(memory_format=torch.channels_last)  # (B, C, H, W)
+        features = torch.relu_(model.conv1(x))  # (B, 256, 20, 20)
+        primary = model.primary_caps.conv(features)  # (B, 32·8, 6, 6), channels-last, not yet squashed
+        poses, probabilities = self.digit_caps(primary)  # (B, J, D), (B, J)
+        reconstruction = model.decoder(poses, probabilities.argmax(dim=1)) if self.reconstruction else None
+        return FusedOutputs(probabilities, poses, reconstruction)

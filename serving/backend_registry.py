@@ -1,0 +1,52 @@
+"""Every backend the server can run, in one table: the name `--backend` takes, where its class lives, the platform
+Triton's model configuration names it by, the precisions it serves, and the precision-gate entries those answer to.
+
+The classes are imported only when a backend is made, so a CPU server never imports torch or TensorRT.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from capsnet.serving.backends.base import Backend
+
+
+@dataclass(frozen=True)
+class BackendKind:
+    name: str
+    module: str
+    class_name: str
+    platform: str  # Triton's model configuration `platform`
+    precisions: tuple[str, ...]
+    gate_family: str  # its fp16/bf16/int8 answer to the gate entry "<gate_family>_<precision>" of model.json
+    gpu_only: bool = False
+
+    def backend_class(self) -> type[Backend]:
+        return getattr(importlib.import_module(self.module), self.class_name)
+
+
+BACKEND_KINDS: dict[str, BackendKind] = {kind.name: kind for kind in (
+    BackendKind("onnxruntime", "capsnet.serving.backends.onnxruntime_backend", "OnnxRuntimeBackend",
+                "onnxruntime_onnx", ("fp32", "fp16", "int8"), "onnx"),
+    BackendKind("tensorrt", "capsnet.serving.backends.tensorrt_backend", "TensorRTBackend", "tensorrt_plan",
+                ("fp32", "fp16", "int8"), "onnx", gpu_only=True),
+    # eager PyTorch with a CUDA graph per batch bucket: "pytorch", not TorchScript ("pytorch_libtorch")
+    BackendKind("torch", "capsnet.serving.backends.torch_backend", "TorchBackend", "pytorch",
+                ("fp32", "fp16", "bf16"), "torch"),
+    BackendKind("aoti", "capsnet.serving.backends.aoti_backend", "AotiBackend", "pytorch_aoti",
+                ("fp32", "fp16", "bf16"), "torch"),
+    # cuDNN convolutions and the fused routing kernels (capsnet/runtime/fused_routing.py), CUDA graphs per bucket
+    BackendKind("fused", "capsnet.serving.backends.fused_backend", "FusedBackend", "pytorch",
+                ("fp32", "fp16", "bf16"), "fused", gpu_only=True),
+)}
+BACKENDS = ("auto", *BACKEND_KINDS)
+
+
+def gate_variant(backend: str, precision: str) -> str | None:
+    """The gate entry that a backend serving `precision` answers to (None: fp32, held to the FP32 parity)."""
+    if precision == "fp32":
+        return None
+    return f"{BACKEND_KINDS[backend].gate_family}_{precision}"

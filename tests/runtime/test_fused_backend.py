@@ -1,0 +1,60 @@
+"""The fused backend through the real server: on the CPU its kernels run in Triton's interpreter (where there is no
+GPU), so the whole path — export's gate entries, the self-check, KServe and our API — is checked in CI at the tiny
+model's size; models outside the kernels and a CPU without the interpreter are refused in one line."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from capsnet.cli import main
+from capsnet.errors import CapsNetError
+from capsnet.serving.artifacts import load_artifacts
+from capsnet.serving.backends import create_backend
+from serving_helpers import assert_served_as_onnxruntime, server_config
+
+ON_GPU = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(trained_tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fused") / "model"
+    assert main(["export", str(trained_tiny_checkpoint), "--out", str(out), "--reconstruction"]) == 0
+    return out
+
+
+def test_export_names_the_fused_engine_and_gates_its_precisions(tiny_model_dir):
+    artifacts = load_artifacts(tiny_model_dir)
+    assert artifacts.routing["gpu_engine"] == "fused"
+    for precision in ("fp16", "bf16"):
+        gate = artifacts.precision_gate[f"fused_{precision}"]
+        assert gate.accepted and "routing products' inputs in " + precision in gate.computed_by
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_fused_backend_serves_as_onnxruntime_does(tiny_model_dir, precision):
+    images = np.random.default_rng(3).random((11, 1, 28, 28), dtype=np.float32)
+    assert_served_as_onnxruntime(tiny_model_dir, "fused", precision, images, described="routing in the fused kernels",
+                                 max_batch_size=16, gpu=0 if ON_GPU else None)
+
+
+def test_models_outside_the_kernels_are_refused_with_the_reason(random_checkpoint, tmp_path):
+    from capsnet.training.config import preset
+
+    out = tmp_path / "em"
+    assert main(["export", str(random_checkpoint(preset("em-tiny"))), "--out", str(out)]) == 0
+    artifacts = load_artifacts(out)
+    assert artifacts.routing["gpu_engine"].startswith("unfused: arch em ")
+    config = server_config(out, backend="fused", gpu=0 if ON_GPU else None)
+    with pytest.raises(CapsNetError, match=r"the fused backend cannot run this model: arch em .*--backend torch"):
+        create_backend("fused", "fp32", artifacts, config)
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the fused backend runs compiled kernels")
+def test_on_the_cpu_it_runs_only_in_the_interpreter(tiny_model_dir, monkeypatch):
+    monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "0")
+    with pytest.raises(CapsNetError, match="the fused backend runs on a CUDA GPU: add --gpu N"):
+        create_backend("fused", "fp32", load_artifacts(tiny_model_dir), server_config(tiny_model_dir, backend="fused"))
