@@ -28,7 +28,11 @@ class DeviceInput(Protocol):
     device: torch.device
 
     def run_device(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
-        """images float32 (N, C, H, W) on `device` -> {output name: float32 (N, ...) on `device`}."""
+        """images float32 (N, C, H, W) on `device` -> {output name: float32 (N, ...) on `device`}.
+
+        `images` were written on the calling thread's current CUDA stream: an engine on a stream of its own makes it
+        wait for that stream first. It returns once its outputs may be read on the caller's current stream (its
+        stream synchronised, or awaited by the current one), and they stay the caller's until the next call."""
 
 
 class _Handle(ctypes.Structure):
