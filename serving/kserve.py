@@ -33,7 +33,7 @@ import numpy as np
 
 from capsnet import __version__
 from capsnet.model_description.classes import class_names_parameters
-from capsnet.serving.errors import InvalidInput, RegionNotFound, Unauthenticated
+from capsnet.serving.errors import InvalidInput, Unauthenticated
 from capsnet.serving.lifecycle import Lifecycle
 from capsnet.serving.model_manager import ModelManager, ModelRef
 from capsnet.serving.batcher import OutputSink
@@ -250,7 +250,9 @@ def classify(scores: np.ndarray, count: int, class_names: Sequence[str] | None) 
     """Triton's classification of (N, J) scores: (N, min(count, J)) bytes "score:index[:label]", highest first (ties:
     the lower index first), the score as C's %f prints it."""
     top = np.argsort(-scores, axis=1, kind="stable")[:, :count]  # (N, k)
-    labels = [f":{name}" for name in class_names] if class_names else [""] * scores.shape[1]
+    labels = [""] * scores.shape[1]  # a model without a name for each class: indices alone
+    if class_names is not None and len(class_names) == scores.shape[1]:
+        labels = [f":{name}" for name in class_names]
     strings = [[f"{row[index]:f}:{index}{labels[index]}".encode() for index in indices]
                for row, indices in zip(scores, top)]
     return np.array(strings, dtype=object).reshape(top.shape)
@@ -279,18 +281,13 @@ class RegionImages:
     def read(self, out: np.ndarray, start: int, stop: int) -> None:
         """Images [start, stop) into `out` (float32, contiguous), checked as any request's values."""
         row_bytes = math.prod(self.shape[1:]) * self.tensor.dtype.itemsize
-        if not self.region.hold():
-            raise RegionNotFound(f"{self.field}.parameters.shared_memory_region: region {self.region.name!r} was "
-                                 "unregistered before the batch read it")
-        try:
+        with self.region.in_use(self.field):
             if self.tensor.datatype == "FP32":
                 self.region.read(out, self.offset + start * row_bytes, self.field)
             else:
                 pixels = np.empty(out.shape, dtype=self.tensor.dtype)
                 self.region.read(pixels, self.offset + start * row_bytes, self.field)
                 np.divide(pixels, np.float32(255), out=out)
-        finally:
-            self.region.release()
         check_values(out, self.field, first=start)
 
     @property
@@ -309,17 +306,12 @@ class RegionImages:
             return
         itemsize = self.tensor.dtype.itemsize
         count = out.numel()
-        if not self.region.hold():
-            raise RegionNotFound(f"{self.field}.parameters.shared_memory_region: region {self.region.name!r} was "
-                                 "unregistered before the batch read it")
-        try:
+        with self.region.in_use(self.field):
             source = self.region.buffer.view(self.offset + start * (count // len(out)) * itemsize, count * itemsize)
             if self.tensor.datatype == "FP32":
                 out.reshape(-1).view(source.dtype).copy_(source)  # device to device, bytes for bytes
             else:
                 out.copy_(source.view(out.shape).float().div_(255))
-        finally:
-            self.region.release()
         low, high = out.aminmax()
         if not (0 <= low.item() and high.item() <= 1):  # False with NaN
             check_values(out.cpu().numpy(), self.field, first=start)
@@ -452,17 +444,12 @@ class RegionOutput:
         self.field = field
 
     def write(self, rows, start: int) -> None:
-        if not self.region.hold():
-            raise RegionNotFound(f"{self.field}.parameters.shared_memory_region: region {self.region.name!r} was "
-                                 "unregistered before the batch wrote it")
-        try:
-            offset = self.offset + start * self.row_bytes
+        offset = self.offset + start * self.row_bytes
+        with self.region.in_use(self.field):
             if isinstance(rows, np.ndarray):
                 self.region.write(np.ascontiguousarray(rows, dtype="<f4"), offset, self.field)
             else:
                 self.region.write_device(rows, offset, self.field)
-        finally:
-            self.region.release()
 
 
 def _check_room(ref: RegionRef, size: int, shape: tuple[int, ...], field: str) -> None:

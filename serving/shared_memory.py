@@ -74,6 +74,17 @@ class Region:
             self._closed = True
             self._free_if_done()
 
+    @contextlib.contextmanager
+    def in_use(self, field: str) -> Iterator[Region]:
+        """Held for the block (a read or write of the batcher's): RegionNotFound, naming the tensor's parameter, once
+        it has been freed."""
+        if not self.hold():
+            raise RegionNotFound(f"{field}.parameters.shared_memory_region: region {self.name!r} was unregistered")
+        try:
+            yield self
+        finally:
+            self.release()
+
     def _free_if_done(self) -> None:
         if self._closed and not self._holders and not self._freed:
             self._freed = True
@@ -276,12 +287,8 @@ class SharedMemory:
         if ref.offset + ref.byte_size > region.byte_size:
             raise InvalidInput(f"{field}.parameters.shared_memory_byte_size: offset {ref.offset} + byte size "
                                f"{ref.byte_size} is beyond the end of region {ref.name!r} ({region.byte_size} bytes)")
-        if not region.hold():  # in the registry, so never freed: a guard, not a path
-            raise RegionNotFound(f"{field}.parameters.shared_memory_region: region {ref.name!r} was unregistered")
-        try:
+        with region.in_use(field):  # in the registry, so not freed: it holds
             yield region
-        finally:
-            region.release()
 
     def _of_kind(self, kind: str, name: str, field: str) -> Region:
         region = self._regions.get(name)
