@@ -106,3 +106,26 @@ class TorchBackend(DeviceBackend):
             if is_device_error(err):
                 raise self.device_failure(err) from None
             raise
+
+    def run_device(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """serving/cuda_ipc.py's DeviceInput: a batch already on this GPU (from CUDA shared memory) run from its
+        bucket's graph, answered on the GPU without a trip through host memory. The bucket's static outputs are
+        copied out on the runner's stream, since the next batch overwrites them; the caller's stream waits for it."""
+        if self.failed:
+            raise DeviceFailure(f"{self.description}: {self.failed}")
+        if self.runner is None or self.runner.io.stream is None:
+            raise CapsNetError(f"{self.description}: takes batches already on a GPU only when it runs on one")
+        stream, caller = self.runner.io.stream, torch.cuda.current_stream(self.device)
+        try:
+            stream.wait_stream(caller)  # the images were written on the caller's stream
+            outputs = self.runner.run_on_device(images)
+            with torch.cuda.stream(stream), torch.inference_mode():
+                copies = {name: output.clone() for name, output in outputs.items()}
+            for copy in copies.values():
+                copy.record_stream(caller)  # its memory is not reused before the caller's stream is done with it
+            caller.wait_stream(stream)
+            return copies
+        except Exception as err:
+            if is_device_error(err):
+                raise self.device_failure(err) from None
+            raise

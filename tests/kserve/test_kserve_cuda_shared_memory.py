@@ -93,23 +93,22 @@ def check_answer(answer: dict, batch: np.ndarray, run_onnx) -> None:
     assert answer["after"] == {}
 
 
-def test_cuda_shared_memory_through_the_host_batch(gpu_server, run_onnx, tmp_path):
+def test_cuda_shared_memory_round_trip(gpu_server, run_onnx, tmp_path):
     batch = images(4, seed=41)
     check_answer(run_client(gpu_server, batch, tmp_path), batch, run_onnx)
 
 
-def test_cuda_shared_memory_device_to_device_into_an_engine_that_takes_device_input(gpu_server, run_onnx, tmp_path):
-    """An engine offering run_device (cuda_ipc.DeviceInput) gets the client's images copied device to device."""
+def test_cuda_shared_memory_goes_device_to_device_into_the_gpu_engine(gpu_server, run_onnx, tmp_path):
+    """The GPU engine takes device input (cuda_ipc.DeviceInput): the client's images reach it as a CUDA batch."""
     import torch
 
     backend = gpu_server.server.service.backend
     seen = []
+    engine_run_device = backend.run_device
 
     def run_device(batch: torch.Tensor) -> dict[str, torch.Tensor]:
         seen.append((batch.device.type, tuple(batch.shape)))
-        with torch.inference_mode():
-            output = backend.model(batch)
-        return {name: getattr(output, name) for name in backend.output_names}
+        return engine_run_device(batch)
 
     backend.run_device = run_device
     try:

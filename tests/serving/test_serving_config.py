@@ -42,7 +42,7 @@ def test_environment_then_flags():
     ({"max_queue_delay_us": -1}, {}, "--max-queue-delay-us must be >= 0, got -1"),
     ({"tls_cert": "cert.pem"}, {}, "--tls-cert and --tls-key go together"),
     ({"tls_client_ca": "ca.pem"}, {}, "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key"),
-    ({"backend": "tpu"}, {}, "--backend must be one of auto, onnxruntime, tensorrt, torch, aoti, got 'tpu'"),
+    ({"backend": "tpu"}, {}, "--backend must be one of auto, onnxruntime, tensorrt, torch, aoti, fused, got 'tpu'"),
     ({"max_pending_rpcs": 100}, {}, "--max-pending-rpcs (100) must be >= --max-queue-size (256)"),
     ({"max_image_scale": 0}, {}, "--max-image-scale must be >= 1, got 0"),
     ({"max_shm_regions": 0}, {}, "--max-shm-regions must be >= 1, got 0"),
