@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from capsnet.cpu import CpuKind
-from capsnet.errors import CapsNetError
 from capsnet.model_description import PrecisionGate
 from capsnet.training.data import to_float
 
@@ -79,13 +78,6 @@ def measure_gate(precision: str, computed_by: str, reference: dict[str, np.ndarr
 def _max_abs_diff(reference: np.ndarray, candidate: np.ndarray) -> float:
     difference = np.abs(reference - candidate)
     return float(difference.max()) if np.isfinite(difference).all() else float("inf")
-
-
-def require(gate: PrecisionGate) -> PrecisionGate:
-    """`gate` if export accepts its variant; else a CapsNetError that says why (for a variant the export writes)."""
-    if not gate.accepted:
-        raise CapsNetError(f"{gate.precision.upper()} model refused: {gate.refusal()}")
-    return gate
 
 
 def torch_gates(model_factory, reference_images: np.ndarray, fp32_reference: dict[str, np.ndarray],
