@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from capsnet.errors import CapsNetError
 from capsnet.export.config import DEFAULT_OPSET, MAX_INT8_OPSET, MAX_OPSET, MIN_OPSET, PRECISIONS, ExportConfig
 
 DEFAULTS = ExportConfig()
+# The export was written, but without a variant it was asked for: the precision gate refused it (named on stderr and
+# in model.json's `refused`). Distinct from 2, a mistake or failure, after which nothing is written (but a TensorRT
+# engine that could not be built: the other artifacts are written), so that a script can tell the two apart.
+EXIT_REFUSED = 3
+EXIT_CODES = f"""exit status:
+  0  every artifact asked for was written
+  {EXIT_REFUSED}  written without the reduced-precision variants (--int8, --fp16, --aoti cuda fp16|bf16) that the
+     precision gate refused; FP32 and the variants that pass are in DIR, each refused one is named on stderr
+     and in DIR/model.json (`refused`, its measured accuracy drop under `precision_gate`)
+  2  a mistake or failure, named in one line; nothing written (but for a TensorRT engine that could not be
+     built: the other artifacts are written)"""
 # The artifacts each option shapes: set for none that is written, it would do nothing.
 APPLIES_TO = {
     "calibration_images": ("--int8",),
@@ -23,8 +35,9 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "export",
         help="export a checkpoint to ONNX / TensorRT / a Triton model repository",
-        description="Write DIR/model.onnx (+ model.json sidecar, optional INT8/FP16 variants and TensorRT "
-        "engine), checked against PyTorch on real images. Written atomically: all or nothing.",
+        description="Write DIR/model.onnx (+ model.json sidecar, optional INT8/FP16 variants and TensorRT engine),\n"
+        "checked against PyTorch on real images. Written atomically: a failed export leaves DIR as it was.",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("checkpoint", help="checkpoint written by `capsnet train`")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory (new, empty, or a previous export)")
@@ -123,7 +136,9 @@ def run_export(args: argparse.Namespace) -> int:
               f"{max(engine['max_abs_diff'].values()):.1e}, same class {engine['argmax_agreement']:.0%}")
     if args.triton_repo:
         print(f"  Triton model repository: {Path(args.triton_repo) / description.name}")
-    return 0
+    for name, why in description.refused.items():
+        print(f"capsnet export: not written: {name}: {why}", file=sys.stderr)
+    return EXIT_REFUSED if description.refused else 0
 
 
 def check_options_apply(config: ExportConfig) -> None:

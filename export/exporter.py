@@ -7,6 +7,8 @@ on real images before anything is published.
 
 A requested TensorRT engine that cannot be built (no GPU, no tensorrt package, a failed build or
 parity check) does not hold back the other artifacts: they are published, then the export fails.
+Nor does a reduced-precision variant that the precision gate refuses: FP32 and the variants that pass
+are published, and model.json names the refused one under `refused`, its figures under `precision_gate`.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from capsnet.export.parity import (
     tiled,
     torch_outputs,
 )
-from capsnet.export.precision import convolutions_in, measure_gate, require, torch_gates
+from capsnet.export.precision import convolutions_in, measure_gate, torch_gates
 from capsnet.export.quantize import SCHEME, quantize_int8
 from capsnet.export.tensorrt_build import (
     MIN_ARGMAX_AGREEMENT,
@@ -146,7 +148,8 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
         raise
     log.info("wrote %s", out_dir)
     if tensorrt_error:
-        raise CapsNetError(f"no TensorRT engine: {tensorrt_error} (the other artifacts are in {out_dir})")
+        refused = f"; refused by the precision gate: {', '.join(description.refused)}" if description.refused else ""
+        raise CapsNetError(f"no TensorRT engine: {tensorrt_error} (the other artifacts are in {out_dir}{refused})")
     return description
 
 
@@ -188,35 +191,43 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
     gates = torch_gates(checkpoint.build_model, reference.images, reference.outputs, test.images, test.labels,
                         fp32_test, config.max_accuracy_drop, fused=fused_unsupported_reason(checkpoint.config) is None)
     cpu = CpuKind.this_host()
+    refused: dict[str, str] = {}  # file name -> why the precision gate refused it
 
-    def onnx_gate(precision: str, path: Path) -> PrecisionGate:
+    def gate_onnx_variant(precision: str, path: Path) -> None:
+        """Measure the variant at `path` by the precision gate: kept in `variants` if accepted, else deleted and
+        named in `refused`; its gate entry is recorded either way."""
         session = onnxruntime_session(str(path))
         (outputs,) = onnxruntime_outputs(session, [reference.images], names)
         gate = measure_gate(precision, f"onnxruntime {path.name}", reference.outputs, outputs, test.labels, fp32_test,
                             onnxruntime_probabilities(session, test.images), config.max_accuracy_drop, cpu.describe())
+        gates[f"onnx_{precision}"] = gate
+        if not gate.accepted:
+            refused[path.name] = f"{precision.upper()} model refused: {gate.refusal()}"
+            log.warning("%s; not written", refused[path.name])
+            path.unlink()
+            return
         log.info("%s %s", precision.upper(), _describe_gate(gate))
-        require(gate)
         parity[f"onnxruntime_{precision}_vs_fp32"] = compare(
             fp32_outputs, onnxruntime_outputs(session, batches, names)).to_dict()
-        return gate
+        variants[precision] = path
 
     int8 = None
     if config.wants_int8:
-        variants["int8"] = staging / ONNX_INT8_NAME
         calibration = dataset.train.images[: config.calibration_images]
-        quantize_int8(variants["fp32"], variants["int8"], calibration)
-        gates["onnx_int8"] = onnx_gate("int8", variants["int8"])
+        quantize_int8(variants["fp32"], staging / ONNX_INT8_NAME, calibration)
+        # how it was made, also for a variant refused: its figures in the gate depend on it
         int8 = {"dataset": dataset.name, "calibration_images": len(calibration), "cpu": cpu.to_dict(), "scheme": SCHEME}
+        gate_onnx_variant("int8", staging / ONNX_INT8_NAME)
     if config.wants_fp16:
-        variants["fp16"] = staging / ONNX_FP16_NAME
         fp16_model = convert_fp16(exported)
         check_graph(fp16_model)
-        onnx.save(fp16_model, str(variants["fp16"]))
-        gates["onnx_fp16"] = onnx_gate("fp16", variants["fp16"])
+        onnx.save(fp16_model, str(staging / ONNX_FP16_NAME))
+        gate_onnx_variant("fp16", staging / ONNX_FP16_NAME)
     for name in [name for name in gates if not name.startswith("onnx_")]:  # not refused here: the server refuses them if asked (see the gate)
         log.log(logging.INFO if gates[name].accepted else logging.WARNING, "%s %s%s", name, _describe_gate(gates[name]),
                 "" if gates[name].accepted else "; not accepted, so not served")
-    packages = _compile_aoti(staging, program, checkpoint, config, names, batches, pytorch_outputs, reference, gates)
+    packages = _compile_aoti(staging, program, checkpoint, config, names, batches, pytorch_outputs, reference, gates,
+                             refused)
     for path in variants.values():
         problems = tensorrt_problems(onnx.load(str(path)))
         log.log(logging.WARNING if problems else logging.INFO, "TensorRT compatibility of %s: %s",
@@ -244,7 +255,7 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
     }
     description = describe(checkpoint, graph_opset(exported), config.reconstruction, artifacts=artifacts,
                            reference_set=reference.description, int8=int8, parity=parity, precision_gate=gates,
-                           aoti=packages)
+                           aoti=packages, refused=refused)
     for path in variants.values():
         onnx_model = onnx.load(str(path))
         embed_metadata(onnx_model, description)
@@ -334,9 +345,10 @@ def _check_aoti_possible(config: ExportConfig) -> None:
 
 def _compile_aoti(staging: Path, program, checkpoint: Checkpoint, config: ExportConfig, names: tuple[str, ...],
                   batches: list[np.ndarray], pytorch_outputs: list, reference: _Reference,
-                  gates: dict[str, PrecisionGate]) -> tuple[AotiPackage, ...]:
+                  gates: dict[str, PrecisionGate], refused: dict[str, str]) -> tuple[AotiPackage, ...]:
     """Compile the asked AOTInductor packages and check each with the runner that serves it: fp32 against eager
-    PyTorch (FP32_TOLERANCE, every image the same class), fp16/bf16 by the precision gate on the reference images."""
+    PyTorch (FP32_TOLERANCE, every image the same class), fp16/bf16 by the precision gate on the reference images.
+    An fp16/bf16 package whose precision the gate refused is not compiled but named in `refused`."""
     import torch
 
     from capsnet.runtime.torch_runner import AotiRunner
@@ -345,6 +357,11 @@ def _compile_aoti(staging: Path, program, checkpoint: Checkpoint, config: Export
     for device, precision in config.aoti_targets():
         gpu = config.engine().gpu
         target = f"cuda:{gpu}" if device == "cuda" else "cpu"
+        path = aoti.package_path(staging, device, precision)
+        if precision != "fp32" and not gates[f"torch_{precision}"].accepted:
+            refused[path.name] = f"{precision.upper()} package refused: {gates[f'torch_{precision}'].refusal()}"
+            log.warning("%s; not compiled", refused[path.name])
+            continue
         if precision == "fp32":
             source = program
         else:  # the checkpoint with its convolutions in fp16/bf16, as the torch backend runs it
@@ -353,7 +370,6 @@ def _compile_aoti(staging: Path, program, checkpoint: Checkpoint, config: Export
             source = export_program(model, names, config.max_batch)
         if device == "cuda":
             source = aoti.move_program(source, target)
-        path = aoti.package_path(staging, device, precision)
         package = aoti.compile_package(source, path, device, precision, gpu, 1, config.max_batch)
         model_config = checkpoint.config
         runner = AotiRunner(path, torch.device(target), (model_config.in_channels, model_config.height, model_config.width),
@@ -369,7 +385,7 @@ def _compile_aoti(staging: Path, program, checkpoint: Checkpoint, config: Export
             result = {"reference": "pytorch", "batch_sizes": [len(batch) for batch in checked],
                       "tolerance": FP32_TOLERANCE, **package_parity.to_dict()}
         else:
-            result = _gate_package(runner, reference, require(gates[f"torch_{precision}"]), config.max_batch)
+            result = _gate_package(runner, reference, gates[f"torch_{precision}"], config.max_batch)
         packages.append(replace(package, parity=result))
     return tuple(packages)
 
@@ -393,7 +409,11 @@ def _build_tensorrt(staging: Path, variants: dict[str, Path], model_config, data
                     engine_config: EngineConfig) -> dict[str, Any]:
     """Build model.plan and model.plan.json, and check the engine against ONNX Runtime on its source graph."""
     precision = engine_config.precision
-    source = variants[source_variant(precision, tensorrt_major_version())]
+    source_precision = source_variant(precision, tensorrt_major_version())
+    if source_precision not in variants:
+        refused_source = {"int8": ONNX_INT8_NAME, "fp16": ONNX_FP16_NAME}[source_precision]
+        raise CapsNetError(f"its source {refused_source} was refused by the precision gate")
+    source = variants[source_precision]
     problems = tensorrt_problems(onnx.load(str(source)))
     if problems:
         raise CapsNetError(f"{source.name} is not TensorRT-compatible: {problems[0]}")

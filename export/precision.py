@@ -15,9 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from capsnet.runtime.cpu import CpuKind
-from capsnet.errors import CapsNetError
 from capsnet.model_description.precision_gate import PrecisionGate
+from capsnet.runtime.cpu import CpuKind
 from capsnet.training.data import to_float
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -91,13 +90,6 @@ def measure_gate(precision: str, computed_by: str, reference: dict[str, np.ndarr
 def _max_abs_diff(reference: np.ndarray, candidate: np.ndarray) -> float:
     difference = np.abs(reference - candidate)
     return float(difference.max()) if np.isfinite(difference).all() else float("inf")
-
-
-def require(gate: PrecisionGate) -> PrecisionGate:
-    """`gate` if export accepts its variant; else a CapsNetError that says why (for a variant the export writes)."""
-    if not gate.accepted:
-        raise CapsNetError(f"{gate.precision.upper()} model refused: {gate.refusal()}")
-    return gate
 
 
 def torch_gates(model_factory, reference_images: np.ndarray, fp32_reference: dict[str, np.ndarray],

@@ -16,9 +16,11 @@ the halved weight resolution is the price of one file that keeps its accuracy on
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from capsnet.export.logs import quiet
 from capsnet.export.onnx_export import INPUT_NAME
@@ -38,21 +40,54 @@ def _calibration_reader(images_uint8: np.ndarray):
         """Feeds the calibration images batch by batch, as [0, 1] floats like the server's input."""
 
         def __init__(self):
-            self.starts = iter(range(0, len(images_uint8), CALIBRATION_BATCH))
+            # batches of one size: ONNX Runtime's histogram calibrators (percentile, entropy) stack them
+            self.batch = max(size for size in range(1, CALIBRATION_BATCH + 1) if len(images_uint8) % size == 0)
+            self.starts = iter(range(0, len(images_uint8), self.batch))
 
         def get_next(self):
             start = next(self.starts, None)
             if start is None:
                 return None
-            return {INPUT_NAME: to_float(images_uint8[start : start + CALIBRATION_BATCH]).numpy()}  # (b, C, H, W)
+            return {INPUT_NAME: to_float(images_uint8[start : start + self.batch]).numpy()}  # (b, C, H, W)
 
     return CalibrationImages()
 
 
-def quantize_int8(fp32_path: Path, int8_path: Path, calibration_images: np.ndarray) -> None:
-    """Write the QDQ INT8 model for `fp32_path`, its ranges calibrated on `calibration_images` (uint8)."""
-    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+@dataclass(frozen=True)
+class Calibration:
+    """How the activation ranges are chosen: ONNX Runtime's calibration `method` (minmax, percentile: the
+    `percentile`-th of the |values|, entropy: the range that keeps the histogram's KL divergence least), and whether
+    the first convolution, on the image itself, stays FP32."""
 
+    method: str = "minmax"
+    percentile: float = 99.999
+    float_first_convolution: bool = False
+
+    def __post_init__(self):
+        if self.method not in CALIBRATION_METHODS:
+            raise ValueError(f"calibration method {self.method!r} is not one of {', '.join(CALIBRATION_METHODS)}")
+
+    def describe(self) -> str:
+        method = f"percentile {self.percentile:g}" if self.method == "percentile" else self.method
+        return method + (", first convolution FP32" if self.float_first_convolution else "")
+
+
+CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
+
+
+def first_convolution(model: onnx.ModelProto) -> str:
+    """The name of the graph's first Conv node (Conv1, on the image)."""
+    return next(node.name for node in model.graph.node if node.op_type == "Conv")
+
+
+def quantize_int8(fp32_path: Path, int8_path: Path, calibration_images: np.ndarray,
+                  calibration: Calibration = Calibration()) -> None:
+    """Write the QDQ INT8 model for `fp32_path`, its ranges calibrated on `calibration_images` (uint8)."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    method = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
+              "entropy": CalibrationMethod.Entropy}[calibration.method]
+    excluded = [first_convolution(onnx.load(str(fp32_path)))] if calibration.float_first_convolution else []
     with quiet(""):  # its advice to run quant_pre_process, whose shape inference fails on our graph
         quantize_static(
             str(fp32_path),
@@ -60,9 +95,12 @@ def quantize_int8(fp32_path: Path, int8_path: Path, calibration_images: np.ndarr
             _calibration_reader(calibration_images),
             quant_format=QuantFormat.QDQ,
             op_types_to_quantize=QUANTIZED_OP_TYPES,
+            nodes_to_exclude=excluded,
             per_channel=True,
             activation_type=QuantType.QInt8,
             weight_type=QuantType.QInt8,
             reduce_range=True,
-            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
+            calibrate_method=method,
+            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
+                           "CalibPercentile": calibration.percentile, "CalibTensorRangeSymmetric": True},
         )

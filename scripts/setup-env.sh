@@ -13,7 +13,7 @@ pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 # The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     echo "==> installing torch (CPU build)"
-    pip install "torch==2.13.0" || pip install "torch>=2.4,<2.15" --index-url https://download.pytorch.org/whl/cpu
+    pip install "torch==2.13.0" || pip install "torch>=2.11,<2.14" --index-url https://download.pytorch.org/whl/cpu
 fi
 echo "==> installing capsnet-serve${EXTRAS:+[$EXTRAS]}"
 pip install -e "$repo${EXTRAS:+[$EXTRAS]}"

@@ -103,6 +103,13 @@ def process_group(context: DistributedContext, device: torch.device) -> Iterator
     if context.is_main:  # otherwise a stray WORLD_SIZE waits in silence for peers that never come
         print(f"waiting for {context.world_size} processes at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
               file=sys.stderr, flush=True)
+    # torch.distributed.nn.functional binds `group.WORLD` as default arguments when it is imported, and torch._dynamo
+    # imports it, which the first optimizer imports: imported inside the group, its ten functions held the group past
+    # destroy_process_group. gloo has no shutdown of its own (its group ends when its last reference goes), so its
+    # threads outlived `train()` into interpreter shutdown, where a rank now and then aborted (SIGABRT, "terminate
+    # called without an active exception") instead of exiting with its code. Imported before the group, they hold None.
+    import torch.distributed.nn.functional  # noqa: F401
+
     try:
         dist.init_process_group(backend, rank=context.rank, world_size=context.world_size,
                                 device_id=device if device.type == "cuda" else None)

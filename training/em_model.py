@@ -93,13 +93,16 @@ def em_route(votes: Tensor, activations: Tensor, beta_u: Tensor, beta_a: Tensor,
             mean, mean_square = weighted_moments.split(pose_size, dim=-1)  # (..., J, H) each
             variance = (mean_square - mean.square()).clamp_min(0.0) + EPSILON  # (..., J, H)
             log_sigma = 0.5 * torch.log(variance)  # (..., J, H)
-            cost = (pose_size * beta_u + log_sigma.sum(dim=-1)) * weight_sums.select(-1, 0)  # (..., J)
+            # float factors here and below: torch 2.11's ONNX exporter turns an int scalar of a float product into
+            # a scalar tensor and failed to re-dispatch the product ("Expected same OpOverload packet, got
+            # prim.device != aten.mul"); tests/export/test_export_graph.py keeps every architecture free of them
+            cost = (float(pose_size) * beta_u + log_sigma.sum(dim=-1)) * weight_sums.select(-1, 0)  # (..., J)
             parent_activations = torch.sigmoid(inverse_temperature * (beta_a - cost))  # (..., J)
             if iteration == iterations - 1:
                 break
             # E-step: −Σ_h (V − μ)²/(2σ²) = Σ_h (2μ/(2σ²))·V − (1/(2σ²))·V² − μ²/(2σ²)
             precision = 0.5 / variance  # (..., J, H)
-            linear = torch.cat([2 * precision * mean, -precision], dim=-1).unsqueeze(-2)  # (..., J, 1, 2H)
+            linear = torch.cat([2.0 * precision * mean, -precision], dim=-1).unsqueeze(-2)  # (..., J, 1, 2H)
             # a row times the transposed moments: as a matrix-vector product over [V, V²] this ran ~1.4x slower
             exponent = torch.matmul(linear, moments.transpose(-1, -2)).select(-2, 0)  # (..., J, I)
             offsets = (mean.square() * precision + log_sigma).sum(dim=-1, keepdim=True) + log_norm  # (..., J, 1)

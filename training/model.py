@@ -64,7 +64,7 @@ def route(u_hat: Tensor, iterations: int, variant: str = "sabour", squash_consta
     for iteration in range(iterations):
         if logits is None:
             total = u_hat.sum(dim=2) if uniform_sum is None else uniform_sum  # (B, J, D)
-            s = total / (num_out + leaky)  # (B, J, D): uniform coupling
+            s = total / float(num_out + leaky)  # (B, J, D): uniform coupling; a float divisor, as em_route's factors
         else:
             if leaky:
                 # A zero logit for an extra "none of these" parent absorbs votes that fit no class.

@@ -90,6 +90,9 @@ class ModelDescription:
     parity: dict = field(default_factory=dict)  # exported graphs against their reference
     precision_gate: dict[str, PrecisionGate] = field(default_factory=dict)  # GATE_VARIANTS -> what export measured
     aoti: tuple[AotiPackage, ...] = ()  # AOTInductor packages
+    # file name -> why not written: variants the export was asked for and the precision gate refused (their figures
+    # are under precision_gate); absent from older exports, which wrote nothing when one was refused
+    refused: dict[str, str] = field(default_factory=dict)
     input_sizes: InputSizes | None = None  # the sizes taken; None: input_shape only (filled in by __post_init__)
 
     def __post_init__(self):
@@ -145,6 +148,7 @@ class ModelDescription:
             "precision_gate": {"criterion": gate_criterion(),
                                "variants": {name: gate.to_json() for name, gate in self.precision_gate.items()}},
             "aoti": [package.to_json() for package in self.aoti],
+            "refused": self.refused,
         }
         if not with_hashes:
             del values["sha256"]
@@ -220,6 +224,7 @@ class ModelDescription:
             sha256=dict(sha256),
             precision_gate=reader.precision_gate(values),
             aoti=aoti,
+            refused=reader.refused(values),
             input_sizes=reader.input_sizes(model_input, input_shape),
             **extra,
             **optional,
@@ -331,6 +336,18 @@ class _Reader:
             gates[name] = PrecisionGate(precision=precision, computed_by=self.get(entry, "computed_by", str, where),
                                         measured_on=self.get(entry, "measured_on", str, where), **measured)
         return gates
+
+    def refused(self, values: dict) -> dict[str, str]:
+        """The variants the precision gate refused, by file name, with why; none before exports recorded them."""
+        if "refused" not in values:
+            return {}
+        refused = self.get(values, "refused", dict)
+        if not all(isinstance(name, str) and isinstance(why, str) for name, why in refused.items()):
+            raise self.fail("refused must map file names to reasons (strings)")
+        listed = [name for name in refused if name in values.get("sha256", {})]
+        if listed:
+            raise self.fail(f"refused names {', '.join(listed)}, which sha256 lists as written")
+        return dict(refused)
 
     def aoti(self, values: dict) -> tuple[AotiPackage, ...]:
         packages = []

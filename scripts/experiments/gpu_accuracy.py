@@ -42,6 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from capsnet.export.cli import EXIT_REFUSED
+
 PART_BYTES = 15 * 2**20
 # 5,000 of the 60,000 training images, the split the public re-implementations report on
 VAL_FRACTION = "0.08333333"
@@ -221,7 +223,7 @@ def export_chosen(results: dict, out: Path, work: Path, deadline: float) -> None
     for family, job in jobs.items():
         directory = work / "onnx" / family
         record = {"exit_code": job.process.returncode, "stopped_at_deadline": job.stopped_at_deadline, "files": []}
-        if job.process.returncode == 0:
+        if job.process.returncode in (0, EXIT_REFUSED):  # written; with a refused INT8, without it
             (out / "onnx" / family).mkdir(parents=True, exist_ok=True)
             # the export's model.ckpt is a copy of the chosen checkpoint, returned once already as its parts
             for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != "model.ckpt"):
@@ -231,7 +233,9 @@ def export_chosen(results: dict, out: Path, work: Path, deadline: float) -> None
                                     for name in split_into_parts(path, target)]
             sidecar = directory / "model.json"
             if sidecar.exists():
-                record["int8"] = json.loads(sidecar.read_text()).get("int8")
+                description = json.loads(sidecar.read_text())
+                record["int8"] = description.get("int8")
+                record["refused"] = description.get("refused", {})
         chosen[family]["export"] = record
 
 

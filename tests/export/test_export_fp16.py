@@ -8,10 +8,12 @@ from onnx import numpy_helper
 
 from capsnet.cli import main
 from capsnet.export import exporter
+from capsnet.export.cli import EXIT_REFUSED
 from capsnet.export.fp16 import FP32_OPS
 from capsnet.export.onnx_export import check_graph
 from capsnet.export.parity import onnxruntime_session
 from capsnet.model_description.precision_gate import GATE_MAX_DIFF
+from capsnet.model_description.schema import ModelDescription
 from capsnet.training.data import to_float
 
 
@@ -63,6 +65,10 @@ def test_export_refuses_a_broken_fp16_model(trained_tiny_checkpoint, tmp_path, m
 
     monkeypatch.setattr(exporter, "convert_fp16", broken)
     code = main(["export", str(trained_tiny_checkpoint), "--out", str(tmp_path / "model"), "--fp16"])
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet export: error:")]
-    assert code == 2 and len(errors) == 1 and "FP16 model refused" in errors[0], errors
-    assert not (tmp_path / "model").exists()  # nothing half-written
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet export:")]
+    assert code == EXIT_REFUSED and len(lines) == 1, lines
+    assert lines[0].startswith("capsnet export: not written: model.fp16.onnx: FP16 model refused: onnxruntime "
+                               "model.fp16.onnx: max |diff| of its outputs"), lines
+    description = ModelDescription.read(tmp_path / "model")  # the FP32 export, whole
+    assert description.artifacts["onnx_fp16"] is None and not description.precision_gate["onnx_fp16"].accepted
+    assert list(description.refused) == ["model.fp16.onnx"] and not (tmp_path / "model" / "model.fp16.onnx").exists()

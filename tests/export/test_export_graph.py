@@ -70,3 +70,25 @@ def test_export_graph_unrolls_the_checkpoints_iteration_count(tmp_path):
     with torch.inference_mode():
         expected = model(torch.from_numpy(images)).probabilities.numpy()
     assert np.abs(probabilities - expected).max() <= 1e-5
+
+
+ARITHMETIC = ("aten.add.", "aten.sub.", "aten.mul.", "aten.div.", "aten.rsub.")
+
+
+@pytest.mark.parametrize("config", [preset("tiny"), preset("em-tiny"), preset("shared-tiny"), preset("gap-cnn-tiny"),
+                                    preset("tiny", arch="cnn-baseline", reconstruction_weight=0.0)],
+                         ids=["capsnet", "em", "shared-capsnet", "gap-cnn", "cnn-baseline"])
+def test_no_architecture_mixes_an_int_scalar_into_float_arithmetic(config):
+    """torch 2.11's ONNX exporter (inside the declared torch range) promotes an int scalar of a float op to a scalar
+    tensor and re-dispatches the op, which failed for EM routing's `16 * beta_u` ("Expected same OpOverload packet,
+    got prim.device != aten.mul"); torch 2.13's has no such pass. So no exported graph may hold one, on any torch."""
+    from capsnet.export.metadata import output_shapes
+    from capsnet.training.checkpoint import create_model
+
+    program = export_program(create_model(config).eval(), tuple(output_shapes(config, False))).run_decompositions()
+    mixed = [f"{node.target}{tuple(map(str, node.args))} at {node.meta.get('stack_trace', '').strip().splitlines()[-2:]}"
+             for node in program.graph.nodes
+             if node.op == "call_function" and str(node.target).startswith(ARITHMETIC)
+             and any(type(arg) is int for arg in node.args)
+             and any(isinstance(arg, torch.fx.Node) and arg.meta["val"].is_floating_point() for arg in node.args)]
+    assert mixed == []

@@ -1,5 +1,5 @@
 """INT8: QDQ on the convolutions only, accuracy measured and stored in the precision gate, refused when it drops
-too far."""
+too far (the export is then written without it, and names it)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import onnx
 from onnx import numpy_helper
 
 from capsnet.cli import main
+from capsnet.export.cli import EXIT_REFUSED
+from capsnet.model_description.schema import ModelDescription
+from capsnet.serving.artifacts import load_artifacts
 from capsnet.export.parity import onnxruntime_probabilities, onnxruntime_session
 from capsnet.export.precision import accuracy_change_points
 
@@ -53,18 +56,29 @@ def test_export_int8_accuracy_is_measured_on_the_test_split(tiny_export, embedde
     assert tiny_export.sidecar["int8"]["calibration_images"] == 200
 
 
-def test_export_int8_is_refused_when_accuracy_drops_too_far(trained_tiny_checkpoint, embedded, idx_dataset, tmp_path,
-                                                            capsys):
+def test_a_refused_int8_variant_costs_nothing_of_the_fp32_export_and_is_named(trained_tiny_checkpoint, embedded,
+                                                                               idx_dataset, tmp_path, capsys):
     # Calibrating on black images gives activation ranges far too narrow for real digits.
     data = idx_dataset(np.zeros((64, 28, 28)), np.arange(64) % 10, embedded.test.images[:, 0], embedded.test.labels,
                        name="black-calibration")
     out = tmp_path / "model"
     code = main(["export", str(trained_tiny_checkpoint), "--out", str(out), "--int8", "--data", str(data)])
-    stderr = capsys.readouterr().err
-    errors = [line for line in stderr.splitlines() if line.startswith("capsnet export: error:")]
-    assert code == 2 and "Traceback" not in stderr
-    assert len(errors) == 1 and "INT8 model refused" in errors[0] and "--max-accuracy-drop 1" in errors[0]
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["black-calibration"]  # nothing half-written
+    captured = capsys.readouterr()
+    assert code == EXIT_REFUSED and "Traceback" not in captured.err
+    description = ModelDescription.read(out)
+    gate = description.precision_gate["onnx_int8"]
+    # the measured drop, beyond the default --max-accuracy-drop of 1
+    assert not gate.accepted and gate.max_drop_points == 1 and gate.accuracy_change_points < -1
+    assert description.refused == {"model.int8.onnx": f"INT8 model refused: {gate.refusal()}"}
+    assert "--max-accuracy-drop 1" in description.refused["model.int8.onnx"]
+    [line] = [line for line in captured.err.splitlines() if line.startswith("capsnet export:")]
+    assert line == f"capsnet export: not written: model.int8.onnx: {description.refused['model.int8.onnx']}"
+    # FP32 is written whole and served: the refused file is neither there nor listed
+    assert description.artifacts["onnx_int8"] is None and not (out / "model.int8.onnx").exists()
+    assert description.int8 is not None and description.int8["calibration_images"] == 64  # how the refused one was made
+    artifacts = load_artifacts(out)  # as the server reads it
+    assert list(artifacts.onnx) == ["fp32"] and artifacts.refused == description.refused
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["black-calibration", "model"]  # no staging left
 
 
 def test_export_int8_gate_takes_a_drop_of_exactly_the_limit():

@@ -114,6 +114,11 @@ def test_model_json_that_json_cannot_read_is_one_line(model_dir, tmp_path, text,
     (lambda s: s["routing"].__setitem__("iterations", 2**40), (), "routing.iterations must be a positive 32-bit integer"),
     (lambda s: s["routing"].__setitem__("variant", 3), (), "routing.'variant' has the wrong type (int)"),
     (lambda s: s["routing"].__setitem__("squash_constant", "1"), (), "routing.'squash_constant' has the wrong type (str)"),
+    # the variants export refused: file names to reasons, never a file the export lists as written
+    (lambda s: s.__setitem__("refused", ["model.int8.onnx"]), (), "'refused' has the wrong type (list)"),
+    (lambda s: s.__setitem__("refused", {"model.int8.onnx": -2.09}), (), "refused must map file names to reasons"),
+    (lambda s: s.__setitem__("refused", {"model.onnx": "FP32 refused"}), (),
+     "refused names model.onnx, which sha256 lists as written"),
     # an output no backend returns (the torch backend looked it up on the model's output)
     (lambda s: s["outputs"].append({"name": "logits", "datatype": "FP32", "shape": [10]}), ("--backend", "torch"),
      "outputs[3].name 'logits' is not one of probabilities, poses, reconstruction"),

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from group_threads import group_threads
 
 from capsnet.training.checkpoint import load_checkpoint
 from capsnet.training.train import TrainOptions, train
@@ -26,11 +28,15 @@ def run_rank(rank: int, world_size: int, port: int, out: str, states_dir: str) -
     checkpoint = train(TrainOptions(data="embedded", preset="tiny", epochs=1, batch_size=64, out=out,
                                     device="cpu", threads=1, checkpoint_every=10, progress=False))
     torch.save(checkpoint.state_dict, os.path.join(states_dir, f"rank{rank}.pt"))
+    # what is left of the group once `train` returns: nothing may reach interpreter shutdown
+    Path(states_dir, f"rank{rank}.threads").write_text("\n".join(group_threads()))
 
 
 def test_two_gloo_processes_train_and_agree_on_the_weights(tmp_path):
     out = tmp_path / "run" / "model.ckpt"
     mp.spawn(run_rank, args=(2, free_port(), str(out), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):  # gloo's threads, alive past destroy_process_group, ended in interpreter shutdown
+        assert (tmp_path / f"rank{rank}.threads").read_text() == "", f"rank {rank}: the group outlived train()"
     rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
     for name, value in rank0.items():

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from group_threads import group_threads
 
 from capsnet.training.train import TrainOptions, train
 
@@ -39,7 +40,10 @@ def run_cli(rank: int, port: int, argv: list[str], logs: str) -> None:
             os.dup2(file.fileno(), stream.fileno())
     from capsnet.cli import main
 
-    sys.exit(main(argv))  # an exception that escapes main prints its traceback and exits 1
+    code = main(argv)  # an exception that escapes main prints its traceback and exits 1
+    # the group's threads still alive here end during interpreter shutdown, where the rank could abort
+    Path(logs, f"rank{rank}.threads").write_text("\n".join(group_threads()))
+    sys.exit(code)
 
 
 def start_ranks(tmp_path: Path, argv_of_rank) -> list[multiprocessing.Process]:
@@ -64,6 +68,11 @@ def wait(ranks: list[multiprocessing.Process]) -> list[int]:
             process.join()
     assert not hung, f"ranks {hung} were still running after {DEADLINE_S} s"
     return [process.exitcode for process in ranks]
+
+
+def threads_left(tmp_path: Path, ranks: range = range(WORLD_SIZE)) -> list[str]:
+    """The process-group threads each rank had once `capsnet train` returned: none, or its exit may be an abort."""
+    return [(tmp_path / f"rank{rank}.threads").read_text() for rank in ranks]
 
 
 def stderr_of(tmp_path: Path) -> list[str]:
@@ -94,6 +103,7 @@ def test_a_resume_mistake_is_one_line_from_rank_0_and_every_rank_exits_2(tmp_pat
         expected = f"checkpoint {last} is damaged: its optimizer state does not load (KeyError: 'param_groups')"
     ranks = start_ranks(tmp_path, lambda rank: train_argv(out, "--epochs", "2", "--resume", *extra))
     assert wait(ranks) == [2, 2]
+    assert threads_left(tmp_path) == ["", ""]
     rank0, rank1 = stderr_of(tmp_path)
     # every rank made the same mistake: rank 0 says it once (it said it on every rank, N lines for N processes)
     assert error_lines(rank0) == [f"capsnet train: error: {expected}"]
@@ -106,6 +116,7 @@ def test_a_mistake_on_one_rank_stops_every_rank_with_one_line_naming_it(tmp_path
     ranks = start_ranks(tmp_path, lambda rank: train_argv(
         tmp_path / "model.ckpt", "--epochs", "1", *(("--data", str(tmp_path / "missing")) if rank == 1 else ())))
     assert wait(ranks) == [2, 2]
+    assert threads_left(tmp_path) == ["", ""]
     rank0, rank1 = stderr_of(tmp_path)
     assert error_lines(rank0) == [f"capsnet train: error: process 1 of 2: data directory {tmp_path / 'missing'} "
                                   "does not exist"]
@@ -123,6 +134,7 @@ def test_a_rank_that_dies_mid_training_leaves_the_others_one_line_not_a_tracebac
         time.sleep(0.1)
     os.kill(ranks[1].pid, signal.SIGKILL)  # a crash: out of memory, a lost node
     assert wait(ranks) == [2, -signal.SIGKILL]
+    assert threads_left(tmp_path, range(1)) == [""]
     rank0 = stderr_of(tmp_path)[0]
     assert "Traceback" not in rank0  # it was gloo's "Connection closed by peer" RuntimeError with its traceback
     [line] = error_lines(rank0)
@@ -139,6 +151,7 @@ def test_ranks_given_other_data_stop_with_one_line_instead_of_waiting_for_each_o
     ranks = start_ranks(tmp_path, lambda rank: train_argv(tmp_path / "model.ckpt", "--epochs", "2", "--batch-size",
                                                           "8", "--data", str(folders[rank])))
     assert wait(ranks) == [2, 2]
+    assert threads_left(tmp_path) == ["", ""]
     rank0, rank1 = stderr_of(tmp_path)
     assert error_lines(rank0) == ["capsnet train: error: the processes' data or checkpoints differ: "
                                   "training/validation/test images 90/10/20 in process 0 but 50/10/20 in process 1 "
