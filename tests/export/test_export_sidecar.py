@@ -15,7 +15,7 @@ from capsnet.training.checkpoint import load_checkpoint
 CONTRACT_KEYS = {
     "format", "format_version", "name", "version", "exporter_version", "created", "opset", "input", "outputs",
     "class_names", "routing", "training_metrics", "artifacts", "sha256", "reference_set", "int8", "parity",
-    "precision_gate", "aoti",
+    "precision_gate", "aoti", "refused",
 }
 FILES = ["model.ckpt", "model.fp16.onnx", "model.int8.onnx", "model.json", "model.onnx", "reference.npz"]
 
@@ -54,6 +54,7 @@ def test_export_sidecar_describes_the_checkpoint(tiny_export):
     assert set(sidecar["precision_gate"]["variants"]) == {"onnx_int8", "onnx_fp16", "torch_fp16", "torch_bf16",
                                                           "fused_fp16", "fused_bf16"}
     assert sidecar["precision_gate"]["criterion"]["agreement_slack_images"] == 2 and sidecar["aoti"] == []
+    assert sidecar["refused"] == {}  # every variant asked for was written
 
 
 def test_export_reference_set_holds_test_images_and_their_fp32_outputs(tiny_export, embedded):
