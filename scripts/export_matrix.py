@@ -37,9 +37,11 @@ ARCHITECTURES = {
 
 
 def run(command: list[str], log: Path) -> tuple[int, float]:
+    """`command` in the log's folder: from a checkout's root, `-m capsnet` would find its bare capsnet/ folder first,
+    which holds only part of the package."""
     started = time.perf_counter()
     with log.open("w") as stream:
-        code = subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, check=False).returncode
+        code = subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, cwd=log.parent, check=False).returncode
     return code, time.perf_counter() - started
 
 
@@ -87,6 +89,7 @@ def main() -> int:
     import onnxruntime
     import torch
 
+    args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     for architecture in chosen:
