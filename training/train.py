@@ -154,7 +154,8 @@ class RunOptions:
     @classmethod
     def completed(cls, options: TrainOptions, resolved: dict[str, Any]) -> RunOptions:
         """`options`, with the settings the run resolved from the checkpoint and the defaults in place of its own."""
-        return cls(**{setting.name: resolved.get(setting.name, getattr(options, setting.name)) for setting in fields(cls)})
+        given = {setting.name: getattr(options, setting.name) for setting in fields(cls)}
+        return cls(**{**given, **resolved})
 
     @property
     def last_path(self) -> Path:
