@@ -86,31 +86,18 @@ save_tail() {  # part-name log: the end of a step's output as a part of the repo
 }
 
 # 1. install: each carried wheel whose module is missing here (--no-deps), then the project as a package tree
+# shellcheck source=scripts/gpu_machine.sh
+source "$repo/scripts/gpu_machine.sh"
 install_project() {
-    local wheel module wanted=()
-    for wheel in "$repo"/.whl/*.whl; do
-        [ -e "$wheel" ] || continue
-        module=$(basename "$wheel" | cut -d- -f1 | tr '[:upper:]' '[:lower:]')
-        case $module in
-            grpcio_health_checking) module=grpc_health ;;
-            grpcio_reflection) module=grpc_reflection ;;
-        esac
-        "$python" -c "import $module" 2>/dev/null || wanted+=("$wheel")
-    done
-    for wheel in "${wanted[@]}"; do  # pure-Python wheels: unpacked is installed, and no pip is needed
-        echo "installing ${wheel##*/} (--no-deps)"
-        "$python" -m zipfile -e "$wheel" "$work/site" || return 1
-    done
-    mkdir -p "$work/pkg/capsnet"
-    ln -s "$repo"/capsnet/* "$work/pkg/capsnet/"
-    for sub in training export serving; do ln -s "$repo/$sub" "$work/pkg/capsnet/$sub"; done
+    unpack_wheels "$python" "$repo" "$work/site" || return 1
+    link_package_tree "$repo" "$work/pkg"
     # what the server, training and export import, from here (the checkout's bare capsnet/ would shadow the tree)
     cd "$work" && "$python" -c "import capsnet.serving.server, capsnet.training.train, capsnet.export.exporter, aiohttp
 import torch; print('capsnet', capsnet.__file__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 }
 export PYTHONPATH="$work/pkg:$work/site${PYTHONPATH:+:$PYTHONPATH}"
 export python repo work
-export -f install_project
+export -f install_project unpack_wheels link_package_tree
 step install 90 bash -c install_project || { report; exit 1; }
 step facts 40 "${check[@]}" facts "${common[@]}"
 step peak 60 "${check[@]}" peak "${common[@]}"

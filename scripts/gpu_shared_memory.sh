@@ -15,20 +15,10 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 python=${PYTHON:-$([ -x /opt/torch/.venv/bin/python3 ] && echo /opt/torch/.venv/bin/python3 || echo python3)}
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-shm.XXXXXX")
-for wheel in "$repo"/.whl/*.whl; do
-    [ -e "$wheel" ] || continue
-    module=$(basename "$wheel" | cut -d- -f1 | tr '[:upper:]' '[:lower:]')
-    case $module in
-        grpcio_health_checking) module=grpc_health ;;
-        grpcio_reflection) module=grpc_reflection ;;
-        python_rapidjson) module=rapidjson ;;
-        pytest_timeout) module=pytest_timeout ;;
-    esac
-    "$python" -c "import $module" 2>/dev/null || "$python" -m zipfile -e "$wheel" "$work/site"
-done
-mkdir -p "$work/pkg/capsnet"
-ln -s "$repo"/capsnet/* "$work/pkg/capsnet/"
-for sub in training export serving; do ln -s "$repo/$sub" "$work/pkg/capsnet/$sub"; done
+# shellcheck source=scripts/gpu_machine.sh
+source "$repo/scripts/gpu_machine.sh"
+unpack_wheels "$python" "$repo" "$work/site"
+link_package_tree "$repo" "$work/pkg"
 export PYTHONPATH="$work/pkg:$work/site${PYTHONPATH:+:$PYTHONPATH}"
 cd "$work" || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/device.txt"

@@ -94,7 +94,7 @@ def register(subparsers) -> None:
                             "passes); int8 and onnxruntime fp16 need those exports; torch and aoti: fp16/bf16 on a GPU, "
                             "bf16 also on a CPU with native bf16 (AVX512_BF16 or AMX)")
     serve.add_argument("--gpu", type=int, metavar="N",
-                       help="CUDA device to serve on: torch and aoti run there (default: the CPU); tensorrt, ONNX "
+                       help="CUDA device to serve on: torch, aoti and fused run there (default: the CPU); tensorrt, ONNX "
                             "Runtime's GPU providers and auto use it (default: 0)")
     serve.add_argument("--max-batch-size", type=int, metavar="N",
                        help=f"images per backend run and per request (default {defaults['max_batch_size']})")
