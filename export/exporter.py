@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -153,30 +153,67 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
     return description
 
 
+@dataclass
+class _Staged:
+    """What an export has written and measured so far in its staging folder, handed from step to step."""
+
+    staging: Path
+    config: ExportConfig
+    checkpoint: Checkpoint  # the staged copy
+    dataset: Dataset
+    names: tuple[str, ...]  # the outputs, in order
+    program: Any  # the exported program the ONNX file and the AOTInductor packages come from
+    exported: onnx.ModelProto  # the FP32 graph
+    batches: list[np.ndarray]  # the parity batches
+    pytorch_outputs: list  # PyTorch's answers on them
+    fp32_session: Any  # ONNX Runtime's session of the FP32 graph
+    fp32_outputs: list  # its answers on the parity batches
+    fp32_test: np.ndarray  # its probabilities on the test split
+    reference: _Reference
+    parity: dict[str, Any]
+    variants: dict[str, Path]  # precision -> ONNX file written
+    gates: dict[str, PrecisionGate] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)  # file name -> why the precision gate refused it
+
+
 def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoint, dataset: Dataset,
                      config: ExportConfig, tensorrt_error: str | None) -> tuple[ModelDescription, str | None]:
     """Write every artifact into `staging`; returns the description and why no engine was built, if so."""
-    checkpoint = _staged_checkpoint(checkpoint_path, checkpoint, staging)
+    staged = _write_fp32(staging, _staged_checkpoint(checkpoint_path, checkpoint, staging), dataset, config)
+    _gate_torch_variants(staged)
+    int8 = _write_reduced_onnx(staged)
+    packages = _compile_aoti(staging, staged.program, staged.checkpoint, config, staged.names, staged.batches,
+                             staged.pytorch_outputs, staged.reference, staged.gates, staged.refused)
+    for path in staged.variants.values():
+        problems = tensorrt_problems(onnx.load(str(path)))
+        log.log(logging.WARNING if problems else logging.INFO, "TensorRT compatibility of %s: %s",
+                path.name,
+                "; ".join(problems) or "every operator supported, every dimension static or computed from the batch")
+    plan_built, tensorrt_error = _write_plan(staged, tensorrt_error)
+    return _write_description(staged, int8, packages, plan_built), tensorrt_error
+
+
+def _write_fp32(staging: Path, checkpoint: Checkpoint, dataset: Dataset, config: ExportConfig) -> _Staged:
+    """The FP32 ONNX graph, checked against PyTorch (FP32_TOLERANCE), and the reference images with its answers."""
     model = checkpoint.build_model()
     # a CNN baseline's only output is its probabilities: no poses, as it has no capsules
     names = tuple(output_shapes(checkpoint.config, config.reconstruction))
-    variants = {"fp32": staging / ONNX_NAME}
+    path = staging / ONNX_NAME
     # one exported program: the ONNX file and the AOTInductor packages are both made from it
     program = export_program(model, names, config.max_batch if config.aoti else None)
-    exported = export_onnx(program, variants["fp32"], config.opset, names)
+    exported = export_onnx(program, path, config.opset, names)
     counts = op_counts(exported)
     log.info("ONNX opset %d, %d nodes: %s", graph_opset(exported), sum(counts.values()),
              ", ".join(f"{op} {n}" for op, n in counts.most_common()))
-
     batches = parity_batches(dataset.test.images)
-    fp32_session = onnxruntime_session(str(variants["fp32"]))
+    fp32_session = onnxruntime_session(str(path))
     fp32_outputs = onnxruntime_outputs(fp32_session, batches, names)
     pytorch_outputs = torch_outputs(model, batches, names)
     onnx_parity = compare(pytorch_outputs, fp32_outputs)
     log.info("ONNX Runtime vs PyTorch: %s", onnx_parity.describe())
     if not onnx_parity.passes(FP32_TOLERANCE):
         raise CapsNetError(f"ONNX Runtime disagrees with PyTorch beyond {FP32_TOLERANCE:g}: {onnx_parity.describe()}")
-    parity = {
+    parity: dict[str, Any] = {
         "reference": "pytorch",
         "batch_sizes": list(PARITY_BATCH_SIZES),
         "tolerance": FP32_TOLERANCE,
@@ -184,87 +221,101 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
     }
     if not checkpoint.config.input_sizes.fixed:
         parity["sizes"] = _size_parity(model, fp32_session, dataset, names)
-    reference = _write_reference(staging / REFERENCE_NAME, fp32_session, dataset, names)
-    # the precision gate: every reduced precision measured on this model's own data, stated in model_description/precision_gate.py
-    test = dataset.test
-    fp32_test = onnxruntime_probabilities(fp32_session, test.images)
-    gates = torch_gates(checkpoint.build_model, reference.images, reference.outputs, test.images, test.labels,
-                        fp32_test, config.max_accuracy_drop, fused=fused_unsupported_reason(checkpoint.config) is None)
-    cpu = CpuKind.this_host()
-    refused: dict[str, str] = {}  # file name -> why the precision gate refused it
+    return _Staged(staging, config, checkpoint, dataset, names, program, exported, batches, pytorch_outputs,
+                   fp32_session, fp32_outputs, onnxruntime_probabilities(fp32_session, dataset.test.images),
+                   _write_reference(staging / REFERENCE_NAME, fp32_session, dataset, names), parity, {"fp32": path})
 
-    def gate_onnx_variant(precision: str, path: Path) -> None:
-        """Measure the variant at `path` by the precision gate: kept in `variants` if accepted, else deleted and
-        named in `refused`; its gate entry is recorded either way."""
-        session = onnxruntime_session(str(path))
-        (outputs,) = onnxruntime_outputs(session, [reference.images], names)
-        gate = measure_gate(precision, f"onnxruntime {path.name}", reference.outputs, outputs, test.labels, fp32_test,
-                            onnxruntime_probabilities(session, test.images), config.max_accuracy_drop, cpu.describe())
-        gates[f"onnx_{precision}"] = gate
-        if not gate.accepted:
-            refused[path.name] = f"{precision.upper()} model refused: {gate.refusal()}"
-            log.warning("%s; not written", refused[path.name])
-            path.unlink()
-            return
-        log.info("%s %s", precision.upper(), _describe_gate(gate))
-        parity[f"onnxruntime_{precision}_vs_fp32"] = compare(
-            fp32_outputs, onnxruntime_outputs(session, batches, names)).to_dict()
-        variants[precision] = path
 
+def _gate_torch_variants(staged: _Staged) -> None:
+    """The precision gate's entries of the checkpoint's own reduced precisions (the torch and fused backends'),
+    measured by emulation on this CPU. Not refused here: a server refuses them if asked (see the gate)."""
+    test, reference = staged.dataset.test, staged.reference
+    staged.gates.update(torch_gates(staged.checkpoint.build_model, reference.images, reference.outputs, test.images,
+                                    test.labels, staged.fp32_test, staged.config.max_accuracy_drop,
+                                    fused=fused_unsupported_reason(staged.checkpoint.config) is None))
+    for name, gate in staged.gates.items():
+        log.log(logging.INFO if gate.accepted else logging.WARNING, "%s %s%s", name, _describe_gate(gate),
+                "" if gate.accepted else "; not accepted, so not served")
+
+
+def _write_reduced_onnx(staged: _Staged) -> dict[str, Any] | None:
+    """The INT8 and FP16 graphs asked for, each written only if the precision gate accepts it; model.json's `int8`
+    (how it was made, also for a variant refused: its figures in the gate depend on it), or None."""
+    config, cpu = staged.config, CpuKind.this_host()
     int8 = None
     if config.wants_int8:
-        calibration = dataset.train.images[: config.calibration_images]
-        quantize_int8(variants["fp32"], staging / ONNX_INT8_NAME, calibration)
-        # how it was made, also for a variant refused: its figures in the gate depend on it
-        int8 = {"dataset": dataset.name, "calibration_images": len(calibration), "cpu": cpu.to_dict(), "scheme": SCHEME}
-        gate_onnx_variant("int8", staging / ONNX_INT8_NAME)
+        calibration = staged.dataset.train.images[: config.calibration_images]
+        quantize_int8(staged.variants["fp32"], staged.staging / ONNX_INT8_NAME, calibration)
+        int8 = {"dataset": staged.dataset.name, "calibration_images": len(calibration), "cpu": cpu.to_dict(),
+                "scheme": SCHEME}
+        _gate_onnx_variant(staged, "int8", staged.staging / ONNX_INT8_NAME, cpu)
     if config.wants_fp16:
-        fp16_model = convert_fp16(exported)
+        fp16_model = convert_fp16(staged.exported)
         check_graph(fp16_model)
-        onnx.save(fp16_model, str(staging / ONNX_FP16_NAME))
-        gate_onnx_variant("fp16", staging / ONNX_FP16_NAME)
-    for name in [name for name in gates if not name.startswith("onnx_")]:  # not refused here: the server refuses them if asked (see the gate)
-        log.log(logging.INFO if gates[name].accepted else logging.WARNING, "%s %s%s", name, _describe_gate(gates[name]),
-                "" if gates[name].accepted else "; not accepted, so not served")
-    packages = _compile_aoti(staging, program, checkpoint, config, names, batches, pytorch_outputs, reference, gates,
-                             refused)
-    for path in variants.values():
-        problems = tensorrt_problems(onnx.load(str(path)))
-        log.log(logging.WARNING if problems else logging.INFO, "TensorRT compatibility of %s: %s",
-                path.name,
-                "; ".join(problems) or "every operator supported, every dimension static or computed from the batch")
+        onnx.save(fp16_model, str(staged.staging / ONNX_FP16_NAME))
+        _gate_onnx_variant(staged, "fp16", staged.staging / ONNX_FP16_NAME, cpu)
+    return int8
 
-    plan_built = False
-    if config.tensorrt and tensorrt_error is None:
-        try:
-            parity["tensorrt"] = _build_tensorrt(staging, variants, checkpoint.config, dataset, names, config.engine())
-            plan_built = True
-        except Exception as err:  # TensorRT and CUDA raise their own types; none may cost the other artifacts
-            log.debug("TensorRT build failed", exc_info=True)
-            tensorrt_error = str(err) if isinstance(err, CapsNetError) else f"{type(err).__name__}: {err}".splitlines()[0]
-            (staging / PLAN_NAME).unlink(missing_ok=True)
-            (staging / PLAN_INFO_NAME).unlink(missing_ok=True)
 
+def _gate_onnx_variant(staged: _Staged, precision: str, path: Path, cpu: CpuKind) -> None:
+    """Measure the variant at `path` by the precision gate: kept in `variants` if accepted, else deleted and named
+    in `refused`; its gate entry is recorded either way."""
+    test, reference, names = staged.dataset.test, staged.reference, staged.names
+    session = onnxruntime_session(str(path))
+    (outputs,) = onnxruntime_outputs(session, [reference.images], names)
+    gate = measure_gate(precision, f"onnxruntime {path.name}", reference.outputs, outputs, test.labels,
+                        staged.fp32_test, onnxruntime_probabilities(session, test.images),
+                        staged.config.max_accuracy_drop, cpu.describe())
+    staged.gates[f"onnx_{precision}"] = gate
+    if not gate.accepted:
+        staged.refused[path.name] = f"{precision.upper()} model refused: {gate.refusal()}"
+        log.warning("%s; not written", staged.refused[path.name])
+        path.unlink()
+        return
+    log.info("%s %s", precision.upper(), _describe_gate(gate))
+    staged.parity[f"onnxruntime_{precision}_vs_fp32"] = compare(
+        staged.fp32_outputs, onnxruntime_outputs(session, staged.batches, names)).to_dict()
+    staged.variants[precision] = path
+
+
+def _write_plan(staged: _Staged, tensorrt_error: str | None) -> tuple[bool, str | None]:
+    """The TensorRT plan where asked and possible: (whether it was built, why not where it was asked for)."""
+    if not staged.config.tensorrt or tensorrt_error is not None:
+        return False, tensorrt_error
+    try:
+        staged.parity["tensorrt"] = _build_tensorrt(staged.staging, staged.variants, staged.checkpoint.config,
+                                                    staged.dataset, staged.names, staged.config.engine())
+        return True, None
+    except Exception as err:  # TensorRT and CUDA raise their own types; none may cost the other artifacts
+        log.debug("TensorRT build failed", exc_info=True)
+        (staged.staging / PLAN_NAME).unlink(missing_ok=True)
+        (staged.staging / PLAN_INFO_NAME).unlink(missing_ok=True)
+        return False, str(err) if isinstance(err, CapsNetError) else f"{type(err).__name__}: {err}".splitlines()[0]
+
+
+def _write_description(staged: _Staged, int8: dict[str, Any] | None, packages: tuple[AotiPackage, ...],
+                       plan_built: bool) -> ModelDescription:
+    """model.json, embedded in every ONNX file too, with the digest of every file written."""
     artifacts = {
         "onnx": ONNX_NAME,
-        "onnx_int8": ONNX_INT8_NAME if "int8" in variants else None,
-        "onnx_fp16": ONNX_FP16_NAME if "fp16" in variants else None,
+        "onnx_int8": ONNX_INT8_NAME if "int8" in staged.variants else None,
+        "onnx_fp16": ONNX_FP16_NAME if "fp16" in staged.variants else None,
         "tensorrt": PLAN_NAME if plan_built else None,
         "checkpoint": CHECKPOINT_NAME,
         "reference": REFERENCE_NAME,
     }
-    description = describe(checkpoint, graph_opset(exported), config.reconstruction, artifacts=artifacts,
-                           reference_set=reference.description, int8=int8, parity=parity, precision_gate=gates,
-                           aoti=packages, refused=refused)
-    for path in variants.values():
+    description = describe(staged.checkpoint, graph_opset(staged.exported), staged.config.reconstruction,
+                           artifacts=artifacts, reference_set=staged.reference.description, int8=int8,
+                           parity=staged.parity, precision_gate=staged.gates, aoti=packages, refused=staged.refused)
+    for path in staged.variants.values():
         onnx_model = onnx.load(str(path))
         embed_metadata(onnx_model, description)
         onnx.save(onnx_model, str(path))
     hashed = ([name for name in artifacts.values() if name] + ([PLAN_INFO_NAME] if plan_built else [])
               + [package.file for package in packages])
-    description = replace(description, sha256={name: file_sha256(staging / name) for name in hashed})
-    description.write(staging)
-    return description, tensorrt_error
+    description = replace(description, sha256={name: file_sha256(staged.staging / name) for name in hashed})
+    description.write(staged.staging)
+    return description
 
 
 def _staged_checkpoint(checkpoint_path: Path, checkpoint: Checkpoint, staging: Path) -> Checkpoint:
