@@ -121,7 +121,8 @@ def check_graph(model: onnx.ModelProto) -> None:
         raise CapsNetError(f"the exported ONNX graph is invalid: {str(err).splitlines()[0]}") from None
     control_flow = sorted(CONTROL_FLOW_OPS & set(op_counts(model)))
     if control_flow:
-        raise CapsNetError(f"the exported ONNX graph has control flow ({', '.join(control_flow)}); routing must be unrolled")
+        raise CapsNetError(f"the exported ONNX graph has control flow ({', '.join(control_flow)}); routing must be "
+                           "unrolled")
     # a model of any size takes a free height and width; every output's shape follows from the batch alone
     takes_free = {2: HEIGHT_DIM, 3: WIDTH_DIM}
     for value, free in [*((value, takes_free) for value in model.graph.input),

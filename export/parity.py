@@ -93,7 +93,8 @@ def onnxruntime_probabilities(session, images_uint8: np.ndarray, batch: int = 25
     """The probabilities (N, J) of an ONNX Runtime session over a whole split of uint8 images, in batches."""
     runs = []
     for start in range(0, len(images_uint8), batch):
-        (probabilities,) = session.run(["probabilities"], {INPUT_NAME: to_float(images_uint8[start:start + batch]).numpy()})
+        images = to_float(images_uint8[start:start + batch]).numpy()  # (B, C, H, W)
+        (probabilities,) = session.run(["probabilities"], {INPUT_NAME: images})
         runs.append(probabilities.astype(np.float32))
     return np.concatenate(runs)
 

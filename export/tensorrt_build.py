@@ -61,7 +61,8 @@ def _save_timing_cache(path: Path, data: bytes) -> None:
         raise CapsNetError(f"cannot write the TensorRT timing cache {path}: {err.strerror or err}") from None
 
 
-def build_engine(onnx_path: Path, plan_path: Path, image_shape: tuple[int, int, int], config: EngineConfig) -> dict[str, Any]:
+def build_engine(onnx_path: Path, plan_path: Path, image_shape: tuple[int, int, int],
+                 config: EngineConfig) -> dict[str, Any]:
     """Build `plan_path` from `onnx_path`; returns the facts for model.plan.json."""
     import tensorrt as trt
 

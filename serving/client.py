@@ -81,8 +81,9 @@ def check_health(target: str, service: str = "", *, timeout: float = 3.0, **tls)
 
 
 class CapsNetClient:
-    def __init__(self, target: str, *, tls_ca: str | os.PathLike | None = None, tls_cert: str | os.PathLike | None = None,
-                 tls_key: str | os.PathLike | None = None, timeout: float | None = 30.0,
+    def __init__(self, target: str, *, tls_ca: str | os.PathLike | None = None,
+                 tls_cert: str | os.PathLike | None = None, tls_key: str | os.PathLike | None = None,
+                 timeout: float | None = 30.0,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         """target "host:port"; TLS with tls_ca (the server's CA; None: system roots when tls_cert is given),
         mutual TLS adding tls_cert + tls_key; timeout in seconds per call."""

@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     if (args.api == "kserve-http") != (args.rest is not None):
         parser.error("--rest HOST:PORT goes with --api kserve-http, and only with it")
 
-    info = pb_grpc.CapsNetServiceStub(grpc.insecure_channel(args.server)).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    stub = pb_grpc.CapsNetServiceStub(grpc.insecure_channel(args.server))
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
     images = random_images(256, tuple(info.input_shape))
     target = args.rest or args.server
     results = [asyncio.run(run_load(target, images, concurrency=c, batch_size=args.batch_size,

@@ -1,11 +1,11 @@
 """The self-check before SERVING: the export's reference images through the loaded backend, compared
 with the FP32 outputs recorded at export (reference.npz).
 
-FP32 must match them within the export's parity tolerance, every image in the same class. A reduced precision
-(INT8, FP16, BF16) answers to the precision gate (capsnet/model_description/precision_gate.py): it must reproduce what export
-measured for that model on the same images, within the gate's margins. INT8 kernels differ between x86 kinds
-(AVX2's 16-bit intermediate sums saturate where VNNI's do not), GPU kernels between GPUs, so a variant gated on
-one machine is checked again on the one that serves it.
+FP32 must match them within the export's parity tolerance, every image in the same class. A reduced precision (INT8,
+FP16, BF16) answers to the precision gate (capsnet/model_description/precision_gate.py): it must reproduce what
+export measured for that model on the same images, within the gate's margins. INT8 kernels differ between x86 kinds
+(AVX2's 16-bit intermediate sums saturate where VNNI's do not), GPU kernels between GPUs, so a variant gated on one
+machine is checked again on the one that serves it.
 """
 
 from __future__ import annotations

@@ -129,7 +129,8 @@ def _current_umask() -> int:
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     path = Path(path)
     if not path.is_file():
-        raise CapsNetError(f"checkpoint {path} does not exist" if not path.exists() else f"checkpoint {path} is not a file")
+        raise CapsNetError(f"checkpoint {path} does not exist" if not path.exists()
+                           else f"checkpoint {path} is not a file")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises many types for truncated/garbage files
@@ -161,7 +162,8 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     except (KeyError, TypeError, ValueError, RuntimeError) as err:
         raise CapsNetError(f"checkpoint {path} is damaged: {str(err).splitlines()[0]}") from None
     if len(checkpoint.class_names) != config.num_classes:
-        raise CapsNetError(f"checkpoint {path} is damaged: {len(checkpoint.class_names)} class names for {config.num_classes} classes")
+        raise CapsNetError(f"checkpoint {path} is damaged: {len(checkpoint.class_names)} class names for "
+                           f"{config.num_classes} classes")
     return checkpoint
 
 

@@ -79,7 +79,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "capsules whose transformation is shared across positions) or gap-cnn (its CNN "
                             "baseline: the backbone, global average pooling, sigmoids)")
     model.add_argument("--routing", metavar="sabour|leaky|su", help="routing variant: sabour (paper), leaky or su")
-    model.add_argument("--routing-iterations", type=int, metavar="N", help="routing iterations, dynamic or EM (papers: 3)")
+    model.add_argument("--routing-iterations", type=int, metavar="N",
+                       help="routing iterations, dynamic or EM (papers: 3)")
     model.add_argument("--squash-constant", type=float, metavar="C", help="c in |s|²/(c+|s|²): 1 (paper) or 0.5")
     model.add_argument("--reconstruction-weight", type=float, metavar="W",
                        help="weight of the reconstruction term in the loss (paper: 0.0005; 0 trains without it)")

@@ -107,7 +107,8 @@ class CapsNetConfig:
         elif self.primary_grid[0] < 1 or self.primary_grid[1] < 1:
             raise CapsNetError(
                 f"config: a {self.in_channels}x{self.height}x{self.width} input is too small for "
-                f"{self.conv1_kernel}x{self.conv1_kernel} then {self.primary_caps_kernel}x{self.primary_caps_kernel} convolutions"
+                f"{self.conv1_kernel}x{self.conv1_kernel} then {self.primary_caps_kernel}x{self.primary_caps_kernel} "
+                "convolutions"
             )
 
     def _check_em(self) -> None:

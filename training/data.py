@@ -115,7 +115,8 @@ def guess_class_names(directory: Path, num_classes: int) -> tuple[str, ...]:
 def load_idx_directory(directory: str | Path) -> Dataset:
     directory = Path(directory)
     if not directory.is_dir():
-        raise CapsNetError(f"data directory {directory} does not exist" if not directory.exists() else f"{directory} is not a directory")
+        raise CapsNetError(f"data directory {directory} does not exist" if not directory.exists()
+                           else f"{directory} is not a directory")
     splits = {}
     for split, (image_stem, label_stem) in IDX_FILES.items():
         images = read_idx(_find_idx(directory, image_stem))

@@ -72,7 +72,8 @@ def route(u_hat: Tensor, iterations: int, variant: str = "sabour", squash_consta
                 coupling = torch.softmax(padded, dim=1)[:, :num_out]  # (B, J, I)
             else:
                 coupling = torch.softmax(logits, dim=1)  # (B, J, I): over the classes
-            s = torch.matmul(coupling.reshape(batch * num_out, 1, num_in), flat)  # (B*J, 1, I) @ (B*J, I, D) -> (B*J, 1, D)
+            rows = coupling.reshape(batch * num_out, 1, num_in)  # (B*J, 1, I)
+            s = torch.matmul(rows, flat)  # (B*J, 1, I) @ (B*J, I, D) -> (B*J, 1, D)
             s = s.view(batch, num_out, dim)  # (B, J, D)
         v = squash(s, squash_constant)  # (B, J, D)
         if iteration < iterations - 1:

@@ -36,8 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", metavar="embedded|DIR", help=CHECKPOINT_DATA_HELP)
     parser.add_argument("--pairs", type=int, metavar="N",
                         help=f"overlaid pairs, at most {MAX_PAIRS:,} (default: one per test image)")
-    parser.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the distortions and pairs (default 0)")
-    parser.add_argument("--batch-size", type=int, default=256, metavar="B", help="images per forward pass (default 256)")
+    parser.add_argument("--seed", type=int, default=0, metavar="N",
+                        help="seed of the distortions and pairs (default 0)")
+    parser.add_argument("--batch-size", type=int, default=256, metavar="B",
+                        help="images per forward pass (default 256)")
     parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     parser.set_defaults(handler=run_robustness)

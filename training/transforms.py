@@ -52,7 +52,8 @@ def affine_transform(images: np.ndarray, parameters: AffineParameters) -> np.nda
     # normalised to [-1, 1] per axis: theta = D⁻¹ A⁻¹ D with D = diag(W/2, H/2).
     half = np.array([width / 2, height / 2])  # (2,)
     inverse = np.linalg.inv(forward) * half[None, None, :] / half[None, :, None]  # (N, 2, 2)
-    theta = torch.as_tensor(np.concatenate([inverse, np.zeros((count, 2, 1))], axis=2), dtype=torch.float32)  # (N, 2, 3)
+    affine = np.concatenate([inverse, np.zeros((count, 2, 1))], axis=2)  # (N, 2, 3)
+    theta = torch.as_tensor(affine, dtype=torch.float32)  # (N, 2, 3)
     pixels = to_float(images)  # (N, C, H, W)
     grid = F.affine_grid(theta, list(pixels.shape), align_corners=False)  # (N, H, W, 2)
     warped = F.grid_sample(pixels, grid, mode="bilinear", padding_mode="zeros", align_corners=False)  # (N, C, H, W)

@@ -61,7 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--examples", type=int, default=8, metavar="K",
                         help=f"correct and wrong predictions shown in reconstructions.png, at most {MAX_EXAMPLES} "
                              "(default 8 each)")
-    parser.add_argument("--batch-size", type=int, default=256, metavar="B", help="images per forward pass (default 256)")
+    parser.add_argument("--batch-size", type=int, default=256, metavar="B",
+                        help="images per forward pass (default 256)")
     parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
     parser.set_defaults(handler=run_visualize)
 
@@ -163,7 +164,8 @@ def visualize(checkpoint_path: Path, data: str | None, out: Path, images: int, e
     with torch.no_grad():
         shown = np.concatenate([correct[:examples], wrong[:examples]])
         pixels = to_float(split.images[shown])  # (K, C, H, W)
-        reconstructions = model(pixels.to(device)).reconstruction.cpu().reshape(pixels.shape)  # (K, C*H*W) -> (K, C, H, W)
+        flat = model(pixels.to(device)).reconstruction.cpu()  # (K, C*H*W)
+        reconstructions = flat.reshape(pixels.shape)  # (K, C, H, W)
         written.append(draw_reconstructions(pixels.numpy(), reconstructions.numpy(), split.labels[shown],
                                             predicted[shown], min(examples, len(correct)), names,
                                             out / "reconstructions.png"))
@@ -246,7 +248,8 @@ def draw_reconstructions(images, reconstructions, labels, predicted, num_correct
     """images and reconstructions (K, C, H, W): the first `num_correct` correctly classified, then the wrong ones."""
     columns = max(num_correct, len(images) - num_correct, 1)
     figure = _figure(1.1 * columns, 5.2)
-    sections = {"correct predictions": range(num_correct), "wrong predictions (true → predicted)": range(num_correct, len(images))}
+    sections = {"correct predictions": range(num_correct),
+                "wrong predictions (true → predicted)": range(num_correct, len(images))}
     for subfigure, (heading, indices) in zip(figure.subfigures(2, 1), sections.items()):
         subfigure.suptitle(f"{heading}: input (top), reconstruction from the predicted capsule (bottom)", fontsize=9)
         axes = subfigure.subplots(2, columns, squeeze=False)

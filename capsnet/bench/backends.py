@@ -37,7 +37,8 @@ class BackendUnavailable(Exception):
     """The backend cannot run here (no artifact for it, no GPU): it is skipped with this reason."""
 
 
-def load_backend(name: str, model_dir: str, threads: int, max_batch_size: int) -> tuple[Callable[[np.ndarray], np.ndarray], str]:
+def load_backend(name: str, model_dir: str, threads: int,
+                 max_batch_size: int) -> tuple[Callable[[np.ndarray], np.ndarray], str]:
     """(images -> probabilities, description of what runs) for backend `name` on the model in `model_dir`."""
     from capsnet.serving.artifacts import load_artifacts
 

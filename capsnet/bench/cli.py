@@ -55,19 +55,23 @@ def register(subparsers) -> None:
     parser.add_argument("--no-grpc", dest="grpc", action="store_false", help="skip the end-to-end gRPC benchmark")
     parser.add_argument("--threads", type=int, default=0,
                         help="compute threads per backend (default 0: one per CPU core available)")
-    parser.add_argument("--seconds", type=float, help=f"timed seconds per in-process point (default {_show('seconds')})")
+    parser.add_argument("--seconds", type=float,
+                        help=f"timed seconds per in-process point (default {_show('seconds')})")
     parser.add_argument("--rounds", type=int,
                         help=f"interleaved rounds the in-process seconds are split into (default {_show('rounds')})")
-    parser.add_argument("--grpc-seconds", type=float, help=f"timed seconds per gRPC point (default {_show('grpc_seconds')})")
+    parser.add_argument("--grpc-seconds", type=float,
+                        help=f"timed seconds per gRPC point (default {_show('grpc_seconds')})")
     parser.add_argument("--peak-seconds", type=float,
                         help="timed seconds per peak microbenchmark, with the bench extra "
                              f"(default {_show('peak_seconds')})")
     parser.add_argument("--accuracy-images", type=int,
-                        help=f"evaluation images for each backend's accuracy (default {_show('accuracy_images')}; 0: all)")
+                        help="evaluation images for each backend's accuracy "
+                             f"(default {_show('accuracy_images')}; 0: all)")
     parser.add_argument("--profile-runs", type=int,
                         help="runs profiled by ONNX Runtime's profiler, with the bench extra "
                              f"(default {_show('profile_runs')})")
-    parser.add_argument("--data", default="embedded", help="images for timing and accuracy: embedded or an IDX directory")
+    parser.add_argument("--data", default="embedded",
+                        help="images for timing and accuracy: embedded or an IDX directory")
     parser.set_defaults(handler=run_bench_command)
 
 
@@ -159,7 +163,8 @@ def _names(allowed: tuple[str, ...]):
         names = tuple(part.strip() for part in text.split(",") if part.strip())
         unknown = [name for name in names if name not in allowed]
         if unknown or not names:
-            raise argparse.ArgumentTypeError(f"unknown backend {', '.join(unknown) or '(none)'}; choose from {', '.join(allowed)}")
+            raise argparse.ArgumentTypeError(f"unknown backend {', '.join(unknown) or '(none)'}; "
+                                             f"choose from {', '.join(allowed)}")
         return names
 
     return parse

@@ -2,9 +2,10 @@
 
 For dynamic batching on and off, one server is started; for each API (our Classify, KServe
 ModelInfer) and each concurrency, a closed-loop load generator (serving/loadgen.py) keeps that many
-one-image requests in flight for the timed seconds, after a few warm-up requests. Every row is compared with the in-process
-backend at batch size = concurrency (what perfect batching with no RPC cost would give), timed in a worker process
-for half the row's seconds just before the row and half just after, so both meet the same load on a shared machine.
+one-image requests in flight for the timed seconds, after a few warm-up requests. Every row is compared with the
+in-process backend at batch size = concurrency (what perfect batching with no RPC cost would give), timed in a
+worker process for half the row's seconds just before the row and half just after, so both meet the same load on a
+shared machine.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def server_flags(dynamic_batching: bool, max_concurrency: int) -> list[str]:
     return ["--max-batch-size", "1", "--max-queue-delay-us", "0"]
 
 
-def run_grpc_load(model_dir: str, images: np.ndarray, concurrency: tuple[int, ...], threads: int, seconds: float) -> dict:
+def run_grpc_load(model_dir: str, images: np.ndarray, concurrency: tuple[int, ...], threads: int,
+                  seconds: float) -> dict:
     from capsnet.serving.artifacts import load_artifacts
 
     artifacts = load_artifacts(model_dir)
@@ -82,11 +84,13 @@ def _run_servers(artifacts, model_dir: str, images: np.ndarray, concurrency: tup
                     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
                     server.check_alive()  # a server that died mid-row: its exit, not the failed requests
                     if not result.latencies_s:
-                        raise CapsNetError(f"gRPC {api} at concurrency {clients}: every request failed ({result.errors})")
+                        raise CapsNetError(f"gRPC {api} at concurrency {clients}: every request failed "
+                                           f"({result.errors})")
                     row = {**_row(result), **_server_view(before, server.scrape(), cpu, wall)}
                     in_process = _inprocess_view(durations + _time_inprocess(reference, batch, seconds / 2), clients)
                     rows.append({
-                        "api": api, "dynamic_batching": batching, "concurrency": clients, **row, "inprocess": in_process,
+                        "api": api, "dynamic_batching": batching, "concurrency": clients, **row,
+                        "inprocess": in_process,
                         "ratio_to_inprocess": row["images_per_s"] / in_process["images_per_s"],
                     })
             servers["on" if batching else "off"] = {"batching_flags": batching_flags, "idle_rss_mib": idle,
@@ -102,8 +106,8 @@ def _time_inprocess(worker: BackendWorker, batch: np.ndarray, seconds: float) ->
 def _inprocess_view(durations: list[float], batch_size: int) -> dict:
     """The in-process reference beside a gRPC row: throughput over the whole timed span, as the row's own
     (not from the median call), and the p50 call latency."""
-    return {"batch_size": batch_size, "calls": len(durations), "images_per_s": batch_size * len(durations) / sum(durations),
-            "p50_ms": float(np.median(durations)) * 1e3}
+    return {"batch_size": batch_size, "calls": len(durations),
+            "images_per_s": batch_size * len(durations) / sum(durations), "p50_ms": float(np.median(durations)) * 1e3}
 
 
 def _server_view(before: dict, after: dict, client_cpu_s: float, wall_s: float) -> dict:
@@ -116,9 +120,11 @@ def _server_view(before: dict, after: dict, client_cpu_s: float, wall_s: float) 
 
     batches = delta("capsnet_batch_size_count")
     return {
-        "server_mean_ms": delta("capsnet_request_duration_seconds_sum") / delta("capsnet_request_duration_seconds_count") * 1e3,
+        "server_mean_ms":
+            delta("capsnet_request_duration_seconds_sum") / delta("capsnet_request_duration_seconds_count") * 1e3,
         "server_mean_batch": delta("capsnet_batch_size_sum") / batches,
-        "server_mean_queue_wait_ms": delta("capsnet_queue_wait_seconds_sum") / delta("capsnet_queue_wait_seconds_count") * 1e3,
+        "server_mean_queue_wait_ms":
+            delta("capsnet_queue_wait_seconds_sum") / delta("capsnet_queue_wait_seconds_count") * 1e3,
         "server_compute_busy": delta("capsnet_compute_seconds_sum") / wall_s,
         "server_cpu_per_s": delta("process_cpu_seconds_total") / wall_s,
         "client_cpu_per_s": client_cpu_s / wall_s,

@@ -43,7 +43,8 @@ def machine_facts() -> dict:
     return {
         "cpu_model": cpu.model,
         # The model name can be generic under a hypervisor; family/model/stepping still tell the generation.
-        "cpu_id": f"family {cpuinfo.get('cpu family', '?')} model {cpuinfo.get('model', '?')} stepping {cpuinfo.get('stepping', '?')}",
+        "cpu_id": f"family {cpuinfo.get('cpu family', '?')} model {cpuinfo.get('model', '?')} "
+                  f"stepping {cpuinfo.get('stepping', '?')}",
         "cores": cores(),
         "isa": cpu.to_dict()["flags"],
         "cpu_flags": sorted(cpuinfo.get("flags", "").split()),

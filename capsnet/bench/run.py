@@ -103,7 +103,8 @@ def run_bench(options: BenchOptions, analysis: Analysis) -> dict:
         config = load_checkpoint(artifacts.checkpoint).config
         dataset = load_dataset(options.data)
         if tuple(dataset.image_shape) != artifacts.input_shape:
-            raise CapsNetError(f"--data {options.data} has {dataset.image_shape} images; the model takes {artifacts.input_shape}")
+            raise CapsNetError(f"--data {options.data} has {dataset.image_shape} images; the model takes "
+                               f"{artifacts.input_shape}")
         images = dataset.test.images.astype(np.float32) / 255.0  # (N, C, H, W) in [0, 1]
 
         analysis.start(artifacts, config)
@@ -155,7 +156,8 @@ def _prepare_models(options: BenchOptions, tmp: Path) -> tuple[Path, dict[str, P
         plan_precision = artifacts.tensorrt_info["precision"] if artifacts.tensorrt_info else None
         for name in options.backends:
             if name in wanted_trt and SERVER_BACKENDS[name][1] != plan_precision:
-                skipped[name] = f"{options.model} has no {SERVER_BACKENDS[name][1]} TensorRT plan (bench a checkpoint to build one)"
+                skipped[name] = (f"{options.model} has no {SERVER_BACKENDS[name][1]} TensorRT plan (bench a "
+                                 "checkpoint to build one)")
             else:
                 model_dirs[name] = options.model
         return options.model, model_dirs, skipped

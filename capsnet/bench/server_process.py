@@ -51,7 +51,8 @@ class ServerProcess:
                 if self._process.poll() is not None or time.monotonic() > deadline:
                     self._stop()
                     tail = " | ".join(self._output[-3:]) or "no output"
-                    raise CapsNetError(f"capsnet serve did not become ready (exit code {self._process.returncode}): {tail}")
+                    raise CapsNetError(f"capsnet serve did not become ready (exit code {self._process.returncode}): "
+                                       f"{tail}")
         except BaseException:  # Ctrl-C meanwhile too: `with` calls no __exit__ when __enter__ raises
             self._stop()
             raise
@@ -93,7 +94,8 @@ class ServerProcess:
                 text = response.read().decode()
         except OSError as err:  # URLError, a reset or a timeout: the server died or hangs
             self.check_alive()
-            raise CapsNetError(f"cannot read the server's metrics at {self.metrics_url}: {getattr(err, 'reason', err)}") from None
+            raise CapsNetError(f"cannot read the server's metrics at {self.metrics_url}: "
+                               f"{getattr(err, 'reason', err)}") from None
         totals: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:

@@ -20,7 +20,8 @@ PLAN_NAME = "model.plan"
 PLAN_INFO_NAME = "model.plan.json"
 REFERENCE_NAME = "reference.npz"  # self-check images and their FP32 outputs
 # model.plan.json: what the engine was built for (TensorRT rejects a plan from another GPU or version)
-PLAN_INFO_KEYS = ("tensorrt_version", "gpu_name", "compute_capability", "precision", "min_batch", "opt_batch", "max_batch")
+PLAN_INFO_KEYS = ("tensorrt_version", "gpu_name", "compute_capability", "precision", "min_batch", "opt_batch",
+                  "max_batch")
 # AOTInductor packages: one per device kind and precision; CPU ones are fp32, CUDA ones fp32, fp16 or bf16
 AOTI_DEVICES = ("cpu", "cuda")
 AOTI_PRECISIONS = {"cpu": ("fp32",), "cuda": ("fp32", "fp16", "bf16")}
@@ -61,6 +62,7 @@ def read_plan_info(path: Path) -> dict:
             or info["precision"] not in ("fp32", "fp16", "int8")
             or not all(type(batch) is int for batch in batches) or not 1 <= batches[0] <= batches[1] <= batches[2]):
         raise CapsNetError(f"{path} is damaged: expected tensorrt_version and gpu_name strings, compute_capability "
-                           "like \"9.0\", precision fp32|fp16|int8 and integers 1 <= min_batch <= opt_batch <= max_batch")
+                           "like \"9.0\", precision fp32|fp16|int8 and integers 1 <= min_batch <= opt_batch "
+                           "<= max_batch")
     return info
 

@@ -47,7 +47,8 @@ class PrecisionGate:
     @property
     def accepted(self) -> bool:
         """The export half of the criterion: accuracy kept within max_drop_points, and finite outputs."""
-        return -self.accuracy_change_points <= self.max_drop_points and self.bounded_diff <= GATE_MAX_DIFF[self.precision]
+        return (-self.accuracy_change_points <= self.max_drop_points
+                and self.bounded_diff <= GATE_MAX_DIFF[self.precision])
 
     def refusal(self) -> str:
         """Why export did not accept this variant."""

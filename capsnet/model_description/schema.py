@@ -61,7 +61,8 @@ class AotiPackage:
 
     def describe(self) -> str:
         where = f"{self.device} ({self.built_on}{f', sm {self.compute_capability}' if self.compute_capability else ''})"
-        return f"{self.file}: {where} {self.precision}, batch {self.min_batch}-{self.max_batch}, torch {self.torch_version}"
+        return (f"{self.file}: {where} {self.precision}, batch {self.min_batch}-{self.max_batch}, "
+                f"torch {self.torch_version}")
 
     def to_json(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in AOTI_KEYS}
@@ -71,7 +72,8 @@ class AotiPackage:
 class ModelDescription:
     input_shape: tuple[int, int, int]  # (C, H, W), float32 in [0, 1], NCHW
     class_names: tuple[str, ...]
-    output_shapes: dict[str, tuple[int, ...]]  # without the batch axis: probabilities (J,)[, poses (J, D)][, reconstruction]
+    # without the batch axis: probabilities (J,)[, poses (J, D)][, reconstruction]
+    output_shapes: dict[str, tuple[int, ...]]
     # {"variant", "iterations", "squash_constant", "gpu_engine"} (gpu_engine: "fused" or "unfused: <why>"), or EM's
     # {"variant": "em", "iterations", "inverse_temperature"};
     # {} for a model without routing (written as null)
@@ -124,7 +126,8 @@ class ModelDescription:
         return FORMAT_VERSION_WITH_CAPSULES if self.pose_dim and self.routing else FORMAT_VERSION
 
     def to_json(self, with_hashes: bool = True) -> dict[str, Any]:
-        """model.json's content; without the hashes it is what each ONNX file embeds (a file cannot hold its own hash)."""
+        """model.json's content; without the hashes it is what each ONNX file embeds (a file cannot hold its own
+        hash)."""
         channels, height, width = self.input_shape
         values = {
             "format": FORMAT_NAME,
@@ -136,7 +139,8 @@ class ModelDescription:
             "opset": self.opset,
             "input": {"name": self.input_name, "datatype": "FP32", "layout": "NCHW",
                       "shape": [channels, height, width], "sizes": self.sizes.to_dict(), "value_range": [0.0, 1.0]},
-            "outputs": [{"name": name, "datatype": "FP32", "shape": list(shape)} for name, shape in self.output_shapes.items()],
+            "outputs": [{"name": name, "datatype": "FP32", "shape": list(shape)}
+                        for name, shape in self.output_shapes.items()],
             "class_names": list(self.class_names),
             "routing": self.routing or None,
             "artifacts": {key: self.artifacts.get(key) for key in ARTIFACT_KEYS},
@@ -167,7 +171,8 @@ class ModelDescription:
                 raise CapsNetError(f"model directory {directory} does not exist" if not directory.exists()
                                    else f"model directory {directory} is not a directory")
             if not path.is_file():
-                raise CapsNetError(f"{directory} is not a capsnet model directory (no {SIDECAR_NAME}); make one with `capsnet export`")
+                raise CapsNetError(f"{directory} is not a capsnet model directory (no {SIDECAR_NAME}); make one with "
+                                   "`capsnet export`")
         except OSError as err:  # a directory this user may not search (is_file raises EACCES, not False)
             raise CapsNetError(f"cannot read {err.filename or path}: {err.strerror or err}") from None
         return cls.from_json(read_json(path), str(path))
@@ -257,7 +262,8 @@ class ModelDescription:
             raise CapsNetError(f"{source} is damaged: it lists {what} {name!r}, which is missing from {directory}")
         if digest != self.sha256.get(name):
             raise CapsNetError(f"{path} does not match {source} (sha256 {digest[:12]}…, recorded "
-                               f"{str(self.sha256.get(name))[:12]}…): the file was changed after export; re-export it")
+                               f"{str(self.sha256.get(name))[:12]}…): the file was changed after export; "
+                               "re-export it")
         return path
 
 
@@ -319,7 +325,8 @@ class _Reader:
         for name, entry in variants.items():
             where = f"precision_gate.variants.{name}."
             if name not in GATE_VARIANTS or not isinstance(entry, dict):
-                raise self.fail(f"precision_gate.variants.{name} is not one of {', '.join(GATE_VARIANTS)} with an object")
+                raise self.fail(f"precision_gate.variants.{name} is not one of {', '.join(GATE_VARIANTS)} with an "
+                                "object")
             numbers = {key: self.get(entry, key, (int, float), where) for key in GATE_KEYS
                        if key not in ("precision", "computed_by", "measured_on", "test_images", "reference_images")}
             # the differences may be infinite: export records a variant with NaN outputs as not accepted

@@ -15,7 +15,8 @@ from pathlib import Path
 # Features that decide which fp32/int8/bf16 kernels oneDNN and ONNX Runtime's MLAS can use.
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
 # oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) that still allow its bf16 kernels; lower caps (e.g. AVX2, AVX512_CORE,
-# AVX512_CORE_VNNI) make bf16 run through slow emulation. https://oneapi-src.github.io/oneDNN/dev_guide_cpu_dispatcher_control.html
+# AVX512_CORE_VNNI) make bf16 run through slow emulation.
+# https://oneapi-src.github.io/oneDNN/dev_guide_cpu_dispatcher_control.html
 ONEDNN_BF16_ISAS = ("AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX512_CORE_AMX",
                     "AVX10_1_512_AMX_FP16", "AVX512_CORE_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2", "ALL")
 
@@ -47,7 +48,8 @@ class CpuKind:
     def this_host(cls) -> "CpuKind":
         info = read_cpuinfo()
         flags = set(info.get("flags", "").split())
-        return cls(info.get("model name", platform.processor() or "unknown"), frozenset(f for f in ISA_FLAGS if f in flags))
+        return cls(info.get("model name", platform.processor() or "unknown"),
+                   frozenset(f for f in ISA_FLAGS if f in flags))
 
     @property
     def vnni(self) -> bool:

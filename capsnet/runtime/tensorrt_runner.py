@@ -57,7 +57,8 @@ def unavailable_reason(gpu: int = 0) -> str | None:
 
 
 def gpu_facts(gpu: int) -> tuple[str, str]:
-    """(name, compute capability "major.minor") of CUDA device `gpu`, which also becomes this thread's current device."""
+    """(name, compute capability "major.minor") of CUDA device `gpu`, which also becomes this thread's current
+    device."""
     runtime = cudart()
     check(runtime.cudaSetDevice(gpu))
     props = check(runtime.cudaGetDeviceProperties(gpu))

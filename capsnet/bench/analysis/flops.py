@@ -65,7 +65,8 @@ def count_flops(onnx_path: str | Path) -> FlopCount:
         try:
             flops = counter(node, shapes)
         except KeyError as err:
-            raise CapsNetError(f"{onnx_path}: no static shape for {err.args[0]!r} (input of {node.op_type} {node.name!r})") from None
+            raise CapsNetError(f"{onnx_path}: no static shape for {err.args[0]!r} (input of {node.op_type} "
+                               f"{node.name!r})") from None
         nodes.append(NodeFlops(node.name or node.output[0], node.op_type, flops))
     if not nodes:
         raise CapsNetError(f"{onnx_path}: no Conv, MatMul, Gemm or Einsum node to count")

@@ -82,7 +82,8 @@ def _plot_grpc(plt, results: dict, out_dir: Path) -> Path:
     throughput.plot(batch_sizes, [sum(reference[b]) / len(reference[b]) for b in batch_sizes], color="black",
                     linestyle="--", label=f"in-process {results['grpc']['server']['backend']}, batch = concurrency "
                                           "(mean of the rows' references)")
-    throughput.set(xscale="log", ylim=(0, None), xlabel="concurrent requests", ylabel="images/s", title="gRPC throughput")
+    throughput.set(xscale="log", ylim=(0, None), xlabel="concurrent requests", ylabel="images/s",
+                   title="gRPC throughput")
     latency.set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="ms per request", title="gRPC latency")
     for axis in (throughput, latency):
         _log_ticks(axis, sorted({row["concurrency"] for row in rows}))

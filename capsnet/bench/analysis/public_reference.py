@@ -50,7 +50,8 @@ class PublicCapsNet(nn.Module):
             raise CapsNetError(f"{SOURCE} routes as the paper does (b += û·v, squash constant 1); this model uses "
                                f"routing {cfg.routing!r} with squash constant {cfg.squash_constant:g}")
         self.config = cfg
-        self.normalised = copy.deepcopy(model.input_normalisation)  # the identity for [0, 1] images, as the public code takes
+        # the identity for [0, 1] images, as the public code takes
+        self.normalised = copy.deepcopy(model.input_normalisation)
         self.conv1 = copy.deepcopy(model.conv1)
         self.primary_caps = copy.deepcopy(model.primary_caps.conv)  # one Conv2d, 256 output channels
         self.decoder = copy.deepcopy(model.decoder.net)
@@ -58,7 +59,8 @@ class PublicCapsNet(nn.Module):
         ours = model.digit_caps.weight.detach().view(
             cfg.num_primary_caps, cfg.primary_caps_dim, cfg.num_classes, cfg.digit_caps_dim
         )  # (1152, 8, 10, 16)
-        self.weight = nn.Parameter(ours.permute(2, 0, 3, 1).clone(memory_format=torch.contiguous_format))  # (10, 1152, 16, 8)
+        grouped = ours.permute(2, 0, 3, 1).clone(memory_format=torch.contiguous_format)  # (10, 1152, 16, 8)
+        self.weight = nn.Parameter(grouped)  # (10, 1152, 16, 8)
         self.eval()
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -76,7 +78,8 @@ class PublicCapsNet(nn.Module):
         return probabilities, poses, reconstruction
 
     def _route(self, u: Tensor) -> Tensor:
-        u_hat = torch.matmul(self.weight, u[:, None, :, :, None]).squeeze(-1)  # (10, 1152, 16, 8) @ (B, 1, 1152, 8, 1) -> (B, 10, 1152, 16)
+        # (10, 1152, 16, 8) @ (B, 1, 1152, 8, 1) -> (B, 10, 1152, 16, 1) -> (B, 10, 1152, 16)
+        u_hat = torch.matmul(self.weight, u[:, None, :, :, None]).squeeze(-1)
         u_hat_detached = u_hat.detach()
         b = u.new_zeros(u.shape[0], self.config.num_classes, self.config.num_primary_caps)  # (B, 10, 1152)
         iterations = self.config.routing_iterations

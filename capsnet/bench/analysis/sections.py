@@ -40,12 +40,13 @@ def _limit_section(results: dict) -> list[str]:
         "## The CPU's limit",
         "",
         f"- FLOPs per image, counted from the exported graph (Conv/MatMul/Gemm/Einsum shapes, 2 per multiply-add): "
-        f"**{flops['flops_per_image'] / 1e6:.1f} MFLOP**; the largest node, `{largest['name']}` ({largest['op_type']}), "
-        f"is {largest['share'] * 100:.1f}% of it.",
-        f"- fp32 peak on {peak['threads']} threads (the median of {len(peak.get('runs', [peak]))} measurements, one after "
-        f"each interleaved round of the in-process backends, so under the load they ran under; the PrimaryCaps-shaped "
-        f"conv ranged {_range(peak, 'gflops')} GFLOP/s over them): {peak['matmul']['gflops']:.0f} GFLOP/s on a "
-        f"{'×'.join(map(str, peak['matmul']['shape']))} matmul; {conv['gflops_torch']:.0f} (PyTorch) and "
+        f"**{flops['flops_per_image'] / 1e6:.1f} MFLOP**; the largest node, `{largest['name']}` "
+        f"({largest['op_type']}), is {largest['share'] * 100:.1f}% of it.",
+        f"- fp32 peak on {peak['threads']} threads (the median of {len(peak.get('runs', [peak]))} measurements, "
+        f"one after each interleaved round of the in-process backends, so under the load they ran under; the "
+        f"PrimaryCaps-shaped conv ranged {_range(peak, 'gflops')} GFLOP/s over them): "
+        f"{peak['matmul']['gflops']:.0f} GFLOP/s on a {'×'.join(map(str, peak['matmul']['shape']))} matmul; "
+        f"{conv['gflops_torch']:.0f} (PyTorch) and "
         f"{conv['gflops_onnxruntime']:.0f} (ONNX Runtime) GFLOP/s on a PrimaryCaps-shaped conv "
         f"({'×'.join(map(str, conv['input_shape']))} input, {'×'.join(map(str, conv['weight_shape']))} weights, "
         f"stride {conv['stride']}).",
@@ -70,6 +71,7 @@ def _profile_section(profiles: dict, peak_gflops: float) -> list[str]:
                             if op["op_type"] in CONV_OP_TYPES)
         lines.append(f"- `{name}` at batch {profile['batch_size']} ({profile['runs']} profiled runs): {top}. "
                      f"Convolutions: {profile['conv_share'] * 100:.1f}% of the time, at "
-                     f"{profile['conv_gops_in_model']:.0f} GOP/s ({profile['conv_gops_in_model'] / peak_gflops * 100:.0f}% "
-                     f"of the fp32 conv peak); kernels {kernels}.")
+                     f"{profile['conv_gops_in_model']:.0f} GOP/s "
+                     f"({profile['conv_gops_in_model'] / peak_gflops * 100:.0f}% of the fp32 conv peak); "
+                     f"kernels {kernels}.")
     return lines

@@ -41,9 +41,9 @@ def evaluate(results: dict) -> list[dict]:
         if values:
             measured = ", ".join(f"batch {b}: {fmt(v)}" for b, v in values.items())
             worst = min(values.values())
+            shortfall = f"{threshold / worst:.2f}× faster needed at the worst batch" if worst < threshold else ""
             checks.append(_check(target, measured, worst >= threshold, {str(b): v for b, v in values.items()},
-                                 f"{threshold / worst:.2f}× faster needed at the worst batch" if worst < threshold else "",
-                                 bound))
+                                 shortfall, bound))
 
     ceiling = results["ceiling"]["images_per_s"]
     routing = _non_conv(profiles.get(FP32))
@@ -63,7 +63,8 @@ def evaluate(results: dict) -> list[dict]:
 
     # bf16 pays where its convolutions beat fp32's in the same framework (oneDNN's AMX/AVX512_BF16 kernels)
     per_batch(f"PyTorch with bf16 convolutions at batch ≥ {MIN_BATCH}: faster than PyTorch fp32 (a native-bf16 host)",
-              TORCH_BF16, lambda batch: rows[TORCH_FP32, batch]["images_per_s"] if (TORCH_FP32, batch) in rows else None,
+              TORCH_BF16,
+              lambda batch: rows[TORCH_FP32, batch]["images_per_s"] if (TORCH_FP32, batch) in rows else None,
               1.0, _times, "oneDNN's bf16 convolution kernels on this CPU against its fp32 ones")
 
     backends = results["inprocess"]["backends"]
@@ -122,7 +123,8 @@ def _grpc_checks(grpc_results: dict) -> list[dict]:
             + ", ".join(f"{row['server_compute_busy'] / row['images_per_s'] * 1e3:.2f} against "
                         f"{1e3 / row['inprocess']['images_per_s']:.2f} ms ({api})" for api, row in at_16.items())
             + ", its threads sharing the cores with the server's and the load generator's Python (CPU/s server / "
-              "client: " + ", ".join(f"{row['server_cpu_per_s']:.2f} / {row['client_cpu_per_s']:.2f}" for row in at_16.values())
+              "client: "
+            + ", ".join(f"{row['server_cpu_per_s']:.2f} / {row['client_cpu_per_s']:.2f}" for row in at_16.values())
             + "); batches of " + ", ".join(f"{row['server_mean_batch']:.1f} ({api})" for api, row in at_16.items())
             + f" images on average instead of {GRPC_CONCURRENCY}"))
     at_1 = {row["api"]: row for row in batched if row["concurrency"] == 1}
