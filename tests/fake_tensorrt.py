@@ -19,14 +19,15 @@ ROW_SHAPES = {INPUT: (1, 2, 2), "probabilities": (3,), "poses": (3, 2)}
 
 
 def kernel(images: np.ndarray, row_shapes: dict[str, tuple[int, ...]] = ROW_SHAPES) -> dict[str, np.ndarray]:
-    """What the fake engine computes from (N, ...) images: each output row is the image's pixel sum times 1, 2, 3, ..."""
+    """What the fake engine computes from (N, ...) images: each output row is the image's pixel sum times
+    1, 2, 3, ..."""
     total = images.reshape(len(images), -1).sum(axis=1)  # (N,)
     return {name: (total[:, None] * np.arange(1, int(np.prod(row)) + 1, dtype=np.float32)).reshape(len(images), *row)
             for name, row in row_shapes.items() if name != INPUT}  # (N, *row)
 
 
 class FakeCudaRuntime:
-    class cudaMemcpyKind(enum.IntEnum):  # noqa: N801 (CUDA's name)
+    class cudaMemcpyKind(enum.IntEnum):  # CUDA's names, as the runner calls them
         cudaMemcpyHostToDevice = 1
         cudaMemcpyDeviceToHost = 2
 
@@ -39,16 +40,16 @@ class FakeCudaRuntime:
     def current(self) -> int:
         return getattr(self._current, "device", 0)
 
-    def cudaGetDeviceCount(self):  # noqa: N802
+    def cudaGetDeviceCount(self):
         return 0, self.device_count
 
-    def cudaSetDevice(self, device):  # noqa: N802
+    def cudaSetDevice(self, device):
         if not 0 <= device < self.device_count:
             return 101, None  # cudaErrorInvalidDevice
         self._current.device = device
         return (0,)
 
-    def cudaGetDeviceProperties(self, device):  # noqa: N802
+    def cudaGetDeviceProperties(self, device):
         return 0, types.SimpleNamespace(name=f"Fake GPU {device}".encode() + b"\x00" * 4, major=9, minor=device)
 
     def _allocate(self, table, nbytes):
@@ -56,33 +57,33 @@ class FakeCudaRuntime:
         table[ctypes.addressof(buffer)] = (buffer, self.current())
         return 0, ctypes.addressof(buffer)
 
-    def cudaMallocHost(self, nbytes):  # noqa: N802
+    def cudaMallocHost(self, nbytes):
         return self._allocate(self.host, nbytes)
 
-    def cudaMalloc(self, nbytes):  # noqa: N802
+    def cudaMalloc(self, nbytes):
         return self._allocate(self.device, nbytes)
 
-    def cudaFreeHost(self, address):  # noqa: N802
+    def cudaFreeHost(self, address):
         self.freed.append(("host", self.host.pop(address)[1]))
         return (0,)
 
-    def cudaFree(self, address):  # noqa: N802
+    def cudaFree(self, address):
         self.freed.append(("device", self.device.pop(address)[1]))
         return (0,)
 
-    def cudaStreamCreate(self):  # noqa: N802
+    def cudaStreamCreate(self):
         stream = len(self.streams) + 1
         self.streams.add(stream)
         return 0, stream
 
-    def cudaStreamSynchronize(self, stream):  # noqa: N802
+    def cudaStreamSynchronize(self, stream):
         return (0,)
 
-    def cudaStreamDestroy(self, stream):  # noqa: N802
+    def cudaStreamDestroy(self, stream):
         self.streams.remove(stream)
         return (0,)
 
-    def cudaMemcpyAsync(self, dst, src, nbytes, kind, stream):  # noqa: N802
+    def cudaMemcpyAsync(self, dst, src, nbytes, kind, stream):
         device_side = dst if kind == self.cudaMemcpyKind.cudaMemcpyHostToDevice else src
         assert self.device[device_side][1] == self.current(), "copy issued while another GPU is current"
         ctypes.memmove(dst, src, nbytes)

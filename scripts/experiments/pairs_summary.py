@@ -50,7 +50,8 @@ def main(argv: list[str]) -> int:
         print(f"pairs_summary: no <preset>-seed<N>.pairs.json in {runs_dir}", file=sys.stderr)
         return 2
     epochs = max(line["epoch"] for line in epoch_lines)
-    for name, lines in ((EPOCHS_FILE.format(epochs=epochs), epoch_lines), (SCORES_FILE.format(epochs=epochs), score_lines)):
+    for name, lines in ((EPOCHS_FILE.format(epochs=epochs), epoch_lines),
+                        (SCORES_FILE.format(epochs=epochs), score_lines)):
         (docs_dir / name).write_text("".join(json.dumps(line) + "\n" for line in lines))
     print("| model | seed | chosen epoch | validation | " + " | ".join(label for _, label in FIGURES) + " |")
     print("|---|---|---|---|" + "---|" * len(FIGURES))

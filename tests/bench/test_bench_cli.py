@@ -82,7 +82,8 @@ def test_bench_refuses_an_em_model_before_exporting_it(tmp_path, capsys, random_
     path = random_checkpoint(preset("em-tiny"), "em.ckpt")
     assert main(["bench", str(path), "--out", str(tmp_path / "out"), "--quick"]) == 2
     err = capsys.readouterr().err
-    assert err == f"capsnet bench: error: capsnet bench measures dynamic-routing CapsNets; {path} holds a model of --arch em\n"
+    assert err == ("capsnet bench: error: capsnet bench measures dynamic-routing CapsNets; "
+                   f"{path} holds a model of --arch em\n")
     assert not (tmp_path / "out").exists()
 
 
@@ -99,7 +100,8 @@ def test_bench_out_with_a_readme_it_did_not_write_is_refused(tmp_path, capsys, n
     (project / "README.md").write_text("# my project\n")
     assert main(["bench", str(tmp_path), "--out", str(project)]) == 2
     assert "its README.md was not written by capsnet bench" in one_error_line(capsys)
-    assert (project / "README.md").read_text() == "# my project\n" and sorted(project.iterdir()) == [project / "README.md"]
+    assert (project / "README.md").read_text() == "# my project\n"
+    assert sorted(project.iterdir()) == [project / "README.md"]
 
 
 def test_bench_out_with_an_earlier_report_is_accepted(tmp_path):

@@ -22,7 +22,8 @@ def test_bench_flops_of_exported_capsnet_match_its_config(tiny_export):
     predictions = 2 * config.num_primary_caps * config.primary_caps_dim * config.num_classes * config.digit_caps_dim
     uniform_sum = predictions  # Σ_i û as one GEMM of u (B, I*P) by W (I*P, J*D)
     # s = c·û in each iteration after the first, the agreement û·v in each but the last
-    routing = [2 * config.num_classes * config.num_primary_caps * config.digit_caps_dim] * 2 * (config.routing_iterations - 1)
+    routing = ([2 * config.num_classes * config.num_primary_caps * config.digit_caps_dim] * 2
+               * (config.routing_iterations - 1))
 
     count = count_flops(tiny_export / "model.onnx")
 

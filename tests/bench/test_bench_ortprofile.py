@@ -17,7 +17,8 @@ def test_bench_profile_interleaved_gives_each_model_its_own_op_types(tiny_export
         assert profile["batch_size"] == 4 and profile["runs"] == 3
         assert sum(op["share"] for op in profile["op_types"]) == pytest.approx(1.0)
         assert profile["ms_per_run"] == pytest.approx(sum(op["ms_per_run"] for op in profile["op_types"]))
-        assert [op["share"] for op in profile["op_types"]] == sorted((op["share"] for op in profile["op_types"]), reverse=True)
+        shares = [op["share"] for op in profile["op_types"]]
+        assert shares == sorted(shares, reverse=True)
     assert "QLinearConv" in {op["op_type"] for op in int8["op_types"]}
     assert "QLinearConv" not in {op["op_type"] for op in fp32["op_types"]}
 

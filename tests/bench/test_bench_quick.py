@@ -57,7 +57,8 @@ def test_bench_quick_measures_the_cpu_limit_from_the_graph(quick_run):
     assert results["flops"]["flops_per_image"] == sum(node["flops"] for node in results["flops"]["nodes"]) > 0
     conv = results["peak"]["conv"]
     assert conv["gflops"] == max(conv["gflops_torch"], conv["gflops_onnxruntime"]) > 0
-    assert results["ceiling"]["images_per_s"] == pytest.approx(conv["gflops"] * 1e9 / results["flops"]["flops_per_image"])
+    assert results["ceiling"]["images_per_s"] == pytest.approx(
+        conv["gflops"] * 1e9 / results["flops"]["flops_per_image"])
     int8 = results["profiles"]["onnxruntime-int8"]
     assert "QLinearConv" in {op["op_type"] for op in int8["op_types"]}  # the Q/DQ convolutions run as int8 kernels
     assert 0 < int8["conv_share"] <= 1 and int8["conv_gops_in_model"] > 0
@@ -67,7 +68,8 @@ def test_bench_quick_serves_both_apis_with_and_without_batching(quick_run):
     _, results, _ = quick_run
     grpc_results = results["grpc"]
     combos = {(row["api"], row["dynamic_batching"], row["concurrency"]) for row in grpc_results["results"]}
-    assert combos == {(api, batching, c) for api in ("capsnet", "kserve") for batching in (True, False) for c in (1, 16)}
+    assert combos == {(api, batching, c)
+                      for api in ("capsnet", "kserve") for batching in (True, False) for c in (1, 16)}
     for row in grpc_results["results"]:
         assert row["errors"] == 0 and row["requests"] > 0
         # the in-process reference is timed around each row, at batch size = concurrency

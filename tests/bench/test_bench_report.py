@@ -1,4 +1,5 @@
-"""The report files of `capsnet bench`: written whole or not at all, so an earlier report is never left half replaced."""
+"""The report files of `capsnet bench`: written whole or not at all, so an earlier report is never left half
+replaced."""
 
 from __future__ import annotations
 

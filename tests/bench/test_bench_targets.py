@@ -27,7 +27,8 @@ def _results(fp32_at_32=365.0, int8_at_32=740.0, int8_accuracy=0.978, grpc=None,
             ],
         },
         "profiles": {"onnxruntime-fp32": {"batch_size": 32, "op_types": [
-            {"op_type": "Conv", "share": 0.8}, {"op_type": "MatMul", "share": 0.15}, {"op_type": "Softmax", "share": 0.05},
+            {"op_type": "Conv", "share": 0.8}, {"op_type": "MatMul", "share": 0.15},
+            {"op_type": "Softmax", "share": 0.05},
         ]}},
         "grpc": grpc,
     }
@@ -65,7 +66,8 @@ def test_bench_targets_int8_speedup_depends_on_the_hosts_int8_instructions(isa, 
 def _grpc_row(api, batching, concurrency, p50_ms, ratio, server_ms, server_cpu, busy, mean_batch, client_cpu,
               inprocess_p50_ms=2.0, images_per_s=300.0):
     return {"api": api, "dynamic_batching": batching, "concurrency": concurrency, "p50_ms": p50_ms,
-            "images_per_s": images_per_s, "inprocess": {"p50_ms": inprocess_p50_ms, "images_per_s": images_per_s / ratio},
+            "images_per_s": images_per_s,
+            "inprocess": {"p50_ms": inprocess_p50_ms, "images_per_s": images_per_s / ratio},
             "ratio_to_inprocess": ratio, "server_mean_ms": server_ms, "server_cpu_per_s": server_cpu,
             "server_compute_busy": busy, "server_mean_batch": mean_batch, "client_cpu_per_s": client_cpu}
 

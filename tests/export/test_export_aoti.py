@@ -87,7 +87,8 @@ def test_aoti_without_a_cpp_compiler_is_one_line(random_tiny_checkpoint, tmp_pat
 @pytest.mark.parametrize("flags, message", [
     (["--aoti", "tpu"], "--aoti takes cpu and/or cuda (e.g. cpu,cuda), got 'tpu'"),
     (["--aoti", ""], "--aoti takes cpu and/or cuda (e.g. cpu,cuda), got ''"),
-    (["--aoti", "cuda", "--aoti-precision", "int8"], "--aoti-precision takes fp32, fp16, bf16 (e.g. fp32,bf16), got 'int8'"),
+    (["--aoti", "cuda", "--aoti-precision", "int8"],
+     "--aoti-precision takes fp32, fp16, bf16 (e.g. fp32,bf16), got 'int8'"),
 ])
 def test_aoti_options_are_checked(tmp_path, capsys, flags, message):
     line = _export_error([str(tmp_path / "any.ckpt"), "--out", str(tmp_path / "out"), *flags], capsys)

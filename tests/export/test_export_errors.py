@@ -104,7 +104,8 @@ def test_export_refuses_overlapping_out_and_triton(random_tiny_checkpoint, tmp_p
 @pytest.mark.parametrize("drop", ["nan", "inf", "-1"])
 def test_export_max_accuracy_drop_must_be_finite_and_not_negative(tmp_path, capsys, drop):
     # nan passed every comparison: the accuracy gate was off and model.json recorded NaN
-    line = _export_error([str(tmp_path / "any.ckpt"), "--out", str(tmp_path / "out"), "--max-accuracy-drop", drop], capsys)
+    line = _export_error([str(tmp_path / "any.ckpt"), "--out", str(tmp_path / "out"), "--max-accuracy-drop", drop],
+                         capsys)
     assert f"--max-accuracy-drop must be finite and >= 0 accuracy points, got {float(drop)}" in line
     assert list(tmp_path.iterdir()) == []
 
@@ -144,10 +145,12 @@ def test_export_out_of_space_is_one_line(random_tiny_checkpoint, tmp_path):
               "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY)); "
               "from capsnet.cli import main; sys.exit(main(sys.argv[1:]))")
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-c", script, "--log-level", "ERROR", "export", str(random_tiny_checkpoint),
-                             "--out", str(out)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", script, "--log-level", "ERROR", "export",
+                             str(random_tiny_checkpoint), "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [f"capsnet export: error: cannot write the export to {out}: File too large"]
+    assert result.stderr.strip().splitlines() == [
+        f"capsnet export: error: cannot write the export to {out}: File too large"]
     assert list(tmp_path.iterdir()) == []  # the staging directory is gone too
 
 

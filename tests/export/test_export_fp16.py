@@ -60,7 +60,8 @@ def test_export_refuses_a_broken_fp16_model(trained_tiny_checkpoint, tmp_path, m
         fp16 = convert(model)
         for index, init in enumerate(fp16.graph.initializer):
             if "primary_caps" in init.name and init.name.endswith("weight"):
-                fp16.graph.initializer[index].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) / 2, init.name))
+                halved = numpy_helper.from_array(numpy_helper.to_array(init) / 2, init.name)
+                fp16.graph.initializer[index].CopyFrom(halved)
         return fp16
 
     monkeypatch.setattr(exporter, "convert_fp16", broken)

@@ -42,8 +42,9 @@ def test_export_sidecar_describes_the_checkpoint(tiny_export):
                                   "squash_constant": config.squash_constant, "gpu_engine": "fused"}
     assert sidecar["training_metrics"] == checkpoint.metrics and checkpoint.metrics
     assert (tiny_export.out / "model.ckpt").read_bytes() == tiny_export.checkpoint.read_bytes()
-    assert sidecar["artifacts"] == {"onnx": "model.onnx", "onnx_int8": "model.int8.onnx", "onnx_fp16": "model.fp16.onnx",
-                                    "tensorrt": None, "checkpoint": "model.ckpt", "reference": "reference.npz"}
+    assert sidecar["artifacts"] == {"onnx": "model.onnx", "onnx_int8": "model.int8.onnx",
+                                    "onnx_fp16": "model.fp16.onnx", "tensorrt": None, "checkpoint": "model.ckpt",
+                                    "reference": "reference.npz"}
     assert sorted(path.name for path in tiny_export.out.iterdir()) == FILES
     # every file but model.json itself, with its digest
     assert sidecar["sha256"] == {name: file_sha256(tiny_export.out / name) for name in FILES if name != "model.json"}

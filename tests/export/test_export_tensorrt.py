@@ -91,9 +91,10 @@ def test_export_parity_runs_the_engine_with_the_serving_runner(fake_gpus, tmp_pa
 
 def test_tensorrt_plan_for_another_gpu_or_version_is_refused():
     info = {"tensorrt_version": "10.1.0", "gpu_name": "Fake GPU 0", "compute_capability": "9.0"}
-    with pytest.raises(CapsNetError, match="built with TensorRT 10.1.0, this machine has 10.2.0"):
+    with pytest.raises(CapsNetError, match=r"built with TensorRT 10\.1\.0, this machine has 10\.2\.0"):
         check_plan_matches("model.plan", info, "10.2.0", "Fake GPU 0", "9.0")
-    with pytest.raises(CapsNetError, match=r"built for Fake GPU 0 \(compute capability 9.0\), this GPU is Fake GPU 1 \(9.1\)"):
+    with pytest.raises(CapsNetError,
+                       match=r"built for Fake GPU 0 \(compute capability 9\.0\), this GPU is Fake GPU 1 \(9\.1\)"):
         check_plan_matches("model.plan", info, "10.1.0", "Fake GPU 1", "9.1")
     check_plan_matches("model.plan", info, "10.1.0", "Fake GPU 0", "9.0")
 
@@ -120,7 +121,8 @@ def test_export_tensorrt_options_are_checked(options, message):
 
 
 @pytest.mark.skipif(unavailable_reason() is None, reason="TensorRT and a GPU are here: the GPU tests cover it")
-def test_export_tensorrt_unavailable_fails_in_one_line_after_the_other_artifacts(random_tiny_checkpoint, tmp_path, capsys):
+def test_export_tensorrt_unavailable_fails_in_one_line_after_the_other_artifacts(random_tiny_checkpoint, tmp_path,
+                                                                                 capsys):
     out = tmp_path / "model"
     out.mkdir()
     (out / "model.json").write_text("{}")  # a previous export, which is replaced
@@ -140,9 +142,9 @@ def test_export_tensorrt_unavailable_fails_in_one_line_after_the_other_artifacts
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
 def test_export_tensorrt_engine(trained_tiny_checkpoint, tmp_path, precision):
     out, cache = tmp_path / "model", tmp_path / "timing.cache"
-    code = main(["export", str(trained_tiny_checkpoint), "--out", str(out), "--tensorrt", "--tensorrt-precision", precision,
-                 "--min-batch", "1", "--opt-batch", "8", "--max-batch", "32", "--timing-cache", str(cache),
-                 "--triton", str(tmp_path / "triton")])
+    code = main(["export", str(trained_tiny_checkpoint), "--out", str(out), "--tensorrt",
+                 "--tensorrt-precision", precision, "--min-batch", "1", "--opt-batch", "8", "--max-batch", "32",
+                 "--timing-cache", str(cache), "--triton", str(tmp_path / "triton")])
     assert code == 0
     sidecar = json.loads((out / "model.json").read_text())
     assert sidecar["artifacts"]["tensorrt"] == "model.plan" and (out / "model.plan").stat().st_size > 0

@@ -25,7 +25,8 @@ def test_export_exported_graphs_pass_the_tensorrt_check(tiny_export, name):
 
 
 def test_export_tensorrt_check_accepts_a_batch_only_dynamic_graph():
-    model = _model([helper.make_node("Relu", ["x"], ["y"])], [_tensor("x", ["batch", 3, 8])], [_tensor("y", ["batch", 3, 8])])
+    model = _model([helper.make_node("Relu", ["x"], ["y"])], [_tensor("x", ["batch", 3, 8])],
+                   [_tensor("y", ["batch", 3, 8])])
     assert tensorrt_problems(model) == []
 
 

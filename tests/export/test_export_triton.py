@@ -37,8 +37,9 @@ def test_export_triton_repository_for_onnxruntime(tiny_export):
 
 
 def test_export_triton_config_for_a_tensorrt_plan(tiny_export):
-    text = config_pbtxt(ModelDescription.from_json(tiny_export.sidecar, "model.json"), "plan", TritonConfig(max_batch_size=64, preferred_batch_sizes=(8, 64, 128),
-                                                                  max_queue_delay_us=250))
+    description = ModelDescription.from_json(tiny_export.sidecar, "model.json")
+    text = config_pbtxt(description, "plan", TritonConfig(max_batch_size=64, preferred_batch_sizes=(8, 64, 128),
+                                                          max_queue_delay_us=250))
     config = _parse_model_config(text)
     assert config["platform"] == "tensorrt_plan" and config["max_batch_size"] == 64
     assert config["dynamic_batching"] == {"preferred_batch_size": [8, 64], "max_queue_delay_microseconds": "250"}

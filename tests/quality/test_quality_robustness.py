@@ -28,14 +28,16 @@ def test_overlap_scores_top2_with_and_without_both_present():
 
 
 def test_report_matches_eval_and_a_direct_computation(trained_tiny_checkpoint, run_command, capsys):
-    code = run_command(robustness, "robustness", str(trained_tiny_checkpoint), "--pairs", "200", "--seed", "7", "--json")
+    code = run_command(robustness, "robustness", str(trained_tiny_checkpoint), "--pairs", "200", "--seed", "7",
+                       "--json")
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     model = load_checkpoint(trained_tiny_checkpoint).build_model()
     test = load_embedded().test
     names = tuple(str(d) for d in range(10))
-    assert report["clean_accuracy"] == evaluate(model, test, names, 256, torch.device("cpu")).accuracy
-    assert report["affine_accuracy"] == evaluate(model, affine_split(test, 7)[0], names, 256, torch.device("cpu")).accuracy
+    cpu = torch.device("cpu")
+    assert report["clean_accuracy"] == evaluate(model, test, names, 256, cpu).accuracy
+    assert report["affine_accuracy"] == evaluate(model, affine_split(test, 7)[0], names, 256, cpu).accuracy
     overlay = overlay_pairs(test, 200, 7)
     with torch.no_grad():
         probabilities = model(to_float(overlay.images)).probabilities.numpy()  # (200, J)

@@ -38,7 +38,8 @@ def test_affine_parameters_cover_their_ranges():
     parameters = random_affine_parameters(2000, seed=0)
     rotation, scale, shear = parameters
     assert np.abs(rotation).max() <= MAX_ROTATION_DEGREES and np.abs(rotation).max() > 0.95 * MAX_ROTATION_DEGREES
-    assert SCALE_RANGE[0] <= scale.min() < SCALE_RANGE[0] + 0.02 and SCALE_RANGE[1] - 0.02 < scale.max() <= SCALE_RANGE[1]
+    assert SCALE_RANGE[0] <= scale.min() < SCALE_RANGE[0] + 0.02
+    assert SCALE_RANGE[1] - 0.02 < scale.max() <= SCALE_RANGE[1]
     assert np.abs(shear).max() <= MAX_SHEAR and np.abs(shear).max() > 0.95 * MAX_SHEAR
     assert rotation.min() < 0 < rotation.max() and shear.min() < 0 < shear.max()
 
@@ -50,7 +51,8 @@ def test_identity_leaves_the_image_unchanged(digits):
 def test_quarter_turn_rotates_about_the_centre(digits):
     # A 90° turn maps the 28×28 pixel centres onto each other, so bilinear sampling is exact.
     # Positive angles turn clockwise on screen (the image's y axis points down).
-    np.testing.assert_array_equal(one_transform(digits.images[0, 0], rotation=90.0), np.rot90(digits.images[0, 0], k=-1))
+    digit = digits.images[0, 0]
+    np.testing.assert_array_equal(one_transform(digit, rotation=90.0), np.rot90(digit, k=-1))
 
 
 def test_shear_moves_x_by_shear_times_y():

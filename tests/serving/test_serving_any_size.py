@@ -94,7 +94,8 @@ def test_our_api_takes_pngs_at_their_own_size_and_reports_the_present_classes(an
     assert [index for index, _, _ in lowered[0].present_classes] == [
         index for index in np.argsort(-expected[0], kind="stable") if expected[0][index] > 0.05]
     # the model trained on single digits names both digits of most pairs among its two longest capsules
-    found = sum({index for index, _, _ in prediction.top_classes} == pair for prediction, pair in zip(predictions, classes))
+    found = sum({index for index, _, _ in prediction.top_classes} == pair
+                for prediction, pair in zip(predictions, classes))
     assert found >= 1, [prediction.top_classes for prediction in predictions[:6]]
 
 
@@ -177,7 +178,8 @@ def test_a_batch_holds_one_size_and_takes_later_requests_of_that_size_past_other
     runs = new("capsnet_batch_size_count")
     three_or_four = new("capsnet_batch_size_bucket", le="4.0") - new("capsnet_batch_size_bucket", le="2.0")
     # 2 + 2 images of 28x28 in one run, 3 of 28x56 in the other
-    assert runs == 2 and three_or_four == 2 and new("capsnet_batch_size_sum") == 7, f"{runs} runs, {three_or_four} of 3-4"
+    assert runs == 2 and three_or_four == 2 and new("capsnet_batch_size_sum") == 7, (
+        f"{runs} runs, {three_or_four} of 3-4")
 
 
 def test_capsnet_predict_says_when_a_fixed_size_model_resized_the_image(server, tmp_path, capsys):
@@ -186,4 +188,5 @@ def test_capsnet_predict_says_when_a_fixed_size_model_resized_the_image(server, 
     path.write_bytes(png(images[0]))
     assert main(["predict", str(path), "--server", server.target]) == 0
     (line,) = capsys.readouterr().out.splitlines()
-    assert line.startswith(f"{path}: ") and "; present: " in line and line.endswith("; resized from 28x56, aspect ratio kept")
+    assert line.startswith(f"{path}: ") and "; present: " in line
+    assert line.endswith("; resized from 28x56, aspect ratio kept")

@@ -34,7 +34,8 @@ def test_the_cpu_package_answers_over_kserve_as_onnxruntime_does(aoti_model_dir)
     try:
         spec = served.server.service.spec
         assert (spec.backend, spec.precision, spec.platform) == ("aoti", "fp32", "pytorch_aoti")
-        assert spec.self_check.passed and "model.cpu.fp32.pt2 (fp32) on CPU" in served.server.service.backend.description
+        assert spec.self_check.passed
+        assert "model.cpu.fp32.pt2 (fp32) on CPU" in served.server.service.backend.description
         grpc_client = grpcclient.InferenceServerClient(served.target)
         inputs = [grpcclient.InferInput("images", list(images.shape), "FP32")]
         inputs[0].set_data_from_numpy(images)
@@ -72,7 +73,8 @@ def test_a_package_of_another_torch_is_refused_in_one_line(aoti_model_dir, tmp_p
 def test_a_package_for_cuda_only_is_refused_on_the_cpu(aoti_model_dir, tmp_path, capsys):
     copy = _copy(aoti_model_dir, tmp_path)
     sidecar = json.loads((copy / "model.json").read_text())
-    sidecar["aoti"][0].update(device="cuda", file="model.cuda.fp32.pt2", compute_capability="9.0", built_on="NVIDIA H100")
+    sidecar["aoti"][0].update(device="cuda", file="model.cuda.fp32.pt2", compute_capability="9.0",
+                              built_on="NVIDIA H100")
     (copy / "model.cpu.fp32.pt2").rename(copy / "model.cuda.fp32.pt2")
     sidecar["sha256"]["model.cuda.fp32.pt2"] = sidecar["sha256"].pop("model.cpu.fp32.pt2")
     (copy / "model.json").write_text(json.dumps(sidecar))

@@ -40,7 +40,8 @@ def test_classify_float_tensors_equal_backend_output(server, stub):
     for index, result in enumerate(response.results):
         np.testing.assert_allclose(result.probabilities, expected["probabilities"][index], rtol=0, atol=1e-6)
         assert list(result.poses.shape) == [10, 16]
-        np.testing.assert_allclose(np.reshape(result.poses.values, (10, 16)), expected["poses"][index], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(np.reshape(result.poses.values, (10, 16)), expected["poses"][index], rtol=0,
+                                   atol=1e-6)
         assert list(result.reconstruction.shape) == [1, 28, 28]
         np.testing.assert_allclose(result.reconstruction.values, expected["reconstruction"][index], rtol=0, atol=1e-6)
         best = int(np.argmax(expected["probabilities"][index]))
@@ -142,4 +143,5 @@ def test_torch_reference_backend_serves_the_same_results(server, model_dir):
     np.testing.assert_allclose(got, torch_direct["probabilities"], rtol=0, atol=1e-6)
     # The exported graph against its checkpoint: same model, float rounding apart.
     np.testing.assert_allclose(got, direct(server, images)["probabilities"], rtol=0, atol=1e-4)
-    np.testing.assert_allclose(np.stack([p.poses for p in predictions]), direct(server, images)["poses"], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(np.stack([p.poses for p in predictions]), direct(server, images)["poses"], rtol=0,
+                               atol=1e-4)

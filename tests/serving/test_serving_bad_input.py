@@ -46,7 +46,8 @@ def png_16bit_rgb(width: int, height: int) -> bytes:
     """A valid 16-bit RGB PNG (Pillow cannot write one): signature, IHDR, IDAT, IEND."""
     rows = b"".join(b"\0" + bytes(range(256))[:6 * width].ljust(6 * width, b"\x80") for _ in range(height))
     header = struct.pack(">IIBBBBB", width, height, 16, 2, 0, 0, 0)  # bit depth 16, colour type 2 (RGB)
-    return PNG_SIGNATURE + png_chunk(b"IHDR", header) + png_chunk(b"IDAT", zlib.compress(rows)) + png_chunk(b"IEND", b"")
+    return (PNG_SIGNATURE + png_chunk(b"IHDR", header) + png_chunk(b"IDAT", zlib.compress(rows))
+            + png_chunk(b"IEND", b""))
 
 
 def png_chunk(kind: bytes, data: bytes) -> bytes:
@@ -60,20 +61,24 @@ def text_chunk_first(data: bytes) -> bytes:
 
 def png_header_only(width: int, height: int) -> bytes:
     """A grey PNG declaring width x height, with no pixels: the header is all a size check may read."""
-    return PNG_SIGNATURE + png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)) + png_chunk(b"IEND", b"")
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return PNG_SIGNATURE + png_chunk(b"IHDR", header) + png_chunk(b"IEND", b"")
 
 
 CASES = {
-    "wrong shape": ([tensor(shape=(1, 27, 28))], "images[0].tensor.shape: expected [1, 28, 28] (the model's C, H, W), got [1, 27, 28]"),
+    "wrong shape": ([tensor(shape=(1, 27, 28))],
+                    "images[0].tensor.shape: expected [1, 28, 28] (the model's C, H, W), got [1, 27, 28]"),
     "wrong rank": ([tensor(shape=(28, 28))], "images[0].tensor.shape: expected [1, 28, 28]"),
     "unset dtype": ([tensor(dtype=pb.DATA_TYPE_UNSPECIFIED)],
                     "images[0].tensor.dtype: expected DATA_TYPE_UINT8 or DATA_TYPE_FLOAT32, got DATA_TYPE_UNSPECIFIED"),
-    "unknown dtype": ([tensor(dtype=7)], "images[0].tensor.dtype: expected DATA_TYPE_UINT8 or DATA_TYPE_FLOAT32, got 7"),
+    "unknown dtype": ([tensor(dtype=7)],
+                      "images[0].tensor.dtype: expected DATA_TYPE_UINT8 or DATA_TYPE_FLOAT32, got 7"),
     "byte count": ([image_message(GOOD), tensor(data=b"\0" * 100)],
                    "images[1].tensor.data: expected 3136 bytes for DATA_TYPE_FLOAT32 shape [1, 28, 28], got 100"),
     "uint8 byte count": ([tensor(dtype=pb.DATA_TYPE_UINT8)],
                          "images[0].tensor.data: expected 784 bytes for DATA_TYPE_UINT8 shape [1, 28, 28], got 3136"),
-    "undecodable": ([pb.Image(encoded=b"certainly not a PNG")], "images[0].encoded: cannot decode (19 bytes): expected a PNG or JPEG"),
+    "undecodable": ([pb.Image(encoded=b"certainly not a PNG")],
+                    "images[0].encoded: cannot decode (19 bytes): expected a PNG or JPEG"),
     "truncated png": ([pb.Image(encoded=png(28, 28)[:40])], "images[0].encoded: cannot decode (40 bytes)"),
     "decompression bomb": ([pb.Image(encoded=png(5000, 5000))], "images[0].encoded: a 5000x5000 image is too large"),
     "over pillow's pixel limit": ([pb.Image(encoded=png_header_only(60000, 60000))],
@@ -81,15 +86,18 @@ CASES = {
     "over 8x the model's size": ([pb.Image(encoded=png(225, 28))],
                                  "images[0].encoded: a 225x28 image is too large; expected at most 224x224 "
                                  "(8x the model's 28x28, --max-image-scale)"),
-    "16-bit grey png": ([pb.Image(encoded=png(28, 28, "I;16"))], "images[0].encoded: a 16-bit PNG; expected an 8-bit PNG"),
-    "16-bit rgb png": ([pb.Image(encoded=png_16bit_rgb(28, 28))], "images[0].encoded: a 16-bit PNG; expected an 8-bit PNG"),
+    "16-bit grey png": ([pb.Image(encoded=png(28, 28, "I;16"))],
+                        "images[0].encoded: a 16-bit PNG; expected an 8-bit PNG"),
+    "16-bit rgb png": ([pb.Image(encoded=png_16bit_rgb(28, 28))],
+                       "images[0].encoded: a 16-bit PNG; expected an 8-bit PNG"),
     # Pillow reads a PNG whose IHDR is not its first chunk; the bit depth is then not at a fixed offset
     "16-bit png, a chunk before ihdr": ([pb.Image(encoded=text_chunk_first(png(28, 28, "I;16")))],
                                         "images[0].encoded: a 16-bit PNG; expected an 8-bit PNG"),
     "no data": ([pb.Image()], "images[0]: no data; expected encoded (PNG/JPEG bytes) or tensor"),
     "empty batch": ([], "images: empty batch; expected 1 to 8 images"),
     "batch over limit": ([image_message(GOOD)] * 9, "images: 9 images exceed the maximum of 8 per request"),
-    "nan": ([image_message(GOOD), with_value(np.nan)], "images: image 1 contains NaN or Inf; expected finite values in [0, 1]"),
+    "nan": ([image_message(GOOD), with_value(np.nan)],
+            "images: image 1 contains NaN or Inf; expected finite values in [0, 1]"),
     "inf": ([with_value(np.inf)], "images: image 0 contains NaN or Inf"),
     "out of range": ([with_value(1.5)], "images: image 0 has values in [0"),
     "negative": ([with_value(-0.25)], "images: image 0 has values in [-0.25"),
@@ -192,7 +200,8 @@ def test_reconstruction_of_a_model_exported_without_it(model_dir, tmp_path):
             with pytest.raises(grpc.RpcError) as caught:
                 stub.Classify(pb.ClassifyRequest(images=[image_message(GOOD)], include_reconstruction=True), timeout=30)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert caught.value.details().startswith("reconstruction: this model was exported without the reconstruction output")
+            assert caught.value.details().startswith(
+                "reconstruction: this model was exported without the reconstruction output")
             result = stub.Classify(pb.ClassifyRequest(images=[image_message(GOOD)]), timeout=30).results[0]
             assert len(result.poses.values) == 160 and not result.reconstruction.values
     finally:

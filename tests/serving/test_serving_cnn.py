@@ -77,7 +77,8 @@ def test_metadata_and_the_triton_config_list_the_one_output(cnn_server):
         triton.close()
     assert [{**output, "shape": [int(d) for d in output["shape"]]} for output in metadata["outputs"]] == OUTPUTS
     assert [int(d) for d in metadata["inputs"][0]["shape"]] == [-1, 1, -1, -1]
-    assert [(output["name"], [int(d) for d in output["dims"]]) for output in config["output"]] == [("probabilities", [10])]
+    outputs = [(output["name"], [int(d) for d in output["dims"]]) for output in config["output"]]
+    assert outputs == [("probabilities", [10])]
     status, body = rest(cnn_server, "GET", "/v2/models/capsnet")
     assert status == 200 and body["outputs"] == OUTPUTS
     status, body = rest(cnn_server, "GET", "/v2/models/capsnet/config")

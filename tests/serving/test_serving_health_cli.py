@@ -53,7 +53,8 @@ def test_a_server_without_a_port_is_dialled_on_8001(capsys):
 @pytest.mark.parametrize("given, dialled", [
     ("localhost", "localhost:8001"), ("localhost:", "localhost:8001"), ("localhost:9000", "localhost:9000"),
     ("::1", "[::1]:8001"), ("fe80::", "[fe80::]:8001"), ("[::1]", "[::1]:8001"), ("[::1]:", "[::1]:8001"),
-    ("[::1]:9000", "[::1]:9000"), ("unix:/run/capsnet.sock", "unix:/run/capsnet.sock"), ("unix:capsnet.sock", "unix:capsnet.sock"),
+    ("[::1]:9000", "[::1]:9000"), ("unix:/run/capsnet.sock", "unix:/run/capsnet.sock"),
+    ("unix:capsnet.sock", "unix:capsnet.sock"),
     ("dns:///capsnet.example:9000", "dns:///capsnet.example:9000"), ("ipv6:[::1]:9000", "ipv6:[::1]:9000"),
 ])
 def test_server_address_without_a_port_gets_8001(given, dialled):

@@ -40,7 +40,8 @@ def test_closed_loop_load_through_kserve_rest(server, capsys):
     """REST with Triton's binary data, as tritonclient.http sends it; the command needs --rest with it, only then."""
     spec, rest = server.server.service.spec, f"127.0.0.1:{server.server.http_port}"
     result = asyncio.run(run_load(rest, random_images(4, (1, 28, 28)), concurrency=2, batch_size=2, max_requests=10,
-                                  warmup_requests=1, api="kserve-http", model_name=spec.name, input_name=spec.input_name))
+                                  warmup_requests=1, api="kserve-http", model_name=spec.name,
+                                  input_name=spec.input_name))
     assert result.name == "http-kserve" and len(result.latencies_s) == 10 and result.errors == {}
     wrong = asyncio.run(run_load(rest, random_images(2, (1, 28, 28)), concurrency=1, max_requests=3, warmup_requests=0,
                                  api="kserve-http", model_name="mnist", input_name=spec.input_name))

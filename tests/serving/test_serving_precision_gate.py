@@ -1,7 +1,8 @@
-"""The precision gate (capsnet/model_description/precision_gate.py), one criterion at export and at load: a model with many
-near-ties, whose INT8 variant changes the class of a few percent of images (as a 1-epoch Fashion-MNIST model did: 96.9%
-same class, an unchanged test accuracy), is served in INT8 on a machine that reproduces what export measured; a damaged
-INT8 file and INT8 weights distorted as AVX2's saturating int16 sums distort them are still refused."""
+"""The precision gate (capsnet/model_description/precision_gate.py), one criterion at export and at load: a model with
+many near-ties, whose INT8 variant changes the class of a few percent of images (as a 1-epoch Fashion-MNIST model
+did: 96.9% same class, an unchanged test accuracy), is served in INT8 on a machine that reproduces what export
+measured; a damaged INT8 file and INT8 weights distorted as AVX2's saturating int16 sums distort them are still
+refused."""
 
 from __future__ import annotations
 

@@ -39,7 +39,8 @@ def test_several_images_write_numbered_pngs_without_importing_torch(server, tmp_
     lines = run.stdout.splitlines()
     assert lines[-1] == "torch not imported"
     written = [str(tmp_path / "out-0.png"), str(tmp_path / "out-1.png")]
-    assert [line for line in lines if line.startswith("  reconstruction: ")] == [f"  reconstruction: {p}" for p in written]
+    reported = [line for line in lines if line.startswith("  reconstruction: ")]
+    assert reported == [f"  reconstruction: {p}" for p in written]
     assert not (tmp_path / "out.png").exists()
     for png, expected in zip(written, served_reconstructions(server, paths)):
         with Image.open(png) as image:
@@ -61,4 +62,5 @@ def test_unwritable_target_is_a_one_line_error(server, tmp_path, capsys):
     paths = write_digits(tmp_path, 1)
     target = tmp_path / "missing-folder" / "recon.png"
     assert main(["predict", *paths, "--server", server.target, "--reconstruction", str(target)]) == 2
-    assert capsys.readouterr().err.strip() == f"capsnet predict: error: cannot write {target}: No such file or directory"
+    assert capsys.readouterr().err.strip() == (
+        f"capsnet predict: error: cannot write {target}: No such file or directory")

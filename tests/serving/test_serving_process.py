@@ -38,9 +38,11 @@ IMAGE = np.random.default_rng(5).random((1, 28, 28), dtype=np.float32)  # (1, 28
 
 def test_missing_model_directory_exits_non_zero(tmp_path):
     result = subprocess.run([sys.executable, "-m", "capsnet", "serve", "--model", str(tmp_path / "nowhere"),
-                             "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0"], capture_output=True, text=True, timeout=120)
+                             "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0"],
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == f"capsnet serve: error: model directory {tmp_path / 'nowhere'} does not exist"
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"capsnet serve: error: model directory {tmp_path / 'nowhere'} does not exist")
 
 
 @pytest.mark.parametrize("holder", ["another process", "the server's own gRPC port"])
@@ -57,7 +59,8 @@ def test_metrics_port_in_use_is_a_one_line_error(model_dir, holder):
         result = subprocess.run([sys.executable, "-m", "capsnet", "serve", "--model", str(model_dir), *ports],
                                 capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.strip().splitlines()[-1] == f"capsnet serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"capsnet serve: error: cannot listen on 127.0.0.1:{port}: Address already in use")
 
 
 def test_a_batch_size_that_does_not_fit_in_memory_is_a_one_line_error(model_dir):
@@ -69,7 +72,8 @@ def test_a_batch_size_that_does_not_fit_in_memory_is_a_one_line_error(model_dir)
         resource.setrlimit(resource.RLIMIT_AS, (5 << 30, 5 << 30))
 
     result = subprocess.run([sys.executable, "-m", "capsnet", "serve", "--model", str(model_dir), "--precision", "fp32",
-                             "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", "--max-batch-size", "30000"],
+                             "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
+                             "--max-batch-size", "30000"],
                             capture_output=True, text=True, timeout=120, preexec_fn=five_gib_of_address_space)
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
@@ -83,7 +87,8 @@ def test_a_batch_size_that_does_not_fit_in_memory_is_a_one_line_error(model_dir)
     (lambda d: (d / "model.onnx").unlink(), "it lists artifacts.onnx 'model.onnx', which is missing"),
     (lambda d: (d / "model.onnx").write_bytes((d / "model.onnx").read_bytes()[:1000]),
      "model.onnx does not match"),  # its recorded sha256
-    (lambda d: (d / "model.json").write_text(json.dumps({**json.loads((d / "model.json").read_text()), "class_names": []})),
+    (lambda d: (d / "model.json").write_text(
+        json.dumps({**json.loads((d / "model.json").read_text()), "class_names": []})),
      "model.json is damaged: class_names must be a non-empty list of strings"),
 ])
 def test_damaged_model_directory_is_a_clear_startup_error(model_dir, tmp_path, capsys, damage, message):
@@ -240,8 +245,11 @@ def test_predict_prints_classes_without_importing_torch(server, tmp_path):
     paths = write_pngs(tmp_path, 2)
     script = ("import sys; from capsnet.cli import main; code = main(sys.argv[1:]); "
               "print('torch imported' if 'torch' in sys.modules else 'torch not imported'); sys.exit(code)")
-    run = lambda *args: subprocess.run([sys.executable, "-c", script, "predict", *paths, "--server", server.target, *args],  # noqa: E731
-                                       capture_output=True, text=True, timeout=120)
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-c", script, "predict", *paths, "--server", server.target, *args],
+                              capture_output=True, text=True, timeout=120)
+
     plain = run("--top-k", "2", "--poses")
     assert plain.returncode == 0, plain.stderr
     lines = plain.stdout.splitlines()
@@ -269,8 +277,8 @@ def test_predict_sends_more_files_than_a_batch_in_several_requests(server, tmp_p
     bad = tmp_path / "not-a-png.png"
     bad.write_bytes(b"certainly not a PNG")
     assert main(["predict", *paths[:9], str(bad), "--server", server.target]) == 2  # in the second request
-    assert capsys.readouterr().err.strip() == (f"capsnet predict: error: {server.target}: INVALID_ARGUMENT: {bad}: cannot "
-                                               "decode (19 bytes): expected a PNG or JPEG file")
+    assert capsys.readouterr().err.strip() == (f"capsnet predict: error: {server.target}: INVALID_ARGUMENT: {bad}: "
+                                               "cannot decode (19 bytes): expected a PNG or JPEG file")
 
 
 def test_predict_into_a_closed_pipe_stops_quietly(server, tmp_path):
@@ -291,7 +299,8 @@ def test_predict_against_no_server_is_a_one_line_error(tmp_path, capsys):
         port = probe.getsockname()[1]
     code = main(["predict", *write_pngs(tmp_path, 1), "--server", f"127.0.0.1:{port}", "--timeout", "5"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet predict: error: ")]
-    assert code == 2 and len(errors) == 1 and errors[0].startswith(f"capsnet predict: error: 127.0.0.1:{port}: UNAVAILABLE: ")
+    assert code == 2 and len(errors) == 1
+    assert errors[0].startswith(f"capsnet predict: error: 127.0.0.1:{port}: UNAVAILABLE: ")
 
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus (Debian package) is not installed")
@@ -301,7 +310,8 @@ def test_prometheus_scrapes_the_server_and_computes_a_latency_quantile(model_dir
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        f"scrape_configs:\n  - job_name: capsnet\n    static_configs:\n      - targets: ['127.0.0.1:{served.metrics_port}']\n")
+        "scrape_configs:\n  - job_name: capsnet\n    static_configs:\n"
+        f"      - targets: ['127.0.0.1:{served.metrics_port}']\n")
     prometheus = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                                    f"--web.listen-address=127.0.0.1:{port}"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -316,7 +326,8 @@ def test_prometheus_scrapes_the_server_and_computes_a_latency_quantile(model_dir
 
     loader = threading.Thread(target=load, daemon=True)
     loader.start()
-    query = 'histogram_quantile(0.9, sum by (le) (rate(capsnet_request_duration_seconds_bucket{method="Classify"}[1m])))'
+    query = ('histogram_quantile(0.9, sum by (le) '
+             '(rate(capsnet_request_duration_seconds_bucket{method="Classify"}[1m])))')
     url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
     value = None
     try:

@@ -23,14 +23,16 @@ def test_generated_code_matches_protos(tmp_path):
     assert "capsnet/v1/capsnet_pb2.py" in regenerated
     assert regenerated == committed, "run scripts/gen_protos.sh: the generated file set differs"
     for name in sorted(regenerated):
-        assert (tmp_path / name).read_bytes() == (REPO / name).read_bytes(), f"{name} is stale: run scripts/gen_protos.sh"
+        assert (tmp_path / name).read_bytes() == (REPO / name).read_bytes(), (
+            f"{name} is stale: run scripts/gen_protos.sh")
 
 
 def test_protobuf_floor_is_the_gencode_version():
     """The generated code runs on protobuf's runtime of its gencode version or newer (7.x too), so that version is
     the floor pyproject declares; a regeneration with a newer protoc must raise both together."""
     dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    [floor] = [re.fullmatch(r"protobuf>=([\d.]+),<\d+", dep).group(1) for dep in dependencies if dep.startswith("protobuf")]
+    [floor] = [re.fullmatch(r"protobuf>=([\d.]+),<\d+", dep).group(1) for dep in dependencies
+               if dep.startswith("protobuf")]
     for package in GENERATED_PACKAGES:
         for generated in (REPO / package).glob("*_pb2.py"):
             gencode = re.search(r"^# Protobuf Python Version: ([\d.]+)$", generated.read_text(), re.MULTILINE).group(1)

@@ -42,13 +42,15 @@ def _scale_int8_weights(model_dir: Path, factor: float) -> None:
               if node.op_type == "DequantizeLinear" and node.input[0].endswith("weight_quantized")}
     for index, init in enumerate(model.graph.initializer):
         if init.name in scales:
-            model.graph.initializer[index].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * factor, init.name))
+            scaled = numpy_helper.from_array(numpy_helper.to_array(init) * factor, init.name)
+            model.graph.initializer[index].CopyFrom(scaled)
     onnx.save(model, str(path))
     _rehash(model_dir, "model.int8.onnx")
 
 
 def _serve_errors(model_dir: Path, capsys, *flags: str) -> tuple[int, list[str]]:
-    code = main(["serve", "--model", str(model_dir), "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", *flags])
+    code = main(["serve", "--model", str(model_dir), "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
+                 *flags])
     return code, [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet serve: error: ")]
 
 

@@ -52,7 +52,8 @@ def pki(tmp_path_factory):
     ca = make_ca(directory, "test-ca")
     return {
         "ca": ca,
-        "server": make_leaf(directory, "server", ca, "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth"),
+        "server": make_leaf(directory, "server", ca,
+                            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth"),
         "client": make_leaf(directory, "client", ca, "extendedKeyUsage=clientAuth"),
         "other_ca": make_ca(directory, "other-ca"),
     }
@@ -137,8 +138,8 @@ def test_unusable_tls_files_are_one_line_errors_before_any_connection(pki, tmp_p
         ("--tls-ca", str(not_pem)): f"--tls-ca {not_pem}: no PEM certificate in it",
         ("--tls-ca", str(tmp_path)): f"cannot read {tmp_path}: Is a directory",
         ("--tls-cert", str(client_cert), "--tls-key", str(pki["server"][0])):
-            f"--tls-cert {client_cert}, --tls-key {pki['server'][0]}: not a PEM certificate and its unencrypted private "
-            "key (KEY_VALUES_MISMATCH)",
+            f"--tls-cert {client_cert}, --tls-key {pki['server'][0]}: not a PEM certificate and its unencrypted "
+            "private key (KEY_VALUES_MISMATCH)",
         ("--tls-cert", str(client_cert), "--tls-key", str(encrypted)):
             f"--tls-cert {client_cert}, --tls-key {encrypted}: not a PEM certificate and its unencrypted private key",
     }
@@ -156,7 +157,8 @@ def test_client_commands_print_one_line_for_a_failed_handshake(server, pki):
                           str(pki["ca"][1])], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
     [line] = run.stderr.splitlines()
-    assert line.startswith(f"capsnet health: error: {server.target}: UNAVAILABLE: ") and "handshake" in line.lower(), line
+    assert line.startswith(f"capsnet health: error: {server.target}: UNAVAILABLE: "), line
+    assert "handshake" in line.lower(), line
 
 
 def test_unusable_server_tls_files_are_one_line_errors_before_the_model_loads(model_dir, pki, tmp_path, capsys,

@@ -62,7 +62,8 @@ def test_returned_arrays_are_the_callers_to_keep(model_dir):
 def test_fp16_on_the_cpu_is_refused_in_one_line(model_dir):
     with pytest.raises(CapsNetError, match=r"--precision fp16 on the torch backend runs on a GPU: add --gpu N"):
         TorchBackend(load_artifacts(model_dir), "fp16", 1)
-    with pytest.raises(CapsNetError, match="--precision int8 is an ONNX model: the torch backend runs fp32, fp16 or bf16"):
+    with pytest.raises(CapsNetError,
+                       match="--precision int8 is an ONNX model: the torch backend runs fp32, fp16 or bf16"):
         ServerConfig(model_dir=model_dir, backend="torch", precision="int8")
 
 

@@ -3,6 +3,7 @@ the client's W3C traceparent (gRPC metadata or HTTP header), with the spans of i
 
 from __future__ import annotations
 
+import itertools
 import json
 import urllib.error
 import urllib.request
@@ -13,15 +14,15 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed")
 
-from opentelemetry.sdk.trace import StatusCode  # noqa: E402
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+from opentelemetry.sdk.trace import StatusCode
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from capsnet.errors import CapsNetError  # noqa: E402
-from capsnet.kserve import grpc_service_pb2 as kserve_pb  # noqa: E402
-from capsnet.kserve import grpc_service_pb2_grpc as kserve_grpc  # noqa: E402
-from capsnet.serving import tracing  # noqa: E402
-from serving_helpers import ServerThread, server_config, wait_until  # noqa: E402
+from capsnet.errors import CapsNetError
+from capsnet.kserve import grpc_service_pb2 as kserve_pb
+from capsnet.kserve import grpc_service_pb2_grpc as kserve_grpc
+from capsnet.serving import tracing
+from serving_helpers import ServerThread, server_config, wait_until
 
 IMAGES = np.random.default_rng(7).random((3, 1, 28, 28), dtype=np.float32)  # (3, 1, 28, 28)
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -70,7 +71,7 @@ def test_a_grpc_request_is_a_trace_under_the_clients_traceparent(traced):
     assert all(span.parent.span_id == root.context.span_id for span in children)
     assert all(root.start_time <= span.start_time <= span.end_time <= root.end_time for span in children)
     ordered = [spans[name][0] for name in CHILDREN]  # one batch: the phases follow each other
-    assert all(a.end_time <= b.start_time + 1000 for a, b in zip(ordered, ordered[1:]))  # 1 µs of rounding
+    assert all(a.end_time <= b.start_time + 1000 for a, b in itertools.pairwise(ordered))  # 1 µs of rounding
     assert sum(span.attributes["capsnet.batch_size"] for span in spans["batched"]) >= 3
 
 

@@ -184,7 +184,7 @@ def test_an_onnx_graph_traced_with_free_height_and_width_answers_every_size(fixt
     assert [dim.dim_param or dim.dim_value for dim in graph.input[0].type.tensor_type.shape.dim][1] == 1
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     with torch.no_grad():
-        for height, width in SIZES + [(sizes.max_height, sizes.max_width)]:
+        for height, width in [*SIZES, (sizes.max_height, sizes.max_width)]:
             images = torch.rand(3, 1, height, width)
             answered = session.run(None, {"images": images.numpy()})[0]  # (3, J)
             np.testing.assert_allclose(answered, model(images).probabilities.numpy(), rtol=1e-4, atol=1e-5,

@@ -134,7 +134,7 @@ def test_missing_data_directory_is_a_clear_error(tmp_path):
 def test_an_empty_data_path_is_named_as_such(tmp_path, monkeypatch):
     # `--data "$UNSET"` read the working directory and said "data directory . has no train-images..."
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CapsNetError, match="^--data needs 'embedded' or a directory of IDX files, got an empty path$"):
+    with pytest.raises(CapsNetError, match=r"^--data needs 'embedded' or a directory of IDX files, got an empty path$"):
         load_dataset("")
 
 

@@ -13,7 +13,8 @@ from capsnet.training.checkpoint import load_checkpoint
 
 AVX2 = CpuKind("AMD EPYC", frozenset({"avx2", "fma"}))
 ZEN4 = CpuKind("AMD EPYC 9R14", frozenset({"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16"}))
-SAPPHIRE_RAPIDS = CpuKind("Intel Xeon", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"}))
+SAPPHIRE_RAPIDS = CpuKind("Intel Xeon",
+                          frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"}))
 SKYLAKE = CpuKind("Intel Xeon Skylake", frozenset({"avx2", "fma", "avx512f"}))  # AVX-512 without bf16
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -107,7 +108,8 @@ def test_the_test_split_never_chooses_the_best_checkpoint(validated_tiny_checkpo
     assert main([*TRAIN_ARGS, "--epochs", "2", "--data", str(directory), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "| validation loss " in printed and "| test loss " in printed
-    assert f"best validation accuracy {100 * best.metrics['validation_accuracy']:.2f}% after epoch {best.epoch}" in printed
+    chosen = best.metrics["validation_accuracy"]
+    assert f"best validation accuracy {100 * chosen:.2f}% after epoch {best.epoch}" in printed
     corrupted = load_checkpoint(out)
     assert corrupted.epoch == best.epoch and corrupted.metrics["test_accuracy"] == 0.0
     assert_same_weights(corrupted, best)
@@ -237,7 +239,8 @@ def cuda_amp_run(deterministic_cuda, tmp_path_factory):
 def test_cuda_mixed_precision_training(cuda_amp_run):
     metrics = load_checkpoint(cuda_amp_run).metrics
     assert metrics["device"] == "cuda" and metrics["amp"] is True
-    # fp16 with gradient scaling learns like the CPU runs (73-74%); it rounds otherwise than bf16, hence the wider margin
+    # fp16 with gradient scaling learns like the CPU runs (73-74%); it rounds otherwise than bf16, hence the wider
+    # margin
     assert metrics["test_accuracy"] >= 0.5
     assert load_checkpoint(cuda_amp_run.with_name("cuda.last.ckpt")).scaler_state["scale"] > 0
 
@@ -273,7 +276,7 @@ def test_the_linear_schedule_warms_up_then_falls_towards_zero():
         scheduler.step()
     assert rates[:3] == pytest.approx([0.01 / 3, 0.02 / 3, 0.01])
     assert max(rates) == pytest.approx(0.01) and rates[-1] == pytest.approx(0.01 / 27)
-    falls = [earlier - later for earlier, later in zip(rates[3:], rates[4:])]
+    falls = [earlier - later for earlier, later in itertools.pairwise(rates[3:])]
     assert falls == pytest.approx([0.01 / 27] * 26)  # a straight line from the peak to 0 one step past the end
 
 
@@ -286,7 +289,8 @@ def linear_schedule_run(tmp_path_factory):
 
 def test_a_linear_schedule_resumes_mid_epoch_and_keeps_its_length(linear_schedule_run, tmp_path, monkeypatch, capsys):
     straight = load_checkpoint(linear_schedule_run.with_name("model.last.ckpt"))
-    assert (straight.metrics["lr_schedule"], straight.metrics["warmup"], straight.metrics["epochs"]) == ("linear", 0.1, 2)
+    schedule = (straight.metrics["lr_schedule"], straight.metrics["warmup"], straight.metrics["epochs"])
+    assert schedule == ("linear", 0.1, 2)
     assert straight.metrics["lr_decay"] is None
     assert main([*FIXTURE_ARGS, "--epochs", "3", "--out", str(linear_schedule_run), "--resume"]) == 2
     assert "has finished its linear learning-rate schedule (the rate fell to 0 in epoch 2)" in capsys.readouterr().err
