@@ -17,6 +17,7 @@ from capsnet.serving.backends import create_backend
 from serving_helpers import assert_served_as_onnxruntime, server_config
 
 ON_GPU = torch.cuda.is_available()
+pytest.importorskip("triton", reason="triton is not installed (pip install triton, in the dev extra)")
 
 
 @pytest.fixture(scope="module")

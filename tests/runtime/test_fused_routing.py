@@ -12,10 +12,12 @@ import torch
 
 from capsnet.export.precision import convolutions_in, routing_inputs_in
 from capsnet.model_description.precision_gate import GATE_DIFF_FACTOR, GATE_DIFF_SLACK
-from capsnet.runtime.fused_routing import DTYPES, FusedCapsNet, FusedDigitCaps, launch_plan
 from capsnet.runtime.fused_support import fused_unsupported_reason, gpu_engine
 from capsnet.training.config import preset
 from capsnet.training.model import CapsNet, squash
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton, in the dev extra)")
+from capsnet.runtime.fused_routing import DTYPES, FusedCapsNet, FusedDigitCaps, launch_plan
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # the tiny preset's shape with 5 capsule channels: 80 primary capsules of 4 dimensions, 10 classes of 16

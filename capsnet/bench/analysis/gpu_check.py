@@ -488,7 +488,7 @@ def flops(args) -> dict:
 def engines(args) -> dict:
     from capsnet.bench.analysis.gpu_engines import engines as run_engines
 
-    return run_engines(args)
+    return run_engines(args, device_of(args.cpu_dry_run), functools.partial(write_part, Path(args.work), "engines"))
 
 
 STEPS = {"facts": facts, "peak": peak, "inprocess": inprocess, "engines": engines, "serve": serve, "flops": flops}

@@ -198,14 +198,13 @@ def _profile(engine: Engine, images: np.ndarray, device, batch: int) -> str:
     return prof.key_averages().table(sort_by=sort_by, row_limit=12, max_name_column_width=60)
 
 
-def engines(args) -> dict:
+def engines(args, device, save: Callable[[dict], None]) -> dict:
+    """The step on `device`; `save(part)` keeps the timings before anything is profiled."""
     import torch
 
-    from capsnet.bench.analysis.gpu_check import device_of, write_part
     from capsnet.serving.loadgen import random_images
 
     torch.set_num_threads(args.threads)
-    device = device_of(args.cpu_dry_run)
     batches = tuple(args.batches)
     images = random_images(max(batches), (1, 28, 28), seed=1)
     if args.profile and device.type == "cuda":
@@ -231,7 +230,7 @@ def engines(args) -> dict:
         except Exception as err:
             failed[engine.spec] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
     # the timings are kept before any profiling: CUPTI has taken a process down under graph replays
-    write_part(Path(args.work), "engines", part)
+    save(part)
     for engine in loaded if args.profile else ():
         try:
             profiles[engine.spec] = {str(batch): _profile(engine, images, device, batch)
