@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,256")
     parser.add_argument("--concurrency", default="1,4")
     parser.add_argument("--seconds", type=float, default=8.0, help="per cell")
-    parser.add_argument("--gpu", type=int, help="serve on this CUDA device (torch backend) and add --shared-memory cuda")
+    parser.add_argument("--gpu", type=int,
+                        help="serve on this CUDA device (torch backend) and add --shared-memory cuda")
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--out", required=True, help="OUT.json and OUT.md")
     args = parser.parse_args(argv)
@@ -228,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         local_after = [in_process(model_dir, batch, args.seconds, args.gpu, args.precision) for batch in batches]
     report = {"command": shlex.join(["python", "scripts/measure_shared_memory.py", *(argv or sys.argv[1:])]),
               "server": shlex.join(["capsnet", "serve", "--model", "MODEL", *server.command[6:]]),
-              "device": gpu_name(args.gpu), "cpu": cpu_kind(), "cores": len(os.sched_getaffinity(0)), "load_before": load_before,
-              "load_after": os.getloadavg(), "preset": args.preset, "precision": args.precision, "in_process": [local, local_after], "served": cells}
+              "device": gpu_name(args.gpu), "cpu": cpu_kind(), "cores": len(os.sched_getaffinity(0)),
+              "load_before": load_before, "load_after": os.getloadavg(), "preset": args.preset,
+              "precision": args.precision, "in_process": [local, local_after], "served": cells}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text("\n".join(markdown(report)) + "\n")
@@ -251,7 +253,8 @@ def markdown(report: dict) -> list[str]:
     lines = [f"`{report['command']}` on {report['device']}{report['cpu']}, {report['cores']} cores, load average "
              f"{report['load_before'][0]:.2f} before and {report['load_after'][0]:.2f} after; "
              f"the {report['preset']} model in {report['precision']}, served as `{report['server']}`.", "",
-             "| batch | concurrency | tensors | requests | p50 ms | images/s | of in process |", "|---|---|---|---|---|---|---|"]
+             "| batch | concurrency | tensors | requests | p50 ms | images/s | of in process |",
+             "|---|---|---|---|---|---|---|"]
     for cell in report["served"]:
         lines.append(f"| {cell['batch']} | {cell['concurrency']} | {cell['mode']} | {cell['requests']} | "
                      f"{cell['p50_ms']:.2f} | {cell['images_per_s']:.1f} | "

@@ -1,4 +1,5 @@
-"""`capsnet serve`, `capsnet predict` and `capsnet health`. grpc, onnxruntime and torch are imported inside the handlers."""
+"""`capsnet serve`, `capsnet predict` and `capsnet health`. grpc, onnxruntime and torch are imported inside the
+handlers."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ MAX_TIMEOUT_S = 3600.0
 
 
 def default_server() -> str:
-    """$CAPSNET_SERVER where set and not empty (`CAPSNET_SERVER=` unsets it, as for most variables), else the default."""
+    """$CAPSNET_SERVER where set and not empty (`CAPSNET_SERVER=` unsets it, as for most variables), else the
+    default."""
     return os.environ.get("CAPSNET_SERVER") or DEFAULT_SERVER
 
 
@@ -74,7 +76,8 @@ def register(subparsers) -> None:
     serve.add_argument("--host", help=f"address to bind (default {defaults['host']}, loopback only; 0.0.0.0 for every "
                                       f"interface; env {ENV_VARS['host']})")
     serve.add_argument("--grpc-port", type=int, metavar="PORT",
-                       help=f"gRPC port (default {defaults['grpc_port']}; 0: any free port; env {ENV_VARS['grpc_port']})")
+                       help=f"gRPC port (default {defaults['grpc_port']}; 0: any free port; env "
+                            f"{ENV_VARS['grpc_port']})")
     serve.add_argument("--http-port", type=int, metavar="PORT",
                        help=f"KServe v2 HTTP/REST port (default {defaults['http_port']}; 0: any free port; env "
                             f"{ENV_VARS['http_port']})")
@@ -84,31 +87,36 @@ def register(subparsers) -> None:
                        help="serve no page at / of the REST port (it draws or takes images and shows each class's "
                             "capsule length, through the REST infer endpoint)")
     serve.add_argument("--metrics-port", type=int, metavar="PORT",
-                       help=f"Prometheus /metrics port (default {defaults['metrics_port']}; env {ENV_VARS['metrics_port']})")
+                       help=f"Prometheus /metrics port (default {defaults['metrics_port']}; env "
+                            f"{ENV_VARS['metrics_port']})")
     serve.add_argument("--backend", choices=BACKENDS,
-                       help="inference backend (default auto: a TensorRT plan on its GPU, else on a GPU host the fastest "
-                            "GPU backend that passes its self-check, else ONNX Runtime on the CPU)")
+                       help="inference backend (default auto: a TensorRT plan on its GPU, else on a GPU host the "
+                            "fastest GPU backend that passes its self-check, else ONNX Runtime on the CPU)")
     serve.add_argument("--precision", choices=PRECISIONS,
                        help="model precision (default auto: INT8 where the export has it, it passes its self-check "
                             "and is faster on this CPU, else FP32; tensorrt: the plan's; on a GPU the fastest that "
-                            "passes); int8 and onnxruntime fp16 need those exports; torch and aoti: fp16/bf16 on a GPU, "
-                            "bf16 also on a CPU with native bf16 (AVX512_BF16 or AMX)")
+                            "passes); int8 and onnxruntime fp16 need those exports; torch and aoti: fp16/bf16 on a "
+                            "GPU, bf16 also on a CPU with native bf16 (AVX512_BF16 or AMX)")
     serve.add_argument("--gpu", type=int, metavar="N",
-                       help="CUDA device to serve on: torch, aoti and fused run there (default: the CPU); tensorrt, ONNX "
-                            "Runtime's GPU providers and auto use it (default: 0)")
+                       help="CUDA device to serve on: torch, aoti and fused run there (default: the CPU); tensorrt, "
+                            "ONNX Runtime's GPU providers and auto use it (default: 0)")
     serve.add_argument("--max-batch-size", type=int, metavar="N",
                        help=f"images per backend run and per request (default {defaults['max_batch_size']})")
     serve.add_argument("--max-queue-delay-us", type=int, metavar="US",
-                       help=f"how long a request may wait for batch-mates, in µs (default {defaults['max_queue_delay_us']})")
+                       help="how long a request may wait for batch-mates, in µs "
+                            f"(default {defaults['max_queue_delay_us']})")
     serve.add_argument("--max-queue-size", type=int, metavar="N",
-                       help=f"requests that may wait; more get UNAVAILABLE 'queue full' (default {defaults['max_queue_size']})")
+                       help="requests that may wait; more get UNAVAILABLE 'queue full' "
+                            f"(default {defaults['max_queue_size']})")
     serve.add_argument("--max-pending-rpcs", type=int, metavar="N",
                        help="calls gRPC may hold before the server takes them; more are cut by gRPC with CANCELLED "
                             f"(default {defaults['max_pending_rpcs']}; at least --max-queue-size)")
-    serve.add_argument("--threads", type=int, metavar="N", help="backend threads (default 0: one per CPU core available)")
+    serve.add_argument("--threads", type=int, metavar="N",
+                       help="backend threads (default 0: one per CPU core available)")
     serve.add_argument("--max-message-bytes", type=int, metavar="BYTES",
                        help="largest request or response over gRPC, and request body over HTTP, bytes (default: a "
-                            "full batch of the largest images the model accepts, about 1.7 MB for 28x28 grey and batch 32)")
+                            "full batch of the largest images the model accepts, about 1.7 MB for 28x28 grey and "
+                            "batch 32)")
     serve.add_argument("--max-image-scale", type=int, metavar="K",
                        help="encoded images may be at most K times the model's height and width "
                             f"(default {defaults['max_image_scale']})")
@@ -121,7 +129,8 @@ def register(subparsers) -> None:
                        help=f"bytes of all shared-memory regions registered (default {defaults['max_shm_bytes']})")
     serve.add_argument("--tls-cert", metavar="PEM", help="server certificate (enables TLS; with --tls-key)")
     serve.add_argument("--tls-key", metavar="PEM", help="server private key")
-    serve.add_argument("--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA (mutual TLS)")
+    serve.add_argument("--tls-client-ca", metavar="PEM",
+                       help="require client certificates signed by this CA (mutual TLS)")
     serve.add_argument("--drain-window", dest="drain_window_s", type=float, metavar="SECONDS",
                        help="on SIGTERM, seconds health says NOT_SERVING while requests are still served, so load "
                             f"balancers stop sending first (default {defaults['drain_window_s']:g})")
@@ -136,7 +145,8 @@ def register(subparsers) -> None:
     predict.add_argument("--server", default=default_server(), type=server_address, metavar="HOST:PORT",
                          help=f"server address, HOST[:PORT] (port 8001 if none; default $CAPSNET_SERVER or "
                               f"{DEFAULT_SERVER})")
-    predict.add_argument("--top-k", type=int, default=1, metavar="K", help="print the K most probable classes (default 1)")
+    predict.add_argument("--top-k", type=int, default=1, metavar="K",
+                         help="print the K most probable classes (default 1)")
     predict.add_argument("--present-threshold", type=float, metavar="P",
                          help="a class is present when its probability (capsule length) is above P, 0 to 1 "
                               "(default: the server's, 0.5); every present class is printed")
@@ -178,8 +188,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     names = ("model_dir model_repository version_policy model_control poll_seconds log_format otlp_endpoint host "
              "grpc_port http_port http ui metrics_port backend precision gpu max_batch_size max_queue_delay_us "
-             "max_queue_size max_pending_rpcs threads max_message_bytes max_image_scale allow_client_shm max_shm_regions "
-             "max_shm_bytes tls_cert tls_key tls_client_ca "
+             "max_queue_size max_pending_rpcs threads max_message_bytes max_image_scale allow_client_shm "
+             "max_shm_regions max_shm_bytes tls_cert tls_key tls_client_ca "
              "drain_window_s grace_period_s").split()
     config = ServerConfig.from_sources({name: getattr(args, name) for name in names})
     if config.log_format == "json":
@@ -226,8 +236,8 @@ def run_predict(args: argparse.Namespace) -> int:
             write_png(prediction.reconstruction, target)
         written = list(targets)
     if args.json:
-        print(json.dumps([_as_json(path, p, args.poses, png) for path, p, png in zip(args.images, predictions, written)],
-                         indent=2))
+        print(json.dumps([_as_json(path, p, args.poses, png)
+                          for path, p, png in zip(args.images, predictions, written)], indent=2))
         return 0
     for path, prediction, png in zip(args.images, predictions, written):
         # one line per image: the top class, then every class present (several for an image of several objects)
@@ -330,7 +340,8 @@ def write_png(reconstruction, path: str) -> None:
     pixels = np.rint(np.clip(reconstruction, 0, 1) * 255).astype(np.uint8)  # (C, H, W)
     if pixels.shape[0] not in (1, 3):
         raise CapsNetError(f"cannot write a {pixels.shape[0]}-channel reconstruction as PNG")
-    image = Image.fromarray(pixels[0]) if pixels.shape[0] == 1 else Image.fromarray(pixels.transpose(1, 2, 0))  # (H, W[, 3])
+    image = (Image.fromarray(pixels[0]) if pixels.shape[0] == 1
+             else Image.fromarray(pixels.transpose(1, 2, 0)))  # (H, W[, 3])
     try:
         image.save(path, format="PNG")
     except OSError as err:

@@ -99,7 +99,8 @@ class ServerConfig:
             raise CapsNetError("give one of --model DIR (one export folder) or --model-repository DIR (models and "
                                "versions)")
         if self.model_control not in MODEL_CONTROLS:
-            raise CapsNetError(f"--model-control must be one of {', '.join(MODEL_CONTROLS)}, got {self.model_control!r}")
+            raise CapsNetError(f"--model-control must be one of {', '.join(MODEL_CONTROLS)}, got "
+                               f"{self.model_control!r}")
         if self.model_control != "none" and self.model_repository is None:
             raise CapsNetError(f"--model-control {self.model_control} changes the models of a repository: serve one "
                                "with --model-repository DIR (--model serves one export folder, loaded at start)")
@@ -124,7 +125,8 @@ class ServerConfig:
                                f"{either(BACKEND_KINDS[self.backend].precisions)} (int8: --backend {either(runs)})")
         for name in ("grpc_port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
-                raise CapsNetError(f"{name.replace('_', '-')} must be in 0..65535 (0: any free port), got {getattr(self, name)}")
+                raise CapsNetError(f"{name.replace('_', '-')} must be in 0..65535 (0: any free port), got "
+                                   f"{getattr(self, name)}")
         for name in ("max_batch_size", "max_queue_size", "max_pending_rpcs", "max_message_bytes", "max_image_scale",
                      "max_shm_regions", "max_shm_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -138,7 +140,8 @@ class ServerConfig:
                                f"({self.max_queue_size}), so that gRPC does not cut calls the queue would take")
         for name in ("max_queue_delay_us", "threads", "drain_window_s", "grace_period_s", "gpu"):
             if getattr(self, name) is not None and not getattr(self, name) >= 0:  # `not >=`: NaN fails it too
-                raise CapsNetError(f"--{name.removesuffix('_s').replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+                raise CapsNetError(f"--{name.removesuffix('_s').replace('_', '-')} must be >= 0, got "
+                                   f"{getattr(self, name)}")
         if not math.isfinite(self.grace_period_s):
             raise CapsNetError(f"--grace-period must be a number of seconds, got {self.grace_period_s}")
         if self.drain_window_s > MAX_DRAIN_WINDOW_S:

@@ -427,7 +427,8 @@ class DataPlane:
             datatype, data = "BYTES", classify(array, plan.classes, spec.class_names)
         if region is None or plan.region is None:
             return Output(plan.name, datatype, data.shape, data)
-        raw = np.frombuffer(serialize_bytes(data), np.uint8) if datatype == "BYTES" else np.ascontiguousarray(data, "<f4")
+        raw = (np.frombuffer(serialize_bytes(data), np.uint8) if datatype == "BYTES"
+               else np.ascontiguousarray(data, "<f4"))
         _check_room(plan.region, raw.nbytes, data.shape, field)
         region.write(raw, plan.region.offset, field)
         return Output(plan.name, datatype, data.shape, None)

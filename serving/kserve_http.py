@@ -260,7 +260,8 @@ class KServeHTTP:
         return web.json_response({})
 
     async def _shm_status(self, request: web.Request) -> web.Response:
-        return web.json_response(self._plane.shared_memory.status(_shm_kind(request), request.match_info.get("name", "")))
+        return web.json_response(self._plane.shared_memory.status(_shm_kind(request),
+                                                                  request.match_info.get("name", "")))
 
     async def _shm_register(self, request: web.Request) -> web.Response:
         body, name = await self._control_body(request), request.match_info["name"]

@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # for a type only: the metrics load no backend code
 log = logging.getLogger(__name__)
 
 # 100 µs (a tiny model's batch on a GPU) to 10 s (a deep queue on a CPU), about 2.5x apart.
-LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0)
 # /metrics: connections served at once (a scrape takes about a millisecond; more connections are closed at
 # once), and how long one may stay silent (its request unsent, or its answer unread) before it is closed.
 HTTP_WORKERS = 8
@@ -56,12 +57,13 @@ class Metrics:
                                 "gRPC status code, and the model version that served them",
                                 ["api", "method", "code", "model", "version"], registry=registry)
         self.request_duration = Histogram("capsnet_request_duration_seconds",
-                                          "Time from receiving an RPC or REST request to its end (a stream: its whole life)",
+                                          "Time from receiving an RPC or REST request to its end (a stream: its "
+                                          "whole life)",
                                           ["api", "method", "model", "version"], buckets=LATENCY_BUCKETS,
                                           registry=registry)
         self.inflight = Gauge("capsnet_inflight_requests",
-                              "Requests being handled: unary RPCs, REST requests, and a stream's requests from arrival to answer "
-                              "(health checks and reflection aside)", registry=registry)
+                              "Requests being handled: unary RPCs, REST requests, and a stream's requests from "
+                              "arrival to answer (health checks and reflection aside)", registry=registry)
         version = ["model", "version"]
         self.queue_wait = Histogram("capsnet_queue_wait_seconds",
                                     "Time a request waited in the batch queue before its first backend run",

@@ -403,8 +403,8 @@ class ModelManager:
     def _refused(self, model: ServedModel, version: str, files: str, reason: str) -> str:
         model.refused[version] = files
         if version in model.serving:
-            model.status[version] = VersionStatus(VersionState.READY, f"a reload was refused, the files loaded before serve: "
-                                                         f"{reason}")
+            model.status[version] = VersionStatus(VersionState.READY,
+                                                  f"a reload was refused, the files loaded before serve: {reason}")
         else:
             model.status[version] = VersionStatus(VersionState.UNAVAILABLE, reason)
         self.metrics.model_loads.labels(model.name, version, "refused").inc()

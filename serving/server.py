@@ -321,8 +321,10 @@ class CapsNetServer:
 
     def _on_gpu(self) -> bool:
         """Whether a model version serves on a CUDA device (the torch and aoti backends' `device`, TensorRT's)."""
-        return self.models is not None and any(service.backend.name == "tensorrt" or getattr(getattr(service.backend, "device", None), "type", "")
-                   == "cuda" for service in self.models.services())
+        return self.models is not None and any(
+            service.backend.name == "tensorrt"
+            or getattr(getattr(service.backend, "device", None), "type", "") == "cuda"
+            for service in self.models.services())
 
     async def stop(self) -> None:
         """Drain (see the module's docstring); requests still running after the grace period are cancelled.

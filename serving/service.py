@@ -73,8 +73,8 @@ def _startup_step(what: str, max_batch_size: int):
         raise
     except Exception as err:  # numpy's MemoryError, onnxruntime's RuntimeException, torch's OutOfMemoryError, ...
         log.debug("%s failed", what, exc_info=True)  # the traceback, for --log-level DEBUG
-        raise CapsNetError(f"{what} failed: {type(err).__name__}: {first_line(err)} (--max-batch-size {max_batch_size}: "
-                           "a smaller one needs less memory)") from None
+        raise CapsNetError(f"{what} failed: {type(err).__name__}: {first_line(err)} (--max-batch-size "
+                           f"{max_batch_size}: a smaller one needs less memory)") from None
 
 
 def check_image_shape(spec: ModelDescription, shape: list[int], field: str) -> None:
@@ -103,8 +103,9 @@ def check_values(images: np.ndarray, field: str, first: int = 0) -> None:
     in_range = ((rows >= 0) & (rows <= 1)).all(axis=1)  # (N,)
     if not in_range.all():
         index = int(np.argmin(in_range))
-        raise InvalidInput(f"{field}: image {first + index} has values in [{rows[index].min():g}, {rows[index].max():g}]; "
-                           "expected [0, 1] (divide 8-bit pixels by 255, or send them as uint8)")
+        raise InvalidInput(f"{field}: image {first + index} has values in [{rows[index].min():g}, "
+                           f"{rows[index].max():g}]; expected [0, 1] (divide 8-bit pixels by 255, or send them as "
+                           "uint8)")
 
 
 def _load(folder: Path, config: ServerConfig) -> tuple[ModelArtifacts, LoadedBackend]:

@@ -56,7 +56,8 @@ def choose_backend(artifacts: ModelArtifacts, config: ServerConfig) -> tuple[str
     if artifacts.tensorrt_plan is None or artifacts.tensorrt_info is None:  # both or neither: see load_artifacts
         no_trt = "no TensorRT plan in the model directory"
     elif config.precision not in ("auto", artifacts.tensorrt_info["precision"]):
-        no_trt = f"the TensorRT plan is {artifacts.tensorrt_info['precision']}, --precision {config.precision} was asked"
+        no_trt = (f"the TensorRT plan is {artifacts.tensorrt_info['precision']}, --precision {config.precision} "
+                  "was asked")
     else:
         no_trt = unavailable_reason(config.gpu_or_first)
         if no_trt is None:
@@ -147,7 +148,8 @@ def _fastest_gpu_backend(artifacts: ModelArtifacts, config: ServerConfig, why: s
     table = ", ".join(f"{passed[index][0].name} {passed[index][0].precision} {1e3 * times[index]:.2f} ms"
                       for index in sorted(range(len(passed)), key=times.__getitem__))
     choice = (f"{backend.name} {backend.precision} on GPU {config.gpu}, the fastest of those passing their self-check "
-              f"at batch {config.max_batch_size} ({table}){'; refused: ' + str(len(refused)) if refused else ''}; {why}")
+              f"at batch {config.max_batch_size} ({table}){'; refused: ' + str(len(refused)) if refused else ''}; "
+              f"{why}")
     log.info("backend auto: %s", choice)
     return LoadedBackend(backend, check, choice)
 

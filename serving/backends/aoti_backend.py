@@ -65,7 +65,8 @@ class AotiBackend(DeviceBackend):
         torch.set_num_threads(threads)
         self.precision = precision
         self.output_names = artifacts.output_names
-        self.runner = AotiRunner(path, self.device, artifacts.input_shape, dict(artifacts.output_shapes), max_batch_size)
+        self.runner = AotiRunner(path, self.device, artifacts.input_shape, dict(artifacts.output_shapes),
+                                 max_batch_size)
         self.on_gpu, self.gpu_timer = self.device.type == "cuda", self.runner.gpu_timer
         where = (f"GPU {gpu} {gpu_facts(gpu)[0]}" if self.device.type == "cuda" else f"CPU, {threads} threads")
         self.description = f"{package.file} ({precision}) on {where}, torch {torch.__version__}"

@@ -43,13 +43,15 @@ class OnnxRuntimeBackend(Backend):
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         try:
-            self.session = ort.InferenceSession(str(path), options, providers=self._providers(artifacts, precision, max_batch_size, gpu))
+            self.session = ort.InferenceSession(str(path), options,
+                                                providers=self._providers(artifacts, precision, max_batch_size, gpu))
         except Exception as err:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail, ...)
             raise CapsNetError(f"{path} is damaged or cannot be loaded: {str(err).splitlines()[0]}") from None
         graph_outputs = {output.name: output for output in self.session.get_outputs()}
         missing = [name for name in artifacts.output_names if name not in graph_outputs]
         if missing:
-            raise CapsNetError(f"{path} is damaged: outputs {', '.join(missing)} listed in model.json are not in the graph")
+            raise CapsNetError(f"{path} is damaged: outputs {', '.join(missing)} listed in model.json are not in the "
+                               "graph")
         check_graph_matches(path, artifacts, self.session.get_inputs(), graph_outputs)
         self.input_name = artifacts.input_name
         self.output_names = artifacts.output_names

@@ -32,7 +32,8 @@ class TensorRTBackend(Backend):
     def __init__(self, artifacts: ModelArtifacts, precision: str | None, max_batch_size: int, gpu: int = 0):
         plan, info = artifacts.tensorrt_plan, artifacts.tensorrt_info
         if plan is None or info is None:  # load_artifacts reads the plan's description with the plan
-            raise CapsNetError(f"{artifacts.directory} has no TensorRT plan; export it with --tensorrt on the serving GPU")
+            raise CapsNetError(f"{artifacts.directory} has no TensorRT plan; export it with --tensorrt on the serving "
+                               "GPU")
         problem = unavailable_reason(gpu)
         if problem:
             raise CapsNetError(f"the tensorrt backend cannot run here: {problem}")
@@ -43,8 +44,8 @@ class TensorRTBackend(Backend):
         if precision not in (None, info["precision"]):
             raise CapsNetError(f"{plan} is a {info['precision']} engine; --precision {precision} needs another export")
         if int(info["min_batch"]) != 1 or max_batch_size > int(info["max_batch"]):
-            raise CapsNetError(f"the engine takes batches of {info['min_batch']} to {info['max_batch']} images, the batcher "
-                               f"makes 1 to --max-batch-size {max_batch_size}; lower it or re-export")
+            raise CapsNetError(f"the engine takes batches of {info['min_batch']} to {info['max_batch']} images, the "
+                               f"batcher makes 1 to --max-batch-size {max_batch_size}; lower it or re-export")
         self.precision = info["precision"]
         self.output_names = artifacts.output_names
         try:
@@ -62,11 +63,13 @@ class TensorRTBackend(Backend):
 
 def check_plan_matches(plan, info: dict, trt_version: str, gpu_name: str, capability: str) -> None:
     if info["tensorrt_version"] != trt_version:
-        raise CapsNetError(f"{plan} was built with TensorRT {info['tensorrt_version']}, this machine has {trt_version}; "
-                           "re-export with --tensorrt here")
+        raise CapsNetError(f"{plan} was built with TensorRT {info['tensorrt_version']}, this machine has "
+                           f"{trt_version}; re-export with --tensorrt here")
     if str(info["compute_capability"]) != capability:
-        raise CapsNetError(f"{plan} was built for {info['gpu_name']} (compute capability {info['compute_capability']}), "
-                           f"this GPU is {gpu_name} ({capability}); re-export with --tensorrt on this GPU")
+        raise CapsNetError(f"{plan} was built for {info['gpu_name']} (compute capability "
+                           f"{info['compute_capability']}), this GPU is {gpu_name} ({capability}); re-export with "
+                           "--tensorrt on this GPU")
     if info["gpu_name"] != gpu_name:
         # Same architecture: TensorRT loads it, but kernels were timed on the other model.
-        log.warning("%s was built on %s, running on %s: re-export on this GPU for best speed", plan, info["gpu_name"], gpu_name)
+        log.warning("%s was built on %s, running on %s: re-export on this GPU for best speed", plan, info["gpu_name"],
+                    gpu_name)

@@ -55,8 +55,8 @@ class TorchBackend(DeviceBackend):
         """`buckets` (default: on a GPU) runs every batch padded to its bucket from static tensors; `graphs` makes
         each bucket a CUDA graph on a GPU (off: eager, for comparison)."""
         if precision not in PRECISIONS:
-            raise CapsNetError(f"the torch backend runs the checkpoint in {', '.join(PRECISIONS)}; --precision {precision} "
-                               "needs onnxruntime or tensorrt")
+            raise CapsNetError(f"the torch backend runs the checkpoint in {', '.join(PRECISIONS)}; --precision "
+                               f"{precision} needs onnxruntime or tensorrt")
         self.device = torch_device(gpu)
         self.on_gpu = on_gpu = self.device.type == "cuda"
         if precision == "fp16" and not on_gpu:
@@ -78,8 +78,8 @@ class TorchBackend(DeviceBackend):
         if on_gpu if buckets is None else buckets:
             names = self.output_names
             self.runner = BucketRunner(lambda images: tuple(getattr(self.model(images), name) for name in names),
-                                       self.device, artifacts.input_shape, dict(artifacts.output_shapes), max_batch_size,
-                                       graphs, fp32=precision == "fp32")
+                                       self.device, artifacts.input_shape, dict(artifacts.output_shapes),
+                                       max_batch_size, graphs, fp32=precision == "fp32")
             self.gpu_timer = self.runner.gpu_timer
             mode = "CUDA graphs" if self.runner.graphs else "eager"
             where += f", {mode} for batch buckets {'/'.join(map(str, self.runner.buckets))}"

@@ -78,7 +78,8 @@ def log_tail(log: Path | None, chars: int = 3000) -> str:
 
 
 @contextmanager
-def running(args: list[str], log: Path, env: dict | None = None, stop_timeout: float = 20) -> Iterator[subprocess.Popen]:
+def running(args: list[str], log: Path, env: dict | None = None,
+            stop_timeout: float = 20) -> Iterator[subprocess.Popen]:
     """Start a process in its own session (output to `log`); on exit SIGTERM it, then SIGKILL if it lingers."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

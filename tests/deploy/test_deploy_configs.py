@@ -214,7 +214,8 @@ def test_deploy_dashboard_gpu_panels_read_what_a_server_on_a_gpu_exports():
         unknown = label_names(expr) - set().union(*(on_gpu[m] for m in metrics))
         assert not unknown, f"{title}: no label {sorted(unknown)} on {sorted(metrics)}"
         read |= metrics
-    shown = {name for name, _, _ in FAMILIES if name != "nv_energy_consumption"} | {"capsnet_gpu_compute_seconds_bucket"}
+    shown = ({name for name, _, _ in FAMILIES if name != "nv_energy_consumption"}
+             | {"capsnet_gpu_compute_seconds_bucket"})
     assert shown <= read, f"no panel reads {sorted(shown - read)}"
     quantiles = [expr for _, expr in dashboard_queries() if "capsnet_gpu_compute_seconds_bucket" in expr]
     assert {re.match(r"histogram_quantile\((0\.\d+),", expr).group(1) for expr in quantiles} == {"0.5", "0.99"}

@@ -30,7 +30,8 @@ def test_deploy_quickstart_trains_exports_serves_and_answers(tmp_path):
     env = {key: value for key, value in os.environ.items() if not key.startswith("CAPSNET_")}
     # Every port the server opens given, so the test never needs 8000-8002 free.
     env.update(CAPSNET_VENV=sys.prefix, CAPSNET_PRESET="tiny", CAPSNET_EPOCHS="1", CAPSNET_MODEL_DIR=str(model_dir),
-               CAPSNET_GRPC_PORT=str(grpc_port), CAPSNET_HTTP_PORT=str(http_port), CAPSNET_METRICS_PORT=str(metrics_port))
+               CAPSNET_GRPC_PORT=str(grpc_port), CAPSNET_HTTP_PORT=str(http_port),
+               CAPSNET_METRICS_PORT=str(metrics_port))
     log = tmp_path / "quickstart.log"
     address = f"127.0.0.1:{grpc_port}"
 

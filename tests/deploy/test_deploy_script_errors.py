@@ -40,4 +40,5 @@ def test_deploy_local_stack_unusable_workdir_is_a_one_line_error(tmp_path):
                              "--no-prometheus", "--workdir", str(tmp_path / "file" / "sub")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.splitlines()[-1] == f"local_stack.py: error: --workdir {tmp_path / 'file' / 'sub'}: Not a directory"
+    assert result.stderr.splitlines()[-1] == (f"local_stack.py: error: --workdir {tmp_path / 'file' / 'sub'}: "
+                                              "Not a directory")

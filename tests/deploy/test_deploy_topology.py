@@ -51,8 +51,8 @@ def stack(exported_model, tmp_path_factory):
     ready_file = workdir / "ready.json"
     log = workdir / "local_stack.log"
     args = [sys.executable, str(DEPLOY / "local_stack.py"), "--model", str(exported_model), "--replicas", "2",
-            "--port", "0", "--rest-port", "0", "--prometheus-port", "0", "--threads", "1", "--scrape-interval", f"{SCRAPE_INTERVAL_S}s",
-            "--workdir", str(workdir), "--ready-file", str(ready_file)]
+            "--port", "0", "--rest-port", "0", "--prometheus-port", "0", "--threads", "1",
+            "--scrape-interval", f"{SCRAPE_INTERVAL_S}s", "--workdir", str(workdir), "--ready-file", str(ready_file)]
     with running(args, log, stop_timeout=60) as proc:
         wait_for("local_stack.py to start everything", ready_file.is_file, timeout=240, alive=proc, log=log)
         yield proc, json.loads(ready_file.read_text()), log

@@ -35,9 +35,9 @@ def kserve_model_dir(random_tiny_checkpoint, tmp_path_factory):
 def running_server(model_dir, **settings):
     """host:port of a started CapsNetServer (onnxruntime, 1 thread, `settings` over ours), its event loop on a
     background thread; stopped on exit."""
-    config = ServerConfig(**{**dict(model_dir=model_dir, grpc_port=0, http_port=0, metrics_port=0, backend="onnxruntime",
-                                    max_batch_size=MAX_BATCH_SIZE, threads=1, drain_window_s=0.0, grace_period_s=1.0),
-                             **settings})
+    config = ServerConfig(**{"model_dir": model_dir, "grpc_port": 0, "http_port": 0, "metrics_port": 0,
+                             "backend": "onnxruntime", "max_batch_size": MAX_BATCH_SIZE, "threads": 1,
+                             "drain_window_s": 0.0, "grace_period_s": 1.0, **settings})
     server = CapsNetServer(config)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="kserve-test-server", daemon=True)

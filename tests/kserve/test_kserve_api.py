@@ -14,7 +14,7 @@ from capsnet.serving import kserve_grpc
 from kserve_messages import CPU_EXTENSIONS, images, infer_request, response_arrays
 
 # matches the onnxruntime backend run on different batch compositions, not bit-for-bit
-TOLERANCE = dict(rtol=1e-4, atol=1e-5)
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
 
 def signature(tensors) -> list[tuple]:
@@ -44,7 +44,8 @@ def test_live_and_ready(kserve_stub):
 
 def test_server_metadata(kserve_stub):
     metadata = kserve_stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=10)
-    assert (metadata.name, metadata.version, list(metadata.extensions)) == ("capsnet-serve", __version__, CPU_EXTENSIONS)
+    assert (metadata.name, metadata.version, list(metadata.extensions)) == ("capsnet-serve", __version__,
+                                                                            CPU_EXTENSIONS)
 
 
 def test_model_metadata(kserve_stub):

@@ -1,9 +1,10 @@
 """KServe v2 edge cases real clients hit, checked against what Triton's gRPC endpoint does.
 
 Tensor parameters: Triton acts on shared memory (inputs and outputs) and classification (outputs), as this server
-does (tests/kserve/test_kserve_shared_memory.py), and ignores any other key (server src/grpc/grpc_utils.h ParseSharedMemoryParams, infer_handler.h ParseClassificationParams). The
-KServe Python SDK's `InferRequest.to_grpc()` (kserve 0.21) puts `binary_data_size` on every input set from numpy, so
-a server that refused every tensor parameter could not answer that client at all.
+does (tests/kserve/test_kserve_shared_memory.py), and ignores any other key (server src/grpc/grpc_utils.h
+ParseSharedMemoryParams, infer_handler.h ParseClassificationParams). The KServe Python SDK's
+`InferRequest.to_grpc()` (kserve 0.21) puts `binary_data_size` on every input set from numpy, so a server that
+refused every tensor parameter could not answer that client at all.
 """
 
 import grpc
@@ -93,7 +94,8 @@ def test_tritonclient_classification_and_an_unregistered_region_and_it_carries_o
                                   outputs=[grpcclient.InferRequestedOutput("probabilities", class_count=3)])
         probabilities = run_onnx(BATCH)["probabilities"]  # (2, 10)
         top = np.argsort(-probabilities, axis=1, kind="stable")[:, :3]
-        expected = [[f"{probabilities[row, index]:f}:{index}:{index}".encode() for index in top[row]] for row in range(2)]
+        expected = [[f"{probabilities[row, index]:f}:{index}:{index}".encode() for index in top[row]]
+                    for row in range(2)]
         answered = classified.as_numpy("probabilities")
         assert answered.shape == (2, 3) and [[item.split(b":")[1:] for item in row] for row in answered.tolist()] == \
             [[item.split(b":")[1:] for item in row] for row in expected]

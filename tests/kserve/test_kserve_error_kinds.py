@@ -70,14 +70,14 @@ def test_a_new_error_kind_is_answered_and_counted_by_its_codes_on_every_transpor
             assert (caught.value.code(), caught.value.details()) == (grpc_code, message)
     after = scrape(kserve_rest.metrics_url)
     for api, method in (("kserve_http", "ModelInfer"), ("kserve", "ModelInfer"), ("capsnet", "Classify")):
-        labels = dict(name="capsnet_requests_total", api=api, method=method, code=grpc_code.name)
+        labels = {"name": "capsnet_requests_total", "api": api, "method": method, "code": grpc_code.name}
         assert metric(after, **labels) - metric(before, **labels) == 1, labels
 
 
 @pytest.mark.parametrize("codes, fault", [
-    (dict(grpc_code="NO_SUCH_CODE"), "grpc_code must name a gRPC error status, got 'NO_SUCH_CODE'"),
-    (dict(grpc_code="OK"), "grpc_code must name a gRPC error status, got 'OK'"),
-    (dict(http_status=200), "http_status must be an HTTP error status, got 200"),
+    ({"grpc_code": "NO_SUCH_CODE"}, "grpc_code must name a gRPC error status, got 'NO_SUCH_CODE'"),
+    ({"grpc_code": "OK"}, "grpc_code must name a gRPC error status, got 'OK'"),
+    ({"http_status": 200}, "http_status must be an HTTP error status, got 200"),
 ])
 def test_a_kind_with_codes_no_transport_can_answer_is_refused_where_it_is_defined(codes, fault):
     with pytest.raises(TypeError, match=re.escape(f"Bad.{fault}")):

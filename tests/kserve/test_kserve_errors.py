@@ -103,7 +103,8 @@ def shared_memory_parameter(request):
 
 # (id, change to a good raw request, status, substrings the message must contain)
 CASES = [
-    ("unknown-model", set_fields(model_name="mnist"), grpc.StatusCode.NOT_FOUND, ["model_name", "'mnist'", "'capsnet'"]),
+    ("unknown-model", set_fields(model_name="mnist"), grpc.StatusCode.NOT_FOUND,
+     ["model_name", "'mnist'", "'capsnet'"]),
     ("unknown-version", set_fields(model_version="7"), grpc.StatusCode.NOT_FOUND, ["model_version", "'7'", "'1'"]),
     ("unknown-output", add_outputs("probabilities", "logits"), INVALID, ["outputs[1].name", "'logits'", "poses"]),
     ("duplicate-output", add_outputs("poses", "poses"), INVALID, ["outputs[1].name", "'poses'", "more than once"]),
@@ -122,7 +123,8 @@ CASES = [
     ("typed-wrong-field", typed_wrong_field, INVALID, ["inputs[0].contents", "fp32_contents", "int_contents"]),
     ("uint8-over-255", uint8_over_255, INVALID, ["inputs[0].contents.uint_contents", "0..255", "256"]),
     ("negative-dimension", set_shape([-1, 1, 28, 28]), INVALID, ["inputs[0].shape", "[-1, 1, 28, 28]"]),
-    ("wrong-shape", set_shape([2, 1, 14, 56]), INVALID, ["inputs[0]", "expected shape [N, 1, 28, 28]", "[2, 1, 14, 56]"]),
+    ("wrong-shape", set_shape([2, 1, 14, 56]), INVALID,
+     ["inputs[0]", "expected shape [N, 1, 28, 28]", "[2, 1, 14, 56]"]),
     ("wrong-rank", set_shape([2, 784]), INVALID, ["inputs[0]", "expected shape [N, 1, 28, 28]", "[2, 784]"]),
     ("nan", with_nan_and_inf(math.nan), INVALID, ["inputs[0]", "NaN"]),
     ("inf", with_nan_and_inf(math.inf), INVALID, ["inputs[0]", "Inf"]),

@@ -23,7 +23,7 @@ from capsnet.serving.lifecycle import SHUTTING_DOWN
 from kserve_messages import CPU_EXTENSIONS, MAX_BATCH_SIZE, images
 from serving_helpers import ServeProcess, ServerThread, metric, scrape, server_config, wait_until
 
-TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # test_kserve_api's: onnxruntime on other batch compositions
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # test_kserve_api's: onnxruntime on other batch compositions
 BINARY_HEADER = "Inference-Header-Content-Length"
 OUTPUTS = ["probabilities", "poses", "reconstruction"]  # the model's, in its order
 INT64_FIELDS = {"shape", "dims", "max_queue_delay_microseconds"}
@@ -56,7 +56,7 @@ def in_background(function):
     def run():
         try:
             outcome["value"] = function()
-        except Exception as err:  # noqa: BLE001 - re-raised by result(), in the test's thread
+        except Exception as err:  # re-raised by result(), in the test's thread
             outcome["error"] = err
 
     thread = threading.Thread(target=run, daemon=True)
@@ -145,8 +145,10 @@ def numbers(value, key=None):
 def test_tritonclient_http_health_and_metadata_equal_grpcs(triton_http, triton_grpc):
     assert (triton_http.is_server_live(), triton_http.is_server_ready()) == (True, True)
     assert triton_http.is_model_ready("capsnet") and triton_http.is_model_ready("capsnet", "1")
-    assert triton_http.get_server_metadata() == {"name": "capsnet-serve", "version": __version__, "extensions": CPU_EXTENSIONS}
-    assert triton_grpc.get_server_metadata(as_json=True) == {"name": "capsnet-serve", "version": __version__, "extensions": CPU_EXTENSIONS}
+    assert triton_http.get_server_metadata() == {"name": "capsnet-serve", "version": __version__,
+                                                 "extensions": CPU_EXTENSIONS}
+    assert triton_grpc.get_server_metadata(as_json=True) == {"name": "capsnet-serve", "version": __version__,
+                                                             "extensions": CPU_EXTENSIONS}
 
     metadata = triton_http.get_model_metadata("capsnet")
     assert metadata == numbers(triton_grpc.get_model_metadata("capsnet", as_json=True))
@@ -156,7 +158,8 @@ def test_tritonclient_http_health_and_metadata_equal_grpcs(triton_http, triton_g
 
     config = triton_http.get_model_config("capsnet")
     assert config == numbers(triton_grpc.get_model_config("capsnet", as_json=True)["config"])
-    assert (config["max_batch_size"], config["dynamic_batching"]) == (MAX_BATCH_SIZE, {"max_queue_delay_microseconds": 500})
+    assert (config["max_batch_size"], config["dynamic_batching"]) == (MAX_BATCH_SIZE,
+                                                                      {"max_queue_delay_microseconds": 500})
     assert config["input"] == [{"name": "images", "data_type": "TYPE_FP32", "dims": [1, 28, 28]}]
 
 
@@ -244,9 +247,12 @@ def test_binary_data_output_answers_binary_except_outputs_asking_json(port, run_
 
 @pytest.mark.parametrize("method, path, message", [
     ("GET", "/v2/models/capsnet/versions/2", "model version: model 'capsnet' has no version '2'; expected '' or '1'"),
-    ("GET", "/v2/models/capsnet/versions/2/ready", "model version: model 'capsnet' has no version '2'; expected '' or '1'"),
-    ("GET", "/v2/models/capsnet/versions/2/config", "model version: model 'capsnet' has no version '2'; expected '' or '1'"),
-    ("POST", "/v2/models/capsnet/versions/2/infer", "model version: model 'capsnet' has no version '2'; expected '' or '1'"),
+    ("GET", "/v2/models/capsnet/versions/2/ready",
+     "model version: model 'capsnet' has no version '2'; expected '' or '1'"),
+    ("GET", "/v2/models/capsnet/versions/2/config",
+     "model version: model 'capsnet' has no version '2'; expected '' or '1'"),
+    ("POST", "/v2/models/capsnet/versions/2/infer",
+     "model version: model 'capsnet' has no version '2'; expected '' or '1'"),
     ("GET", "/v2/models/mnist", "model name: unknown model 'mnist'; this server serves 'capsnet'"),
     ("POST", "/v2/models/mnist/infer", "model name: unknown model 'mnist'; this server serves 'capsnet'"),
     ("GET", "/v3/models", "GET /v3/models: Not Found"),

@@ -21,7 +21,7 @@ from kserve_messages import MAX_BATCH_SIZE, images
 from serving_helpers import ServerThread, metric, scrape, server_config, wait_until
 
 INFER = "/v2/models/capsnet/infer"
-TOLERANCE = dict(rtol=1e-4, atol=1e-5)
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
 
 def infer_json(count: int, seed: int, outputs=("probabilities",)) -> bytes:
@@ -52,7 +52,8 @@ def send_all(client: socket.socket, data: bytes) -> None:
 
 
 def rest_count(running: ServerThread, code: str) -> float:
-    return metric(scrape(running.metrics_url), "capsnet_requests_total", api="kserve_http", method="ModelInfer", code=code)
+    return metric(scrape(running.metrics_url), "capsnet_requests_total", api="kserve_http", method="ModelInfer",
+                  code=code)
 
 
 @pytest.fixture

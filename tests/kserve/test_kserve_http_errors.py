@@ -38,7 +38,8 @@ def call(port: int, body: bytes, headers=None, path: str = INFER):
 
 
 def good_request() -> dict:
-    return {"inputs": [{"name": "images", "datatype": "FP32", "shape": list(GOOD.shape), "data": GOOD.ravel().tolist()}]}
+    return {"inputs": [{"name": "images", "datatype": "FP32", "shape": list(GOOD.shape),
+                        "data": GOOD.ravel().tolist()}]}
 
 
 def changed(change) -> tuple[bytes, dict]:
@@ -99,11 +100,14 @@ CASES = [
      "inputs: expected a list of input tensors, got an object"),
     ("two-inputs", changed(lambda d: d["inputs"].append(copy.deepcopy(d["inputs"][0]))), 400,
      "inputs: expected exactly 1 input named 'images', got 'images', 'images'"),
-    ("no-input", changed(lambda d: d.update(inputs=[])), 400, "inputs: expected exactly 1 input named 'images', got none"),
+    ("no-input", changed(lambda d: d.update(inputs=[])), 400,
+     "inputs: expected exactly 1 input named 'images', got none"),
     ("wrong-input-name", with_input(name="pixels"), 400, "inputs[0].name: expected 'images', got 'pixels'"),
     ("fp64", with_input(datatype="FP64"), 400, "inputs[0].datatype: expected one of FP32, UINT8, got 'FP64'"),
-    ("datatype-not-a-string", with_input(datatype=32), 400, "inputs[0].datatype: expected one of FP32, UINT8, got '32'"),
-    ("shape-not-a-list", with_input(shape="2,1,28,28"), 400, "inputs[0].shape: expected a list of integers, got a string"),
+    ("datatype-not-a-string", with_input(datatype=32), 400,
+     "inputs[0].datatype: expected one of FP32, UINT8, got '32'"),
+    ("shape-not-a-list", with_input(shape="2,1,28,28"), 400,
+     "inputs[0].shape: expected a list of integers, got a string"),
     ("shape-with-a-string", with_input(shape=[2, 1, 28, "28"]), 400,
      'inputs[0].shape: expected a list of integers, got [2, 1, 28, "28"]'),
     ("shape-with-a-float", with_input(shape=[2.0, 1, 28, 28]), 400,
@@ -115,7 +119,8 @@ CASES = [
     ("wrong-dims", with_input(shape=[2, 784]), 400, "inputs[0].shape: expected shape [N, 1, 28, 28], got [2, 784]"),
     ("wrong-image-size", with_input(shape=[2, 1, 14, 56]), 400,
      "inputs[0].shape: expected shape [N, 1, 28, 28], got [2, 1, 14, 56]"),
-    ("empty-batch", with_data([], shape=[0, 1, 28, 28]), 400, "inputs[0].shape[0]: empty batch; expected 1 to 8 images"),
+    ("empty-batch", with_data([], shape=[0, 1, 28, 28]), 400,
+     "inputs[0].shape[0]: empty batch; expected 1 to 8 images"),
     ("over-the-batch-limit", with_data(images(MAX_BATCH_SIZE + 1, seed=0).ravel().tolist(), shape=[9, 1, 28, 28]), 400,
      "inputs[0].shape[0]: 9 images exceed the maximum of 8 per request; split them over several requests"),
     # the declared batch is refused before the data (one image's worth) is looked at
@@ -132,13 +137,15 @@ CASES = [
      ("inputs[0].data: expected a list of numbers for datatype FP32, got values of type str",)),
     ("nulls", with_data([None] * COUNT), 400,
      "inputs[0].data: expected a list of numbers for datatype FP32, got values of type object"),
-    ("a-single-value", with_data(0.5), 400, "inputs[0].data: expected a list of numbers for datatype FP32, got a single value"),
+    ("a-single-value", with_data(0.5), 400,
+     "inputs[0].data: expected a list of numbers for datatype FP32, got a single value"),
     ("uint8-300", uint8([300]), 400, "inputs[0].data: UINT8 values must be in 0..255, got 300"),
     ("uint8-minus-1", uint8([7, -1]), 400, "inputs[0].data: UINT8 values must be in 0..255, got -1"),
     ("uint8-floats", with_data(GOOD.ravel().tolist(), datatype="UINT8"), 400,
      "inputs[0].data: expected a list of integers 0..255 for datatype UINT8, got values of type float64"),
     ("nan", unencodable("NaN"), 400, "inputs[0]: image 1 contains NaN or Inf; expected finite values in [0, 1]"),
-    ("infinity", unencodable("Infinity"), 400, "inputs[0]: image 1 contains NaN or Inf; expected finite values in [0, 1]"),
+    ("infinity", unencodable("Infinity"), 400,
+     "inputs[0]: image 1 contains NaN or Inf; expected finite values in [0, 1]"),
     ("out-of-range", with_data((GOOD * 3).ravel().tolist()), 400,
      ("inputs[0]: image 0 has values in [", "]; expected [0, 1] (divide 8-bit pixels by 255, or send them as uint8)")),
     ("binary-size-mismatch", binary(RAW[:-4], len(RAW)), 400,
@@ -205,7 +212,7 @@ CASES = [
     ("encoding-not-taken", (b"{}", {"Content-Encoding": "br"}), 415,
      "Content-Encoding 'br' is not taken; send the body as is, or as gzip or deflate"),
     # JSON true and false are not numbers (a list of them only is refused), even among numbers
-    ("fp32-true-among-numbers", with_data([True] + GOOD.ravel().tolist()[1:]), 400,
+    ("fp32-true-among-numbers", with_data([True, *GOOD.ravel().tolist()[1:]]), 400,
      "inputs[0].data: expected a list of numbers for datatype FP32, got true or false among them"),
     ("uint8-false-among-integers", uint8([3, False]), 400,
      "inputs[0].data: expected a list of integers 0..255 for datatype UINT8, got true or false among them"),
@@ -218,7 +225,7 @@ def port(kserve_rest) -> int:
 
 
 def assert_good_request_answered(port: int, run_onnx) -> None:
-    status, headers, body = call(port, *changed(lambda d: d.update(outputs=[{"name": "probabilities"}])))
+    status, _headers, body = call(port, *changed(lambda d: d.update(outputs=[{"name": "probabilities"}])))
     assert status == 200, body
     probabilities = json.loads(body)["outputs"][0]
     assert (probabilities["name"], probabilities["shape"]) == ("probabilities", [2, 10])
@@ -262,8 +269,9 @@ def test_a_body_over_max_message_bytes_is_413(kserve_rest, port, run_onnx):
         f"the request body exceeds the server's limit of {limit} bytes (--max-message-bytes); send fewer images per "
         "request, or their data in binary")})
     after = scrape(kserve_rest.metrics_url)
-    exhausted = dict(api="kserve_http", method="ModelInfer", code="RESOURCE_EXHAUSTED")
-    assert metric(after, "capsnet_requests_total", **exhausted) - metric(before, "capsnet_requests_total", **exhausted) == 1
+    exhausted = {"api": "kserve_http", "method": "ModelInfer", "code": "RESOURCE_EXHAUSTED"}
+    assert metric(after, "capsnet_requests_total", **exhausted) \
+        - metric(before, "capsnet_requests_total", **exhausted) == 1
     # exactly the limit is read, and parsed
     status, _, body = call(port, b" " * limit, {"Content-Type": "application/json"})
     assert status == 400 and json.loads(body)["error"].startswith("request body: not valid JSON")

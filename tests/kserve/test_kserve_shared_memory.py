@@ -72,7 +72,8 @@ def test_tensors_in_and_out_of_system_shared_memory_as_tritonclient_passes_them(
     probabilities, poses = module.InferRequestedOutput("probabilities"), module.InferRequestedOutput("poses")
     probabilities.set_shared_memory("out", 4 * 10 * 4)
     poses.set_shared_memory("out", 4 * 10 * 16 * 4, offset=4 * 10 * 4)
-    result = client.infer("capsnet", [tensor], outputs=[probabilities, poses, module.InferRequestedOutput("reconstruction")])
+    result = client.infer("capsnet", [tensor],
+                          outputs=[probabilities, poses, module.InferRequestedOutput("reconstruction")])
 
     expected = run_onnx(batch)
     answered = result.get_output("probabilities")  # in the region, not in the answer
@@ -88,13 +89,13 @@ def test_tensors_in_and_out_of_system_shared_memory_as_tritonclient_passes_them(
 
     client.unregister_system_shared_memory("in")
     remaining = client.get_system_shared_memory_status(**({"as_json": True} if transport == "grpc" else {}))
-    assert [region["name"] for region in (remaining.get("regions", {}).values() if transport == "grpc" else remaining)] \
-        == ["out"]
+    assert [region["name"]
+            for region in (remaining.get("regions", {}).values() if transport == "grpc" else remaining)] == ["out"]
     client.unregister_system_shared_memory()  # empty name: all
 
 
 def test_uint8_pixels_from_shared_memory_classified(rest_and_grpc, regions, run_onnx):
-    http, rpc = rest_and_grpc
+    _http, rpc = rest_and_grpc
     pixels = (images(3, seed=32) * 255).astype(np.uint8)  # (3, 1, 28, 28)
     handle, key = regions("pixels", pixels.nbytes)
     shm.set_shared_memory_region(handle, [pixels])
@@ -102,7 +103,8 @@ def test_uint8_pixels_from_shared_memory_classified(rest_and_grpc, regions, run_
     try:
         tensor = grpcclient.InferInput("images", list(pixels.shape), "UINT8")
         tensor.set_shared_memory("pixels", pixels.nbytes)
-        result = rpc.infer("capsnet", [tensor], outputs=[grpcclient.InferRequestedOutput("probabilities", class_count=2)])
+        result = rpc.infer("capsnet", [tensor],
+                           outputs=[grpcclient.InferRequestedOutput("probabilities", class_count=2)])
         answered = result.get_output("probabilities")
         assert (answered.datatype, list(answered.shape)) == ("BYTES", [3, 2])
         classes = result.as_numpy("probabilities")
@@ -147,11 +149,11 @@ def _code(call) -> tuple[str, str]:
 
 def test_registering_refuses_what_is_not_a_shared_memory_object(rest_and_grpc, regions, tmp_path):
     http, rpc = rest_and_grpc
-    handle, key = regions("small", 100)
+    _handle, key = regions("small", 100)
     outside = tmp_path / "file"
     outside.write_bytes(b"x" * 100)
     for bad_key in ("no-slash", "/a/b", str(outside), "/../../etc/passwd", "/..", "/.", "/" + "x" * 300, ""):
-        status, message = _code(lambda: rpc.register_system_shared_memory("r", bad_key, 10))
+        status, message = _code(lambda bad_key=bad_key: rpc.register_system_shared_memory("r", bad_key, 10))
         assert status == "StatusCode.INVALID_ARGUMENT" and message.startswith("key: expected a POSIX shared-memory"), \
             (bad_key, message)
     status, message = _code(lambda: rpc.register_system_shared_memory("r", f"/capsnet-absent-{os.getpid()}", 10))
@@ -232,14 +234,14 @@ def test_tensors_that_do_not_fit_their_region_are_refused_by_field(kserve_rest, 
 
 
 def test_limits_and_the_switch_that_turns_client_shared_memory_off(start_kserve, regions):
-    handle, key = regions("any", 64)
+    _handle, key = regions("any", 64)
     limited = grpcclient.InferenceServerClient(start_kserve(max_shm_regions=2, max_shm_bytes=100))
     off = grpcclient.InferenceServerClient(start_kserve(allow_client_shm=False))
     try:
         limited.register_system_shared_memory("a", key, 40)
         status, message = _code(lambda: limited.register_system_shared_memory("b", key, 64))
-        assert status == "StatusCode.RESOURCE_EXHAUSTED" and message.startswith("byte_size:") and "--max-shm-bytes 100" \
-            in message
+        assert status == "StatusCode.RESOURCE_EXHAUSTED" and message.startswith("byte_size:") \
+            and "--max-shm-bytes 100" in message
         limited.register_system_shared_memory("b", key, 60)
         status, message = _code(lambda: limited.register_system_shared_memory("c", key, 1))
         assert status == "StatusCode.RESOURCE_EXHAUSTED" and "--max-shm-regions 2" in message
@@ -279,7 +281,7 @@ def test_a_region_unregistered_or_shrunk_while_requests_use_it(kserve_model_dir,
     first_handle, first_key = regions("a", first.nbytes)
     second_handle, second_key = regions("b", second.nbytes)
     cut_handle, cut_key = regions("cut", first.nbytes)
-    out_handle, out_key = regions("cut-out", 2 * 10 * 4)
+    _out_handle, out_key = regions("cut-out", 2 * 10 * 4)
     for handle, data in ((first_handle, first), (second_handle, second), (cut_handle, first)):
         shm.set_shared_memory_region(handle, [data])
     try:

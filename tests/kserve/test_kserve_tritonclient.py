@@ -41,7 +41,8 @@ def triton(kserve_target):
 def test_tritonclient_live_ready_metadata_and_infer(triton, run_onnx):
     assert grpc_service_pb2.ModelInferRequest.DESCRIPTOR.full_name == "inference.ModelInferRequest"  # ours, loaded too
     assert (triton.is_server_live(), triton.is_server_ready(), triton.is_model_ready("capsnet")) == (True, True, True)
-    assert triton.get_server_metadata(as_json=True) == {"name": "capsnet-serve", "version": __version__, "extensions": CPU_EXTENSIONS}
+    assert triton.get_server_metadata(as_json=True) == {"name": "capsnet-serve", "version": __version__,
+                                                        "extensions": CPU_EXTENSIONS}
     metadata = triton.get_model_metadata("capsnet", as_json=True)
     assert (metadata["name"], metadata["versions"], metadata["platform"]) == ("capsnet", ["1"], "onnxruntime_onnx")
     assert metadata["inputs"] == [{"name": "images", "datatype": "FP32", "shape": ["-1", "1", "28", "28"]}]

@@ -51,8 +51,8 @@ class ServerThread:
 
 
 def server_config(model_dir: Path, **overrides) -> ServerConfig:
-    values = dict(model_dir=model_dir, grpc_port=0, http_port=0, metrics_port=0, max_batch_size=8, max_queue_delay_us=2000,
-                  threads=1, drain_window_s=0.0, grace_period_s=5.0)
+    values = {"model_dir": model_dir, "grpc_port": 0, "http_port": 0, "metrics_port": 0, "max_batch_size": 8,
+              "max_queue_delay_us": 2000, "threads": 1, "drain_window_s": 0.0, "grace_period_s": 5.0}
     return ServerConfig(**{**values, **overrides})
 
 
@@ -134,7 +134,8 @@ class ServeProcess:
     def __init__(self, *args: str, timeout: float = 120, stderr: Path | None = None, env: dict | None = None):
         """`stderr`: a file the server's log goes to (a server that logs every request would fill a pipe no one
         reads); `env`: its environment."""
-        command = [sys.executable, "-m", "capsnet", "serve", "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", *args]
+        command = [sys.executable, "-m", "capsnet", "serve", "--grpc-port", "0", "--http-port", "0", "--metrics-port",
+                   "0", *args]
         self._log = None if stderr is None else open(stderr, "w")
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log or subprocess.PIPE, text=True,
                                         env=env)

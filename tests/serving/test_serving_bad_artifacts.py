@@ -52,8 +52,9 @@ def _refused(directory: Path, *flags: str, prefix: tuple[str, ...] = ()) -> str:
     stderr_path = directory.parent / "stderr.txt"
     with open(stderr_path, "w") as stderr:  # a file: a chatty process cannot block on a full pipe
         process = subprocess.Popen([*prefix, sys.executable, "-m", "capsnet", "serve", "--model", str(directory),
-                                    "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", "--max-batch-size", "8", "--threads", "1",
-                                    *flags], stdout=subprocess.PIPE, stderr=stderr, text=True)
+                                    "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
+                                    "--max-batch-size", "8", "--threads", "1", *flags],
+                                   stdout=subprocess.PIPE, stderr=stderr, text=True)
         try:
             for line in process.stdout:  # its one stdout line is the ready line
                 if READY_LINE.search(line):
@@ -73,7 +74,8 @@ def _random_checkpoint(path: Path, **overrides) -> Path:
     torch.manual_seed(1)
     config = preset("tiny", **overrides)
     save_checkpoint(Checkpoint(config=config, state_dict=create_model(config).state_dict(),
-                               class_names=[str(i) for i in range(config.num_classes)], dataset="embedded-mnist-5k"), path)
+                               class_names=[str(i) for i in range(config.num_classes)], dataset="embedded-mnist-5k"),
+                    path)
     return path
 
 
@@ -111,9 +113,11 @@ def test_model_json_that_json_cannot_read_is_one_line(model_dir, tmp_path, text,
     (lambda s: s.__setitem__("parity", "passed"), (), "'parity' has the wrong type (str)"),
     # routing of the wrong type served, then failed every GetModelInfo (it becomes a proto)
     (lambda s: s["routing"].__setitem__("iterations", "3"), (), "routing.'iterations' has the wrong type (str)"),
-    (lambda s: s["routing"].__setitem__("iterations", 2**40), (), "routing.iterations must be a positive 32-bit integer"),
+    (lambda s: s["routing"].__setitem__("iterations", 2**40), (),
+     "routing.iterations must be a positive 32-bit integer"),
     (lambda s: s["routing"].__setitem__("variant", 3), (), "routing.'variant' has the wrong type (int)"),
-    (lambda s: s["routing"].__setitem__("squash_constant", "1"), (), "routing.'squash_constant' has the wrong type (str)"),
+    (lambda s: s["routing"].__setitem__("squash_constant", "1"), (),
+     "routing.'squash_constant' has the wrong type (str)"),
     # the variants export refused: file names to reasons, never a file the export lists as written
     (lambda s: s.__setitem__("refused", ["model.int8.onnx"]), (), "'refused' has the wrong type (list)"),
     (lambda s: s.__setitem__("refused", {"model.int8.onnx": -2.09}), (), "refused must map file names to reasons"),
@@ -175,7 +179,8 @@ def test_an_unreadable_model_file_or_directory_is_one_line(model_dir, tmp_path, 
      "model.onnx takes tensor(float) ['batch', 1, 28, 28], model.json says float32 [N, 1, 32, 32]"),
     # the torch backend on another model's checkpoint
     (lambda d, other: _replace(d, "model.ckpt", other["5-classes.ckpt"].read_bytes()), ("--backend", "torch"),
-     "self-check: the torch backend (model.ckpt on CPU, 1 threads) gives probabilities of shape [5] per image, model.json says [10]"),
+     "self-check: the torch backend (model.ckpt on CPU, 1 threads) gives probabilities of shape [5] per image, "
+     "model.json says [10]"),
 ])
 def test_files_of_another_model_are_refused_at_startup(model_dir, other_models, tmp_path, damage, flags, message):
     copy = _copy(model_dir, tmp_path)
@@ -194,9 +199,12 @@ def _npz(**arrays) -> bytes:
 @pytest.mark.parametrize("make, message", [
     (lambda ref: b"", "not a self-check set (EOFError"),
     (lambda ref: b"not an archive", "not a self-check set (ValueError"),
-    (lambda ref: _npz(probabilities=ref["probabilities"], poses=ref["poses"]), "no 'images' or no 'probabilities' array"),
-    (lambda ref: _npz(**{**ref, "poses": ref["poses"][:50]}), "'poses' is float32 [50, 10, 16], expected float32 [128, 10, 16]"),
-    (lambda ref: _npz(**{**ref, "images": ref["images"][:, :, :20]}), "'images' are [1, 20, 28], model.json says [1, 28, 28]"),
+    (lambda ref: _npz(probabilities=ref["probabilities"], poses=ref["poses"]),
+     "no 'images' or no 'probabilities' array"),
+    (lambda ref: _npz(**{**ref, "poses": ref["poses"][:50]}),
+     "'poses' is float32 [50, 10, 16], expected float32 [128, 10, 16]"),
+    (lambda ref: _npz(**{**ref, "images": ref["images"][:, :, :20]}),
+     "'images' are [1, 20, 28], model.json says [1, 28, 28]"),
 ])
 def test_a_damaged_self_check_set_is_one_line(model_dir, tmp_path, make, message):
     copy = _copy(model_dir, tmp_path)
@@ -208,17 +216,20 @@ def test_a_damaged_self_check_set_is_one_line(model_dir, tmp_path, make, message
 
 
 def test_a_plan_description_of_the_wrong_kind_is_one_line(model_dir, tmp_path, monkeypatch, capsys):
-    """model.plan.json with a batch size that is not a number (TensorRT and the GPU are FAKES, tests/fake_tensorrt.py)."""
+    """model.plan.json with a batch size that is not a number (TensorRT and the GPU are FAKES,
+    tests/fake_tensorrt.py)."""
     copy = _copy(model_dir, tmp_path)
     (copy / "model.plan").write_bytes(b"engine")
     (copy / "model.plan.json").write_text(json.dumps({
         "tensorrt_version": "10.0.0-fake", "gpu_name": "Fake GPU 0", "compute_capability": "9.0", "precision": "fp32",
         "min_batch": 1, "opt_batch": 8, "max_batch": "many"}))
     _edit(copy, lambda s: (s["artifacts"].__setitem__("tensorrt", "model.plan"),
-                           s["sha256"].update({name: file_sha256(copy / name) for name in ("model.plan", "model.plan.json")})))
+                           s["sha256"].update({name: file_sha256(copy / name)
+                                               for name in ("model.plan", "model.plan.json")})))
     runtime = FakeCudaRuntime(device_count=1)
     monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt(runtime))
     monkeypatch.setattr(tensorrt_runner, "cudart", lambda: runtime)
-    code = main(["serve", "--model", str(copy), "--backend", "tensorrt", "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0"])
+    code = main(["serve", "--model", str(copy), "--backend", "tensorrt", "--grpc-port", "0", "--http-port", "0",
+                 "--metrics-port", "0"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet serve: error: ")]
     assert code == 2 and len(errors) == 1 and "model.plan.json is damaged: expected" in errors[0], errors

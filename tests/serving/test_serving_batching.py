@@ -62,7 +62,8 @@ def test_concurrent_requests_are_batched_and_each_caller_gets_its_answer(batchin
         np.testing.assert_allclose(probabilities(response), alone, rtol=0, atol=1e-5)
     batches = metric(after, "capsnet_batch_size_count") - metric(before, "capsnet_batch_size_count")
     images = metric(after, "capsnet_batch_size_sum") - metric(before, "capsnet_batch_size_sum")
-    singles = metric(after, "capsnet_batch_size_bucket", le="1.0") - metric(before, "capsnet_batch_size_bucket", le="1.0")
+    singles = (metric(after, "capsnet_batch_size_bucket", le="1.0")
+               - metric(before, "capsnet_batch_size_bucket", le="1.0"))
     assert images == total and metric(after, "capsnet_images_total") - metric(before, "capsnet_images_total") == total
     assert batches < 16 and batches - singles > 0, f"{batches} backend runs for 16 requests, {singles} of one image"
 
@@ -77,7 +78,8 @@ def test_a_request_is_split_to_fill_a_batch(batching_server):
     after = scrape(running.metrics_url)
     # 11 images, at most 8 per run: 5 + 3 of the second request, then its last 3.
     assert metric(after, "capsnet_batch_size_count") - metric(before, "capsnet_batch_size_count") == 2
-    assert metric(after, "capsnet_batch_size_bucket", le="8.0") - metric(before, "capsnet_batch_size_bucket", le="4.0") >= 1
+    assert metric(after, "capsnet_batch_size_bucket", le="8.0") \
+        - metric(before, "capsnet_batch_size_bucket", le="4.0") >= 1
     for images, got in zip((first, second), results):
         np.testing.assert_allclose(got, backend.run(images.copy())["probabilities"], rtol=0, atol=1e-5)
 
@@ -105,7 +107,8 @@ def test_full_queue_answers_unavailable_at_once_and_cancelling_frees_a_slot(slow
     for future in (first, third):
         np.testing.assert_allclose(probabilities(future.result()), expected, rtol=0, atol=1e-5)
     assert second.cancelled()
-    assert metric(scrape(running.metrics_url), "capsnet_dropped_requests_total", reason="cancelled") == cancelled_before + 1
+    assert metric(scrape(running.metrics_url), "capsnet_dropped_requests_total", reason="cancelled") \
+        == cancelled_before + 1
 
 
 def test_request_past_its_deadline_is_dropped_before_compute(slow_queue_server):

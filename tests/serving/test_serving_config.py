@@ -26,9 +26,10 @@ def test_environment_then_flags():
     env = {"CAPSNET_HOST": "0.0.0.0", "CAPSNET_GRPC_PORT": "9001", "CAPSNET_METRICS_PORT": "9002",
            "CAPSNET_HTTP_PORT": "9000"}
     from_env = ServerConfig.from_sources({"model_dir": "m", "grpc_port": None}, env=env)
-    assert (from_env.host, from_env.http_port, from_env.grpc_port, from_env.metrics_port) == ("0.0.0.0", 9000, 9001, 9002)
-    from_flags = ServerConfig.from_sources({"model_dir": "m", "grpc_port": 7001, "http_port": 7000, "host": "127.0.0.2"},
-                                           env=env)
+    assert (from_env.host, from_env.http_port, from_env.grpc_port, from_env.metrics_port) == ("0.0.0.0", 9000, 9001,
+                                                                                              9002)
+    from_flags = ServerConfig.from_sources({"model_dir": "m", "grpc_port": 7001, "http_port": 7000,
+                                            "host": "127.0.0.2"}, env=env)
     assert (from_flags.host, from_flags.http_port, from_flags.grpc_port, from_flags.metrics_port) == (
         "127.0.0.2", 7000, 7001, 9002)
 

@@ -46,8 +46,11 @@ def test_engine_for_another_gpu_is_refused_at_startup(tensorrt_model_dir, tmp_pa
     copy = tmp_path / "model"
     shutil.copytree(tensorrt_model_dir, copy)
     info = json.loads((copy / "model.plan.json").read_text())
-    (copy / "model.plan.json").write_text(json.dumps({**info, "gpu_name": "Imaginary GPU", "compute_capability": "1.0"}))
-    code = main(["serve", "--model", str(copy), "--backend", "tensorrt", "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0"])
+    (copy / "model.plan.json").write_text(json.dumps({**info, "gpu_name": "Imaginary GPU",
+                                                      "compute_capability": "1.0"}))
+    code = main(["serve", "--model", str(copy), "--backend", "tensorrt", "--grpc-port", "0", "--http-port", "0",
+                 "--metrics-port", "0"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet serve: error: ")]
     assert code == 2 and len(errors) == 1
-    assert "was built for Imaginary GPU (compute capability 1.0)" in errors[0] and "re-export with --tensorrt on this GPU" in errors[0]
+    assert "was built for Imaginary GPU (compute capability 1.0)" in errors[0] \
+        and "re-export with --tensorrt on this GPU" in errors[0]

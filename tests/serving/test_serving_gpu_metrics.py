@@ -259,7 +259,8 @@ def test_a_server_on_a_gpu_exports_its_gpus_and_the_models_gpu_time(model_dir):
     finally:
         served.stop()
     gpu = "GPU-" + str(torch.cuda.get_device_properties(0).uuid)  # the GPU served on, as NVML names it
-    reported = {dict(labels)["gpu_uuid"] for (name, labels), _ in samples.items() if name == "nv_gpu_memory_total_bytes"}
+    reported = {dict(labels)["gpu_uuid"]
+                for (name, labels), _ in samples.items() if name == "nv_gpu_memory_total_bytes"}
     assert gpu in reported and len(reported) == torch.cuda.device_count()
     total = metric(samples, "nv_gpu_memory_total_bytes", gpu_uuid=gpu)
     assert total == cuda_total_with_driver_reserve(0)

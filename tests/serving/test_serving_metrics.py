@@ -30,9 +30,9 @@ def test_metrics_change_as_requests_are_served(server, stub, channel):
         stub.Classify(pb.ClassifyRequest(), timeout=30)
     kserve_grpc.GRPCInferenceServiceStub(channel).ServerLive(kserve_pb.ServerLiveRequest(), timeout=30)
 
-    ok = dict(api="capsnet", method="Classify", code="OK")
-    invalid = dict(api="capsnet", method="Classify", code="INVALID_ARGUMENT")
-    live = dict(api="kserve", method="ServerLive", code="OK")
+    ok = {"api": "capsnet", "method": "Classify", "code": "OK"}
+    invalid = {"api": "capsnet", "method": "Classify", "code": "INVALID_ARGUMENT"}
+    live = {"api": "kserve", "method": "ServerLive", "code": "OK"}
     # Requests are counted when they end, just after the client has its answer.
     wait_until(lambda: metric(scrape(server.metrics_url), "capsnet_requests_total", **live)
                == metric(before, "capsnet_requests_total", **live) + 1)
@@ -40,8 +40,10 @@ def test_metrics_change_as_requests_are_served(server, stub, channel):
     assert metric(after, "capsnet_requests_total", **ok) == metric(before, "capsnet_requests_total", **ok) + 1
     assert metric(after, "capsnet_requests_total", **invalid) == metric(before, "capsnet_requests_total", **invalid) + 1
     duration = "capsnet_request_duration_seconds_count"
-    assert metric(after, duration, api="capsnet", method="Classify") == metric(before, duration, api="capsnet", method="Classify") + 2
-    assert metric(after, "capsnet_request_duration_seconds_sum", api="capsnet") > metric(before, "capsnet_request_duration_seconds_sum", api="capsnet")
+    assert metric(after, duration, api="capsnet", method="Classify") \
+        == metric(before, duration, api="capsnet", method="Classify") + 2
+    assert metric(after, "capsnet_request_duration_seconds_sum", api="capsnet") \
+        > metric(before, "capsnet_request_duration_seconds_sum", api="capsnet")
     assert metric(after, "capsnet_images_total") == metric(before, "capsnet_images_total") + 3
     for name in ("capsnet_queue_wait_seconds_count", "capsnet_compute_seconds_count", "capsnet_batch_size_count"):
         assert metric(after, name) > metric(before, name), name
@@ -70,7 +72,8 @@ def test_a_stream_counts_its_requests_in_flight_not_itself(model_dir):
     requests: queue.Queue = queue.Queue()
     try:
         with grpc.insecure_channel(running.target) as channel:
-            responses = capsnet_pb2_grpc.CapsNetServiceStub(channel).ClassifyStream(iter(requests.get, None), timeout=60)
+            responses = capsnet_pb2_grpc.CapsNetServiceStub(channel).ClassifyStream(iter(requests.get, None),
+                                                                                    timeout=60)
             requests.put(pb.ClassifyRequest(images=[image_message(IMAGES[i % 3]) for i in range(8)]))  # a full batch
             assert len(next(responses).results) == 8  # answered at once: the stream is open, and idle now
             wait_until(lambda: metric(scrape(running.metrics_url), "capsnet_inflight_requests") == 0, timeout=2)

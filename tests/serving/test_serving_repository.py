@@ -57,7 +57,7 @@ def test_a_bad_policy_flag_is_one_line(text):
 @pytest.mark.parametrize("value", [{"latest": {"num_versions": 0}}, {"specific": {"versions": []}},
                                    {"specific": {"versions": ["1"]}}, {"newest": {}}, [], {"all": {}, "latest": {}}])
 def test_a_bad_policy_in_config_json_names_the_file(value):
-    with pytest.raises(CapsNetError, match="config.json"):
+    with pytest.raises(CapsNetError, match=r"config.json"):
         VersionPolicy.from_json(value, "m/config.json")
 
 

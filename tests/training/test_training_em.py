@@ -179,10 +179,11 @@ def test_em_front_end_options_add_their_layers_and_are_checked():
     # all off: the parameter names of EM checkpoints written before the options existed
     plain = create_model(preset("em").replace(em_conv2_channels=0, em_conv3_channels=0, em_batch_norm=False))
     assert not [name for name in plain.state_dict() if "norm" in name or "conv2" in name or "conv3" in name]
-    for change, message in ((dict(em_conv2_channels=-1), "em_conv2_channels must be an integer >= 0, got -1"),
-                            (dict(em_conv3_channels=2.5), "em_conv3_channels must be an integer >= 0, got 2.5"),
-                            (dict(em_conv2_channels=0, em_conv3_channels=8), "em_conv3_channels needs em_conv2_channels > 0"),
-                            (dict(em_batch_norm=1), "em_batch_norm must be true or false, got 1")):
+    for change, message in (({"em_conv2_channels": -1}, "em_conv2_channels must be an integer >= 0, got -1"),
+                            ({"em_conv3_channels": 2.5}, "em_conv3_channels must be an integer >= 0, got 2.5"),
+                            ({"em_conv2_channels": 0, "em_conv3_channels": 8},
+                             "em_conv3_channels needs em_conv2_channels > 0"),
+                            ({"em_batch_norm": 1}, "em_batch_norm must be true or false, got 1")):
         with pytest.raises(CapsNetError, match=message):
             preset("em").replace(**change)
 
