@@ -273,7 +273,8 @@ def serve(args) -> dict:
     return {**result, "cells": cells}
 
 
-def _load_cell(target: str, api: str, batch: int, concurrency: int, seconds: float, model: str, input_name: str) -> dict:
+def _load_cell(target: str, api: str, batch: int, concurrency: int, seconds: float, model: str,
+               input_name: str) -> dict:
     """One closed-loop run of `concurrency` clients, spread over up to CLIENTS_PER_CELL processes."""
     processes = 1 if concurrency < 16 else CLIENTS_PER_CELL
     shares = [concurrency // processes + (index < concurrency % processes) for index in range(processes)]
@@ -387,7 +388,8 @@ def _analysis(parts: dict, flops: float | None) -> dict:
     if served.get("cells"):
         reference = cells.get((f"{served['served']['backend']}:{served['served']['precision']}", 32))
         for cell in served["cells"]:
-            if cell["images_per_request"] == 32 and cell["concurrency"] == max(c["concurrency"] for c in served["cells"]):
+            most = max(c["concurrency"] for c in served["cells"])
+            if cell["images_per_request"] == 32 and cell["concurrency"] == most:
                 if reference:
                     analysis[f"served_{cell['api']}_share_of_inprocess_batch32"] = \
                         cell["images_per_s"] / reference["images_per_s"]
@@ -457,7 +459,8 @@ def _markdown(summary: dict, parts: dict) -> str:
                 text = (f"- {key}: best {entry['best']} {entry['best_images_per_s']:,.0f} images/s "
                         f"(p50 {entry['best_p50_ms']:.3f} ms)")
                 if "speedup_vs_public" in entry:
-                    target = {"batch_1": TARGETS["batch1_vs_public"], "batch_256": TARGETS["batch256_vs_public"]}.get(key)
+                    target = {"batch_1": TARGETS["batch1_vs_public"],
+                              "batch_256": TARGETS["batch256_vs_public"]}.get(key)
                     text += f", {entry['speedup_vs_public']:.1f}x the public forward pass"
                     if target:
                         text += f" (target {target:g}x: {'met' if entry['speedup_vs_public'] >= target else 'MISSED'})"

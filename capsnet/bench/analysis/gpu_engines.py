@@ -7,10 +7,11 @@
     every served engine         the server's backends (torch and fused, each in fp32, fp16 and bf16), as served:
                                 CUDA graphs per batch bucket, self-checked first
 
-Each at every batch size (torch.compile at 1 and 256: each size is a compile of its own), two ways: device-resident (images already on the GPU, outputs left there: the engine's
-own time, from CUDA events) and numpy in and out (the host copies included: what a server pays). p50 of a fixed
-number of calls after warm-up calls. Then where each engine's time goes: a torch.profiler table of its kernels at
-batches 1 and 256. Every ratio the report gives comes from this one process on this one GPU.
+Each at every batch size (torch.compile at 1 and 256: each size is a compile of its own), two ways: device-resident
+(images already on the GPU, outputs left there: the engine's own time, from CUDA events) and numpy in and out (the
+host copies included: what a server pays). p50 of a fixed number of calls after warm-up calls. Then where each
+engine's time goes: a torch.profiler table of its kernels at batches 1 and 256. Every ratio the report gives comes
+from this one process on this one GPU.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def _reference_engine(spec: str, model_dir: Path, device, batches: tuple[int, ..
         def forward(images):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 output = compiled(images)
-            # reduce-overhead replays a CUDA graph whose outputs the next replay overwrites: cloned as a caller keeps them
+            # reduce-overhead replays a CUDA graph whose outputs the next replay overwrites: cloned, as a caller
+            # keeps them
             return {"probabilities": output.probabilities.clone(), "poses": output.poses.clone(),
                     "reconstruction": output.reconstruction.clone()}
 
