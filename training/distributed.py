@@ -125,8 +125,14 @@ def process_group(context: DistributedContext, device: torch.device) -> Iterator
         # A peer that exits (its own error, a kill) breaks the next collective here: say so in one line, not a traceback
         if not _peer_lost(err):
             raise
-        raise CapsNetError(f"process {context.rank} of {context.world_size} stopped: another process of the run "
-                           f"ended (its error, if it had one, is above): {_first_sentence(err)}") from None
+        # gloo's work still pending with the dead peer (DDP's gradient all-reduce) waits for it up to the group's
+        # 30-minute timeout, and the group's teardown waits for that work: with the group destroyed for real, the
+        # surviving rank hung there instead of exiting. The run is over, so this rank says its one line and leaves
+        # at once, without tearing down the group or the interpreter (which could abort with gloo alive).
+        print(f"capsnet train: error: process {context.rank} of {context.world_size} stopped: another process of "
+              f"the run ended (its error, if it had one, is above): {_first_sentence(err)}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)
     finally:
         dist.destroy_process_group()
 

@@ -133,8 +133,7 @@ def test_a_rank_that_dies_mid_training_leaves_the_others_one_line_not_a_tracebac
         assert time.monotonic() < deadline and ranks[0].is_alive(), "rank 0 never finished epoch 1"
         time.sleep(0.1)
     os.kill(ranks[1].pid, signal.SIGKILL)  # a crash: out of memory, a lost node
-    assert wait(ranks) == [2, -signal.SIGKILL]
-    assert threads_left(tmp_path, range(1)) == [""]
+    assert wait(ranks) == [2, -signal.SIGKILL]  # rank 0 leaves at once: tearing gloo down waited for the dead peer
     rank0 = stderr_of(tmp_path)[0]
     assert "Traceback" not in rank0  # it was gloo's "Connection closed by peer" RuntimeError with its traceback
     [line] = error_lines(rank0)
