@@ -9,6 +9,7 @@ import numpy as np
 import onnxruntime as ort
 
 from capsnet.errors import CapsNetError
+from capsnet.model_description.files import ONNX_FP16_NAME, ONNX_INT8_NAME
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import Backend
 from capsnet.serving.config import ServerConfig
@@ -32,6 +33,10 @@ class OnnxRuntimeBackend(Backend):
     def __init__(self, artifacts: ModelArtifacts, precision: str, threads: int, max_batch_size: int, gpu: int = 0):
         path = artifacts.onnx.get(precision)
         if path is None:
+            file = {"int8": ONNX_INT8_NAME, "fp16": ONNX_FP16_NAME}.get(precision)
+            if file in artifacts.refused:  # asked for at export, and the precision gate refused it there
+                raise CapsNetError(f"{artifacts.directory} has no {precision} ONNX model: the export did not write "
+                                   f"{file}: {artifacts.refused[file]}")
             raise CapsNetError(f"{artifacts.directory} has no {precision} ONNX model; export it with --{precision}")
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads

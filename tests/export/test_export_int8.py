@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import numpy_helper
 
 from capsnet.cli import main
+from capsnet.errors import CapsNetError
 from capsnet.export.cli import EXIT_REFUSED
 from capsnet.model_description.schema import ModelDescription
 from capsnet.serving.artifacts import load_artifacts
+from capsnet.serving.backends import create_backend
+from capsnet.serving.config import ServerConfig
 from capsnet.export.parity import onnxruntime_probabilities, onnxruntime_session
 from capsnet.export.precision import accuracy_change_points
 
@@ -78,6 +82,11 @@ def test_a_refused_int8_variant_costs_nothing_of_the_fp32_export_and_is_named(tr
     assert description.int8 is not None and description.int8["calibration_images"] == 64  # how the refused one was made
     artifacts = load_artifacts(out)  # as the server reads it
     assert list(artifacts.onnx) == ["fp32"] and artifacts.refused == description.refused
+    # asked for INT8, the server says why there is none instead of advising an export with --int8
+    with pytest.raises(CapsNetError, match=r"the export did not write model\.int8\.onnx: INT8 model refused: ") as caught:
+        create_backend("onnxruntime", "int8", artifacts, ServerConfig(model_dir=out, backend="onnxruntime",
+                                                                      precision="int8"))
+    assert "export it with" not in str(caught.value)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["black-calibration", "model"]  # no staging left
 
 
