@@ -1,4 +1,5 @@
-"""`capsnet export CHECKPOINT --out DIR`: ONNX (+ INT8, FP16), AOTInductor packages, TensorRT and a Triton repository."""
+"""`capsnet export CHECKPOINT --out DIR`: ONNX (+ INT8, FP16), AOTInductor packages, TensorRT and a Triton
+repository."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def register(subparsers) -> None:
         epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("checkpoint", help="checkpoint written by `capsnet train`")
-    parser.add_argument("--out", required=True, metavar="DIR", help="output directory (new, empty, or a previous export)")
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="output directory (new, empty, or a previous export)")
     parser.add_argument("--reconstruction", action="store_true", help="also output the decoder's reconstruction")
     parser.add_argument("--data", default=DEFAULTS.data, metavar="embedded|DIR",
                         help="real images for parity and the self-check set (test split), INT8 calibration (train) "
@@ -73,7 +75,8 @@ def register(subparsers) -> None:
     trt.add_argument("--workspace-mib", type=int, default=DEFAULTS.workspace_mib,
                      help="TensorRT workspace limit (default: %(default)s)")
     trt.add_argument("--timing-cache", metavar="PATH", default=None,
-                     help="TensorRT timing cache reused across builds (default: ~/.cache/capsnet/tensorrt.timing-cache)")
+                     help="TensorRT timing cache reused across builds "
+                          "(default: ~/.cache/capsnet/tensorrt.timing-cache)")
     trt.add_argument("--gpu", type=int, default=DEFAULTS.gpu, metavar="N",
                      help="CUDA device to build and check the engine and the CUDA packages on, the one that will serve "
                      "them (default: 0)")

@@ -92,7 +92,8 @@ class ExportConfig:
     # None: the data the checkpoint was trained on
     data: str | None = None
     opset: int = DEFAULT_OPSET
-    # accuracy points a reduced precision (INT8, FP16, BF16) may lose on the test split: the precision gate's export half
+    # accuracy points a reduced precision (INT8, FP16, BF16) may lose on the test split: the precision gate's export
+    # half
     max_accuracy_drop: float = 1.0
     calibration_images: int = 200
     tensorrt_precision: str = "fp32"
@@ -112,7 +113,8 @@ class ExportConfig:
             raise CapsNetError("--triton needs a directory, got an empty path")
         check_opset(self.opset)
         if not (math.isfinite(self.max_accuracy_drop) and self.max_accuracy_drop >= 0):  # nan turned the gate off
-            raise CapsNetError(f"--max-accuracy-drop must be finite and >= 0 accuracy points, got {self.max_accuracy_drop}")
+            raise CapsNetError("--max-accuracy-drop must be finite and >= 0 accuracy points, "
+                               f"got {self.max_accuracy_drop}")
         if self.aoti is not None:
             unknown = [device for device in self.aoti_devices if device not in AOTI_DEVICES] or (
                 [] if self.aoti_devices else ["nothing"])

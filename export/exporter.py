@@ -129,7 +129,8 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
     staging = _staging_dir(out_dir)
     triton_staging = None
     try:
-        description, tensorrt_error = _write_artifacts(staging, checkpoint_path, checkpoint, dataset, config, tensorrt_error)
+        description, tensorrt_error = _write_artifacts(staging, checkpoint_path, checkpoint, dataset, config,
+                                                       tensorrt_error)
         if triton_model_dir is not None:
             triton_staging = _staging_dir(triton_model_dir, beside=_outside_repository(triton_model_dir.parent))
             model_format = "plan" if description.artifacts["tensorrt"] else "onnx"
@@ -423,16 +424,17 @@ def _compile_aoti(staging: Path, program, checkpoint: Checkpoint, config: Export
             source = aoti.move_program(source, target)
         package = aoti.compile_package(source, path, device, precision, gpu, 1, config.max_batch)
         model_config = checkpoint.config
-        runner = AotiRunner(path, torch.device(target), (model_config.in_channels, model_config.height, model_config.width),
-                            output_shapes(model_config, config.reconstruction), config.max_batch)
+        row_shape = (model_config.in_channels, model_config.height, model_config.width)
+        runner = AotiRunner(path, torch.device(target), row_shape, output_shapes(model_config, config.reconstruction),
+                            config.max_batch)
         if precision == "fp32":
             checked = [batch for batch in batches if len(batch) <= config.max_batch]
             expected = [outputs for batch, outputs in zip(batches, pytorch_outputs) if len(batch) <= config.max_batch]
             package_parity = compare(expected, [runner.run(batch) for batch in checked])
             log.info("AOTInductor %s fp32 vs PyTorch: %s", device, package_parity.describe())
             if not package_parity.passes(FP32_TOLERANCE):
-                raise CapsNetError(f"the AOTInductor {device} package disagrees with PyTorch beyond {FP32_TOLERANCE:g}: "
-                                   f"{package_parity.describe()}")
+                raise CapsNetError(f"the AOTInductor {device} package disagrees with PyTorch beyond "
+                                   f"{FP32_TOLERANCE:g}: {package_parity.describe()}")
             result = {"reference": "pytorch", "batch_sizes": [len(batch) for batch in checked],
                       "tolerance": FP32_TOLERANCE, **package_parity.to_dict()}
         else:
@@ -443,7 +445,8 @@ def _compile_aoti(staging: Path, program, checkpoint: Checkpoint, config: Export
 
 def _gate_package(runner, reference: _Reference, gate: PrecisionGate, max_batch: int) -> dict[str, Any]:
     """A reduced-precision package on the reference images, held to the precision gate as a server would hold it."""
-    runs = [runner.run(reference.images[start:start + max_batch]) for start in range(0, len(reference.images), max_batch)]
+    runs = [runner.run(reference.images[start:start + max_batch])
+            for start in range(0, len(reference.images), max_batch)]
     probabilities = np.concatenate([run["probabilities"] for run in runs])
     agreement = float((probabilities.argmax(1) == reference.outputs["probabilities"].argmax(1)).mean())
     difference = float(np.abs(probabilities - reference.outputs["probabilities"]).max())

@@ -98,7 +98,8 @@ def process_group(context: DistributedContext, device: torch.device) -> Iterator
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
     if missing:
         raise CapsNetError(f"WORLD_SIZE={context.world_size} asks for a process group but {' and '.join(missing)} "
-                           f"{'is' if len(missing) == 1 else 'are'} not set: start the run with torchrun, or unset WORLD_SIZE")
+                           f"{'is' if len(missing) == 1 else 'are'} not set: start the run with torchrun, or unset "
+                           "WORLD_SIZE")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if context.is_main:  # otherwise a stray WORLD_SIZE waits in silence for peers that never come
         print(f"waiting for {context.world_size} processes at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
@@ -114,7 +115,8 @@ def process_group(context: DistributedContext, device: torch.device) -> Iterator
         dist.init_process_group(backend, rank=context.rank, world_size=context.world_size,
                                 device_id=device if device.type == "cuda" else None)
     except (RuntimeError, ValueError) as err:  # torch's DistError (timeouts, refused store) is a RuntimeError
-        raise CapsNetError(f"cannot join the process group of {context.world_size}: {str(err).splitlines()[0]}") from None
+        raise CapsNetError(f"cannot join the process group of {context.world_size}: "
+                           f"{str(err).splitlines()[0]}") from None
     try:
         yield
         # Every rank leaves the group together: a rank that ended its process while a peer was still in the group
@@ -130,7 +132,8 @@ def process_group(context: DistributedContext, device: torch.device) -> Iterator
         # surviving rank hung there instead of exiting. The run is over, so this rank says its one line and leaves
         # at once, without tearing down the group or the interpreter (which could abort with gloo alive).
         print(f"capsnet train: error: process {context.rank} of {context.world_size} stopped: another process of "
-              f"the run ended (its error, if it had one, is above): {_first_sentence(err)}", file=sys.stderr, flush=True)
+              f"the run ended (its error, if it had one, is above): {_first_sentence(err)}", file=sys.stderr,
+              flush=True)
         sys.stdout.flush()
         os._exit(2)
     finally:

@@ -259,8 +259,9 @@ def train_one_epoch(step_model: torch.nn.Module, config: CapsNetConfig, optimize
     earlier = [progress.loss_sum, progress.correct, progress.images] if context.is_main else [0.0, 0.0, 0.0]
     totals = torch.tensor(earlier, dtype=torch.float64, device=device)  # (3,)
     started = time.perf_counter()
-    bar = tqdm(batches[progress.step:], initial=progress.step, total=len(batches), desc=f"epoch {epoch + 1}/{options.epochs}",
-               unit="batch", leave=False, dynamic_ncols=True, disable=not (options.progress and context.is_main))
+    bar = tqdm(batches[progress.step:], initial=progress.step, total=len(batches),
+               desc=f"epoch {epoch + 1}/{options.epochs}", unit="batch", leave=False, dynamic_ncols=True,
+               disable=not (options.progress and context.is_main))
     for step, indices in enumerate(bar, start=progress.step + 1):
         images = augmentation(to_float(split.images[indices]), generator).to(device)  # (B, C, H, W)
         labels = torch.as_tensor(split.labels[indices]).to(device)  # (B,)
@@ -593,5 +594,5 @@ def announce_selection(best: dict, dataset: Dataset, options: RunOptions, contex
                           f"epoch (test accuracy {100 * best['test_accuracy']:.2f}%)")
     else:
         announce(context, f"best validation accuracy {100 * best['validation_accuracy']:.2f}% after epoch "
-                          f"{best['epoch']} (its test accuracy, not used to choose: {100 * best['test_accuracy']:.2f}%): "
-                          f"{options.out}; last epoch: {options.last_path}")
+                          f"{best['epoch']} (its test accuracy, not used to choose: "
+                          f"{100 * best['test_accuracy']:.2f}%): {options.out}; last epoch: {options.last_path}")

@@ -86,7 +86,8 @@ def test_no_architecture_mixes_an_int_scalar_into_float_arithmetic(config):
     from capsnet.training.checkpoint import create_model
 
     program = export_program(create_model(config).eval(), tuple(output_shapes(config, False))).run_decompositions()
-    mixed = [f"{node.target}{tuple(map(str, node.args))} at {node.meta.get('stack_trace', '').strip().splitlines()[-2:]}"
+    mixed = [f"{node.target}{tuple(map(str, node.args))} at "
+             f"{node.meta.get('stack_trace', '').strip().splitlines()[-2:]}"
              for node in program.graph.nodes
              if node.op == "call_function" and str(node.target).startswith(ARITHMETIC)
              and any(type(arg) is int for arg in node.args)

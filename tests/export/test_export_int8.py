@@ -26,7 +26,8 @@ def test_export_int8_quantises_only_the_convolutions_symmetrically(tiny_export):
     dequantized = {node.output[0] for node in model.graph.node if node.op_type == "DequantizeLinear"}
     # int8 tensors: the convolutions' inputs, weights and outputs, read back by the Relu and Reshape after them
     assert {node.op_type for node in model.graph.node if dequantized & set(node.input)} == {"Conv", "Relu", "Reshape"}
-    quantized = {producers.get(node.input[0], "graph input") for node in model.graph.node if node.op_type == "QuantizeLinear"}
+    quantized = {producers.get(node.input[0], "graph input") for node in model.graph.node
+                 if node.op_type == "QuantizeLinear"}
     assert quantized == {"graph input", "Conv", "Relu"}  # never squash, routing or the decoder
     for conv in (node for node in model.graph.node if node.op_type == "Conv"):
         assert producers[conv.input[0]] == producers[conv.input[1]] == "DequantizeLinear"
@@ -83,7 +84,8 @@ def test_a_refused_int8_variant_costs_nothing_of_the_fp32_export_and_is_named(tr
     artifacts = load_artifacts(out)  # as the server reads it
     assert list(artifacts.onnx) == ["fp32"] and artifacts.refused == description.refused
     # asked for INT8, the server says why there is none instead of advising an export with --int8
-    with pytest.raises(CapsNetError, match=r"the export did not write model\.int8\.onnx: INT8 model refused: ") as caught:
+    refusal = r"the export did not write model\.int8\.onnx: INT8 model refused: "
+    with pytest.raises(CapsNetError, match=refusal) as caught:
         create_backend("onnxruntime", "int8", artifacts, ServerConfig(model_dir=out, backend="onnxruntime",
                                                                       precision="int8"))
     assert "export it with" not in str(caught.value)
