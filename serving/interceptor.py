@@ -23,6 +23,7 @@ import contextlib
 import inspect
 import logging
 import time
+from collections.abc import Iterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -167,32 +168,9 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
                                           "(--max-message-bytes); ask for fewer images or outputs per request"))
             return True
 
-        @contextlib.contextmanager
-        def outcome(context):
-            """The call counted once, by how it ended: a ServingError answered as its status, a server fault as
-            UNKNOWN (gRPC answers it and logs it, after we count it), a cancellation as the client's or the
-            shutdown's."""
-            call.begin(context)
-            try:
-                yield
-            except ServingError as err:
-                call.refuse(context, err)
-            except Exception:
-                call.code = grpc.StatusCode.UNKNOWN
-                raise
-            except asyncio.CancelledError:
-                if not self._ended_by_shutdown(call, context):
-                    call.gave_up(context)
-                    raise
-            except GeneratorExit:  # a stream cancelled while at `yield`
-                call.gave_up(context)
-                raise
-            finally:
-                call.end(context)
-
         if inspect.isasyncgenfunction(behavior):
             async def wrapped(request, context):
-                with outcome(context):
+                with self._outcome(call, context):
                     if (request := prepare(request, context)) is not None:
                         async for response in behavior(request, context):
                             if too_large(response, context):
@@ -202,13 +180,36 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             return wrapped
         else:
             async def unary(request, context):
-                with outcome(context):
+                with self._outcome(call, context):
                     if (request := prepare(request, context)) is None:
                         return None
                     response = await behavior(request, context)
                     return None if response is not None and too_large(response, context) else response
                 return None  # refused, or ended by the shutdown: the status is set
             return unary
+
+    @contextlib.contextmanager
+    def _outcome(self, call: _Call, context) -> Iterator[None]:
+        """The call counted once, by how it ended: a ServingError answered as its status, a server fault as
+        UNKNOWN (gRPC answers it and logs it, after we count it), a cancellation as the client's or the
+        shutdown's."""
+        call.begin(context)
+        try:
+            yield
+        except ServingError as err:
+            call.refuse(context, err)
+        except Exception:
+            call.code = grpc.StatusCode.UNKNOWN
+            raise
+        except asyncio.CancelledError:
+            if not self._ended_by_shutdown(call, context):
+                call.gave_up(context)
+                raise
+        except GeneratorExit:  # a stream cancelled while at `yield`
+            call.gave_up(context)
+            raise
+        finally:
+            call.end(context)
 
     @staticmethod
     def _ended_by_shutdown(call: _Call, context) -> bool:
