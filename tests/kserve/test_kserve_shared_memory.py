@@ -266,17 +266,10 @@ def test_a_region_unregistered_or_shrunk_while_requests_use_it(kserve_model_dir,
     """Requests queued behind a slow batch hold their regions: one whose region is unregistered, and the name
     registered again over other data, still reads its own images; one whose input's or output's object is cut to
     nothing is refused; the server carries on."""
-    from serving_helpers import ServerThread, server_config
+    from serving_helpers import ServerThread, server_config, slow_down
 
     running = ServerThread(server_config(kserve_model_dir, backend="onnxruntime", max_batch_size=MAX_BATCH_SIZE))
-    backend = running.server.service.backend
-    run = backend.run
-
-    def slow_run(batch):
-        time.sleep(0.5)
-        return run(batch)
-
-    backend.run = slow_run
+    slow_down(running.server.service.backend, 0.5)
     first, second = images(2, seed=35), images(2, seed=36)
     first_handle, first_key = regions("a", first.nbytes)
     second_handle, second_key = regions("b", second.nbytes)

@@ -80,6 +80,17 @@ def onnxruntime_reference(model_dir: Path, images):
     return create_backend("onnxruntime", "fp32", load_artifacts(model_dir), server_config(model_dir)).run(images)
 
 
+def slow_down(backend, seconds: float) -> None:
+    """Every later run of `backend` takes `seconds` more, so requests queue behind a batch or outlive deadlines."""
+    run = backend.run
+
+    def slow_run(images):
+        time.sleep(seconds)
+        return run(images)
+
+    backend.run = slow_run
+
+
 def assert_served_as_onnxruntime(model_dir: Path, backend: str, precision: str, images, *, described: str,
                                   **settings) -> None:
     """`backend` in `precision` serves `model_dir`: it passes its self-check, its description names `described`,

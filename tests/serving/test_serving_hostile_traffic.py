@@ -15,7 +15,8 @@ from capsnet.serving import capsnet_api
 from capsnet.serving.client import image_message
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
-from serving_helpers import ServerThread, metric, onnxruntime_reference, scrape, server_config, wait_until
+from serving_helpers import (
+    ServerThread, metric, onnxruntime_reference, scrape, server_config, slow_down, wait_until)
 
 IMAGE = np.random.default_rng(17).random((1, 28, 28), dtype=np.float32)  # (1, 28, 28)
 
@@ -24,14 +25,7 @@ IMAGE = np.random.default_rng(17).random((1, 28, 28), dtype=np.float32)  # (1, 2
 def slow_backend_server(model_dir):
     """Each backend run takes 0.15 s more: calls with short deadlines expire while queued or while computing."""
     running = ServerThread(server_config(model_dir, max_queue_delay_us=0))
-    backend = running.server.service.backend
-    run = backend.run
-
-    def slow_run(images):
-        time.sleep(0.15)
-        return run(images)
-
-    backend.run = slow_run
+    slow_down(running.server.service.backend, 0.15)
     yield running
     running.stop()
 
