@@ -1,10 +1,17 @@
 """What Triton's system shared memory buys a client on the server's host: KServe v2 gRPC throughput and latency with
 tensors in the request (`none`) and in POSIX shared memory (`system`), beside ONNX Runtime in process, in one run.
 
-The load is perf_analyzer's (closed loop, `--concurrency-range`, `--shared-memory none|system`, every output asked
-for, raw tensors): perf_analyzer itself is not installable on these machines (PyPI's perf-analyzer has no release
-but a placeholder for them), so tritonclient's own gRPC client and shared_memory utilities drive it, one thread and
-one client per concurrent request, each with its own input and output regions as perf_analyzer registers them.
+The load is perf_analyzer's, closed loop (`--concurrency-range`, `--shared-memory none|system`, every output asked
+for, raw tensors). With `--perf-analyzer PATH` perf_analyzer itself drives it. PyPI's perf-analyzer wheels need
+glibc 2.38, so where the host has less, the build inside tritonclient 2.41's wheel runs instead, in a venv of its own:
+
+    apt-get install libb64-0d
+    python3 -m venv /opt/perf-analyzer
+    /opt/perf-analyzer/bin/pip install tritonclient==2.41.0 nvidia-cuda-runtime-cu12  # libcudart, loaded, not used
+    .venv/bin/python scripts/measure_shared_memory.py --perf-analyzer /opt/perf-analyzer/bin/perf_analyzer --out OUT
+
+Without it, tritonclient's own gRPC client and shared_memory utilities apply the same load: one thread and one
+client per concurrent request, each with its own input and output regions as perf_analyzer registers them.
 
 The model is a preset (default `paper`) with seeded random weights exported in FP32 (CapsNet's cost does not depend on
 its weights), served by `capsnet serve --backend onnxruntime --precision fp32` with --max-batch-size at the largest
@@ -200,6 +207,34 @@ def served(target: str, mode: str, batch: int, concurrency: int, seconds: float,
             "p50_ms": statistics.median(latencies) * 1e3, "images_per_s": batch * len(latencies) / wall}
 
 
+def perf_analyzer(binary: Path, target: str, mode: str, batch: int, concurrency: int, seconds: float,
+                  outputs: dict[str, tuple[int, ...]], scratch: Path) -> dict:
+    """One cell measured by perf_analyzer: its CSV's throughput and p50 latency, after its own stabilisation (windows
+    of `seconds` until three agree within 20%, at most 10). The images are random in [0, 1] (its own `random` data
+    is not: the server refuses NaN and Inf)."""
+    data = scratch / "images.json"
+    image = np.random.default_rng(0).random((1, 28, 28), dtype=np.float32)
+    data.write_text(json.dumps({"data": [{"images": {"content": image.ravel().tolist(), "shape": [1, 28, 28]}}]}))
+    csv = scratch / f"{mode}-{batch}-{concurrency}.csv"
+    largest = batch * max(int(np.prod(shape)) for shape in outputs.values()) * 4
+    command = [str(binary), "-m", "capsnet", "-u", target, "-i", "grpc", "--shared-memory", mode,
+               "--output-shared-memory-size", str(largest), "-b", str(batch), "--concurrency-range", str(concurrency),
+               "--measurement-interval", str(int(seconds * 1000)), "--max-trials", "10", "--stability-percentage", "20",
+               "--input-data", str(data), "-f", str(csv)]
+    runtime = next(binary.resolve().parent.parent.glob("lib/python3*/site-packages/nvidia/cuda_runtime/lib"), None)
+    env = dict(os.environ)
+    if runtime is not None:  # its libcudart, which the binary links against even without a GPU
+        env["LD_LIBRARY_PATH"] = f"{runtime}:{env['LD_LIBRARY_PATH']}" if env.get("LD_LIBRARY_PATH") else str(runtime)
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60 + 20 * seconds)
+    if result.returncode != 0 or not csv.exists():
+        raise SystemExit(f"perf_analyzer failed ({result.returncode}): {(result.stdout + result.stderr)[-2000:]}")
+    header, row = csv.read_text().splitlines()[:2]
+    values = dict(zip(header.split(","), row.split(",")))
+    throughput = float(values["Inferences/Second"])  # images: perf_analyzer counts each of a batch's inferences
+    return {"mode": mode, "batch": batch, "concurrency": concurrency, "requests": None, "tool": "perf_analyzer",
+            "p50_ms": float(values["p50 latency"]) / 1e3, "images_per_s": throughput}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="paper")
@@ -209,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", type=int,
                         help="serve on this CUDA device (torch backend) and add --shared-memory cuda")
     parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--perf-analyzer", type=Path, metavar="PATH",
+                        help="perf_analyzer's binary, to apply the load (default: tritonclient's client)")
     parser.add_argument("--out", required=True, help="OUT.json and OUT.md")
     args = parser.parse_args(argv)
     batches = [int(size) for size in args.batches.split(",")]
@@ -222,8 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         local = [in_process(model_dir, batch, args.seconds, args.gpu, args.precision) for batch in batches]
         server = Server(model_dir, max(batches), engine(args.gpu, args.precision))
         try:
-            cells = [served(server.target, mode, batch, level, args.seconds, outputs)
-                     for batch in batches for level in levels for mode in modes]
+            if args.perf_analyzer is None:
+                cells = [served(server.target, mode, batch, level, args.seconds, outputs)
+                         for batch in batches for level in levels for mode in modes]
+            else:
+                cells = [perf_analyzer(args.perf_analyzer, server.target, mode, batch, level, args.seconds, outputs,
+                                       Path(scratch)) for batch in batches for level in levels for mode in modes]
         finally:
             server.stop()
         local_after = [in_process(model_dir, batch, args.seconds, args.gpu, args.precision) for batch in batches]
@@ -231,12 +272,23 @@ def main(argv: list[str] | None = None) -> int:
               "server": shlex.join(["capsnet", "serve", "--model", "MODEL", *server.command[6:]]),
               "device": gpu_name(args.gpu), "cpu": cpu_kind(), "cores": len(os.sched_getaffinity(0)),
               "load_before": load_before, "load_after": os.getloadavg(), "preset": args.preset,
-              "precision": args.precision, "in_process": [local, local_after], "served": cells}
+              "precision": args.precision,
+              "load_by": perf_analyzer_version(args.perf_analyzer) if args.perf_analyzer else "tritonclient's client",
+              "in_process": [local, local_after], "served": cells}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text("\n".join(markdown(report)) + "\n")
     print("\n".join(markdown(report)))
     return 0
+
+
+def perf_analyzer_version(binary: Path) -> str:
+    """"perf_analyzer" and the version of the tritonclient or perf-analyzer distribution in its venv."""
+    site = next(binary.resolve().parent.parent.glob("lib/python3*/site-packages"), None)
+    found = sorted(site.glob("*.dist-info")) if site else []
+    names = [path.name.removesuffix(".dist-info") for path in found
+             if path.name.startswith(("tritonclient-", "perf_analyzer-"))]
+    return f"perf_analyzer ({', '.join(names)})" if names else "perf_analyzer"
 
 
 def gpu_name(gpu: int | None) -> str:
@@ -252,11 +304,12 @@ def markdown(report: dict) -> list[str]:
     reference = {row["batch"]: (row["images_per_s"] + later["images_per_s"]) / 2 for row, later in zip(before, after)}
     lines = [f"`{report['command']}` on {report['device']}{report['cpu']}, {report['cores']} cores, load average "
              f"{report['load_before'][0]:.2f} before and {report['load_after'][0]:.2f} after; "
-             f"the {report['preset']} model in {report['precision']}, served as `{report['server']}`.", "",
+             f"the {report['preset']} model in {report['precision']}, served as `{report['server']}`; the load "
+             f"applied by {report['load_by']}.", "",
              "| batch | concurrency | tensors | requests | p50 ms | images/s | of in process |",
              "|---|---|---|---|---|---|---|"]
     for cell in report["served"]:
-        lines.append(f"| {cell['batch']} | {cell['concurrency']} | {cell['mode']} | {cell['requests']} | "
+        lines.append(f"| {cell['batch']} | {cell['concurrency']} | {cell['mode']} | {cell['requests'] or '—'} | "
                      f"{cell['p50_ms']:.2f} | {cell['images_per_s']:.1f} | "
                      f"{cell['images_per_s'] / reference[cell['batch']]:.0%} |")
     lines += ["", "In process (the server's backend, called directly), before and after the served cells:", ""]
