@@ -80,9 +80,10 @@ from capsnet.training.evaluate import load_checkpoint_data
 log = logging.getLogger(__name__)
 
 REFERENCE_IMAGES = 128  # the self-check's images; the precision gate's figures are measured on them
-# (H, W) a model of any size is checked at besides its own: one and two digits side by side, four, and a wide
-# image whose backbone grid is neither square nor any multiple of the training size; those it takes
-PARITY_SIZES = ((28, 28), (28, 56), (56, 56), (40, 100))
+# (H, W) a model of any size is checked at besides its own: one and two digits side by side, four, a wide image
+# whose backbone grid is neither square nor any multiple of the training size, and an odd height and width, which
+# the backbone's pools floor; those it takes
+PARITY_SIZES = ((28, 28), (28, 56), (56, 56), (40, 100), (29, 45))
 SIZE_PARITY_IMAGES = 7
 
 

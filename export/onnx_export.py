@@ -60,10 +60,14 @@ def export_program(model, names: tuple[str, ...], max_batch: int | None = None):
         dims[3] = torch.export.Dim(WIDTH_DIM, min=sizes.min_width, max=sizes.max_width)
     # A model of any size is traced size-obliviously, as torch.onnx.export traces a module: a reshape's choice
     # between a view and a copy otherwise guards that the backbone grid is not one position, which the smallest
-    # valid image gives. The fixed-size models are traced as they always were (there it adds a batch guard).
+    # valid image gives. What torch still cannot prove of a symbolic size becomes an assertion in the program rather
+    # than a guard on the traced example: torch 2.11 cannot prove that an average pool's floor division needs no
+    # rounding, and refused every odd height and width (the ONNX graph drops such assertions; export's parity checks
+    # an odd size). The fixed-size models are traced as they always were (there it adds a batch guard).
     with quiet("torch.export", "torch._dynamo"), torch.fx.experimental._config.patch(  # type: ignore[attr-defined]
             backed_size_oblivious=not sizes.fixed):  # (torch adds patch() to its config modules at import time)
-        return torch.export.export(InferenceOutputs().eval(), (example,), dynamic_shapes={INPUT_NAME: dims})
+        return torch.export.export(InferenceOutputs().eval(), (example,), dynamic_shapes={INPUT_NAME: dims},
+                                   prefer_deferred_runtime_asserts_over_guards=not sizes.fixed)
 
 
 def export_onnx(program, path: Path, opset: int, names: tuple[str, ...]) -> onnx.ModelProto:

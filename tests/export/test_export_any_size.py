@@ -17,7 +17,7 @@ from capsnet.model_description.schema import ModelDescription
 from capsnet.training.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset
 
-SIZES = [(28, 28), (28, 56), (56, 56), (40, 100)]
+SIZES = [(28, 28), (28, 56), (56, 56), (40, 100), (29, 45)]
 
 
 def canvases(count: int, height: int, width: int, seed: int) -> np.ndarray:
