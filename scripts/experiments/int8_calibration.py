@@ -3,9 +3,10 @@
     python scripts/experiments/int8_calibration.py DIR [--data DIR] [--images 200,1000] [--out results.jsonl]
 
 DIR is a `capsnet export` directory (its model.onnx and model.ckpt). For each number of calibration images (the
-first N of the training split, as export takes them) and each choice (minmax, percentile 99.999 and 99.99,
-entropy; minmax and percentile with the first convolution kept FP32), it writes the QDQ INT8 model as export
-would and measures its top-1 accuracy with ONNX Runtime against FP32's, one JSON line each, with the CPU kind.
+first N of the training split, as export takes them) and each choice (minmax; the 99.999th, 99.99th, 99.95th,
+99.9th (export's) and 99.5th percentile of |values|; entropy; minmax and two percentiles with the first convolution
+kept FP32), it writes the QDQ INT8 model as export would and measures its top-1 accuracy with ONNX Runtime against
+FP32's, one JSON line each, with the CPU kind.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ from capsnet.export.quantize import Calibration, quantize_int8
 from capsnet.training.checkpoint import load_checkpoint
 from capsnet.training.evaluate import load_checkpoint_data
 
-CHOICES = (Calibration(), Calibration("percentile", 99.999), Calibration("percentile", 99.99), Calibration("entropy"),
-           Calibration(float_first_convolution=True), Calibration("percentile", 99.999, float_first_convolution=True))
+CHOICES = (Calibration("minmax"), Calibration("percentile", 99.999), Calibration("percentile", 99.99),
+           Calibration("entropy"), Calibration("minmax", float_first_convolution=True),
+           Calibration("percentile", 99.999, float_first_convolution=True), Calibration("percentile", 99.95),
+           Calibration("percentile", 99.9), Calibration("percentile", 99.5),
+           Calibration("percentile", 99.99, float_first_convolution=True))
 
 
 def accuracy(session, images: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:
