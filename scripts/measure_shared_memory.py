@@ -26,6 +26,7 @@ writes OUT.json (every cell) and OUT.md (the command, the machine and its load, 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -207,23 +208,29 @@ def served(target: str, mode: str, batch: int, concurrency: int, seconds: float,
             "p50_ms": statistics.median(latencies) * 1e3, "images_per_s": batch * len(latencies) / wall}
 
 
-def perf_analyzer(binary: Path, target: str, mode: str, batch: int, concurrency: int, seconds: float,
-                  outputs: dict[str, tuple[int, ...]], scratch: Path) -> dict:
-    """One cell measured by perf_analyzer: its CSV's throughput and p50 latency, after its own stabilisation (windows
-    of `seconds` until three agree within 20%, at most 10). The images are random in [0, 1] (its own `random` data
-    is not: the server refuses NaN and Inf)."""
+def perf_analyzer_data(scratch: Path) -> Path:
+    """perf_analyzer's input data file: one image random in [0, 1] (its own `random` data is not: the server refuses
+    NaN and Inf)."""
     data = scratch / "images.json"
     image = np.random.default_rng(0).random((1, 28, 28), dtype=np.float32)
     data.write_text(json.dumps({"data": [{"images": {"content": image.ravel().tolist(), "shape": [1, 28, 28]}}]}))
-    csv = scratch / f"{mode}-{batch}-{concurrency}.csv"
+    return data
+
+
+def perf_analyzer(binary: Path, data: Path, target: str, mode: str, batch: int, concurrency: int, seconds: float,
+                  outputs: dict[str, tuple[int, ...]]) -> dict:
+    """One cell measured by perf_analyzer: its CSV's throughput and p50 latency, after its own stabilisation (windows
+    of `seconds` until three agree within 20%, at most 10)."""
+    csv = data.parent / f"{mode}-{batch}-{concurrency}.csv"
     largest = batch * max(int(np.prod(shape)) for shape in outputs.values()) * 4
     command = [str(binary), "-m", "capsnet", "-u", target, "-i", "grpc", "--shared-memory", mode,
                "--output-shared-memory-size", str(largest), "-b", str(batch), "--concurrency-range", str(concurrency),
                "--measurement-interval", str(int(seconds * 1000)), "--max-trials", "10", "--stability-percentage", "20",
                "--input-data", str(data), "-f", str(csv)]
-    runtime = next(binary.resolve().parent.parent.glob("lib/python3*/site-packages/nvidia/cuda_runtime/lib"), None)
+    site = venv_site_packages(binary)
+    runtime = site / "nvidia/cuda_runtime/lib" if site else None
     env = dict(os.environ)
-    if runtime is not None:  # its libcudart, which the binary links against even without a GPU
+    if runtime is not None and runtime.is_dir():  # its libcudart, which the binary links against even without a GPU
         env["LD_LIBRARY_PATH"] = f"{runtime}:{env['LD_LIBRARY_PATH']}" if env.get("LD_LIBRARY_PATH") else str(runtime)
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60 + 20 * seconds)
     if result.returncode != 0 or not csv.exists():
@@ -259,12 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         local = [in_process(model_dir, batch, args.seconds, args.gpu, args.precision) for batch in batches]
         server = Server(model_dir, max(batches), engine(args.gpu, args.precision))
         try:
-            if args.perf_analyzer is None:
-                cells = [served(server.target, mode, batch, level, args.seconds, outputs)
-                         for batch in batches for level in levels for mode in modes]
-            else:
-                cells = [perf_analyzer(args.perf_analyzer, server.target, mode, batch, level, args.seconds, outputs,
-                                       Path(scratch)) for batch in batches for level in levels for mode in modes]
+            measure = served if args.perf_analyzer is None else functools.partial(
+                perf_analyzer, args.perf_analyzer, perf_analyzer_data(Path(scratch)))
+            cells = [measure(server.target, mode, batch, level, args.seconds, outputs)
+                     for batch in batches for level in levels for mode in modes]
         finally:
             server.stop()
         local_after = [in_process(model_dir, batch, args.seconds, args.gpu, args.precision) for batch in batches]
@@ -282,9 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def venv_site_packages(binary: Path) -> Path | None:
+    """The site-packages of the venv whose bin/ holds `binary`, if it is in one."""
+    return next(binary.resolve().parent.parent.glob("lib/python3*/site-packages"), None)
+
+
 def perf_analyzer_version(binary: Path) -> str:
     """"perf_analyzer" and the version of the tritonclient or perf-analyzer distribution in its venv."""
-    site = next(binary.resolve().parent.parent.glob("lib/python3*/site-packages"), None)
+    site = venv_site_packages(binary)
     found = sorted(site.glob("*.dist-info")) if site else []
     names = [path.name.removesuffix(".dist-info") for path in found
              if path.name.startswith(("tritonclient-", "perf_analyzer-"))]
