@@ -2,8 +2,11 @@
 # Runs both DDP test files RUNS times in a row (default 200) while a busy loop keeps one core occupied, and counts
 # the runs that failed: a rank that aborts at exit (SIGABRT, -6) instead of exiting with its own code fails its test
 # there. A failing run's pytest output is kept as OUT/failed-N.txt; OUT/runs.txt has a line per run.
+# BUSY, if set, is a command of one thread to occupy that core with useful work first (a training run, say);
+# the busy loop takes over when it ends.
 #
 #   bash scripts/ddp_exit_loop.sh OUT [RUNS]
+#   BUSY="capsnet train --threads 1 ..." bash scripts/ddp_exit_loop.sh OUT [RUNS]
 set -euo pipefail
 
 out=${1:?usage: bash scripts/ddp_exit_loop.sh OUT [RUNS]}
@@ -13,9 +16,10 @@ python=${PYTHON:-$repo/.venv/bin/python}
 mkdir -p "$out"
 
 # the other core kept busy, as CI's neighbours and a test run's own workers do
-python3 -c 'while True: pass' &
+# in a session of its own, so that the trap ends BUSY's processes too
+setsid bash -c "${BUSY:-true}; exec python3 -c 'while True: pass'" > "$out/busy.txt" 2>&1 &
 busy=$!
-trap 'kill $busy 2>/dev/null' EXIT
+trap 'kill -- -$busy 2>/dev/null' EXIT
 
 failed=0
 for run in $(seq 1 "$runs"); do
