@@ -21,6 +21,8 @@ resolution. A `paper` Fashion-MNIST model trained 21 epochs (91.62%) lost 1.93 p
 
 from __future__ import annotations
 
+import contextlib
+import io
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,7 +96,9 @@ def quantize_int8(fp32_path: Path, int8_path: Path, calibration_images: np.ndarr
     method = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
               "entropy": CalibrationMethod.Entropy}[calibration.method]
     excluded = [first_convolution(onnx.load(str(fp32_path)))] if calibration.float_first_convolution else []
-    with quiet(""):  # its advice to run quant_pre_process, whose shape inference fails on our graph
+    # quiet: its advice to run quant_pre_process, whose shape inference fails on our graph; and the histogram
+    # calibrators (percentile, entropy) print their progress, which is not export's to show
+    with quiet(""), contextlib.redirect_stdout(io.StringIO()):
         quantize_static(
             str(fp32_path),
             str(int8_path),
