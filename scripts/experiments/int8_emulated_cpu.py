@@ -40,17 +40,16 @@ PROBE_ACTIVATION = 127  # int8 activations reach the kernel as 255 once shifted 
 PROBE_OUTPUT_SCALE = 16384.0  # the largest exact sum, 127 · 127 · 64, stays within int8 at this scale
 
 
-def run_model(model: Path, inputs: Path, outputs: Path, batch: int = 50) -> None:
-    """Write the first output of `model` on the .npy `inputs` to `outputs`, on one thread, in batches."""
+def first_output(model: Path, values: np.ndarray, batch: int = 50) -> np.ndarray:
+    """The first output of `model` on `values`, on one thread, in batches: the same calls natively and emulated."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1
     session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
-    values = np.load(inputs)
-    answers = [session.run(None, {name: values[start:start + batch]})[0] for start in range(0, len(values), batch)]
-    np.save(outputs, np.concatenate(answers))
+    return np.concatenate([session.run(None, {name: values[start:start + batch]})[0]
+                           for start in range(0, len(values), batch)])
 
 
 def saturation_probe(path: Path, weight: int) -> float:
@@ -83,12 +82,10 @@ def saturation_probe(path: Path, weight: int) -> float:
     return float(round(PROBE_ACTIVATION * weight * PROBE_CHANNELS / PROBE_OUTPUT_SCALE) * PROBE_OUTPUT_SCALE)
 
 
-def native(model: Path, inputs: Path, outputs: Path) -> np.ndarray:
-    run_model(model, inputs, outputs)
-    return np.load(outputs)
-
-
-def emulated(cpu: str, model: Path, inputs: Path, outputs: Path) -> np.ndarray:
+def emulated(cpu: str, model: Path, values: np.ndarray, scratch: Path) -> np.ndarray:
+    """first_output() in a worker process under `qemu-x86_64 -cpu cpu`, through .npy files in `scratch`."""
+    inputs, outputs = scratch / "inputs.npy", scratch / "outputs.npy"
+    np.save(inputs, values)
     command = ["qemu-x86_64", "-cpu", cpu, sys.executable, __file__, "--worker", str(model), str(inputs), str(outputs)]
     subprocess.run(command, check=True, stderr=subprocess.DEVNULL)  # qemu warns of each CPU feature TCG lacks
     return np.load(outputs)
@@ -110,29 +107,30 @@ def main() -> int:
     from capsnet.export.quantize import Calibration, quantize_int8
     from capsnet.runtime.cpu import CpuKind
     from capsnet.training.checkpoint import load_checkpoint
+    from capsnet.training.data import to_float
     from capsnet.training.evaluate import load_checkpoint_data
 
     started = time.perf_counter()
     checkpoint_path = args.export / "model.ckpt"
     dataset = load_checkpoint_data(load_checkpoint(checkpoint_path), checkpoint_path, args.data, every_class=True)
-    images = dataset.test.images[:args.images].astype(np.float32) / 255.0  # (N, C, H, W), as export's parity feeds it
+    images = to_float(dataset.test.images[:args.images]).numpy()  # (N, C, H, W), as export's parity feeds it
     labels = dataset.test.labels[:args.images]
     with tempfile.TemporaryDirectory() as scratch_name:
         scratch = Path(scratch_name)
-        inputs, answers = scratch / "inputs.npy", scratch / "answers.npy"
         probe = {}
-        np.save(inputs, np.full((1, PROBE_CHANNELS, 1, 1), PROBE_ACTIVATION, np.float32))
+        activations = np.full((1, PROBE_CHANNELS, 1, 1), PROBE_ACTIVATION, np.float32)
         for bits, weight in ((8, 127), (7, 63)):
             model = scratch / f"probe-{bits}.onnx"
-            probe[f"{bits}_bit_weights"] = {"expected": saturation_probe(model, weight),
-                                            "native": float(native(model, inputs, answers).item()),
-                                            "emulated": float(emulated(args.cpu, model, inputs, answers).item())}
+            probe[f"{bits}_bit_weights"] = {
+                "expected": saturation_probe(model, weight),
+                "native": float(first_output(model, activations).item()),
+                "emulated": float(emulated(args.cpu, model, activations, scratch).item())}
         int8 = scratch / "model.int8.onnx"
         quantize_int8(args.export / "model.onnx", int8, dataset.train.images[:CALIBRATION_IMAGES], Calibration())
-        np.save(inputs, images)
-        fp32_classes = native(args.export / "model.onnx", inputs, answers).argmax(axis=1)
-        int8_native = native(int8, inputs, answers)
-        int8_emulated = emulated(args.cpu, int8, inputs, answers)
+        fp32_classes = first_output(args.export / "model.onnx", images).argmax(axis=1)
+        int8_native = first_output(int8, images)
+        int8_emulated = emulated(args.cpu, int8, images, scratch)
+    native_classes, emulated_classes = int8_native.argmax(axis=1), int8_emulated.argmax(axis=1)
 
     def accuracy(classes: np.ndarray) -> float:
         return float((classes == labels).mean())
@@ -145,10 +143,10 @@ def main() -> int:
         "emulated_int8_sums": ("32-bit" if probe["8_bit_weights"]["emulated"] == probe["8_bit_weights"]["expected"]
                                else "16-bit pairs, saturating"),
         "fp32_accuracy": accuracy(fp32_classes),
-        "int8_native_accuracy": accuracy(int8_native.argmax(axis=1)),
-        "int8_emulated_accuracy": accuracy(int8_emulated.argmax(axis=1)),
-        "change_points_emulated": round(100 * (accuracy(int8_emulated.argmax(axis=1)) - accuracy(fp32_classes)), 2),
-        "classes_differing_native_emulated": int((int8_native.argmax(axis=1) != int8_emulated.argmax(axis=1)).sum()),
+        "int8_native_accuracy": accuracy(native_classes),
+        "int8_emulated_accuracy": accuracy(emulated_classes),
+        "change_points_emulated": round(100 * (accuracy(emulated_classes) - accuracy(fp32_classes)), 2),
+        "classes_differing_native_emulated": int((native_classes != emulated_classes).sum()),
         "max_abs_probability_difference": float(np.abs(int8_native - int8_emulated).max()),
         "seconds": round(time.perf_counter() - started, 1),
     }
@@ -162,6 +160,6 @@ def main() -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        run_model(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
+        np.save(sys.argv[4], first_output(Path(sys.argv[2]), np.load(sys.argv[3])))
         sys.exit(0)
     sys.exit(main())
