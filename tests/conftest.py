@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from capsnet.runtime.cpu import CPU_FLAGS_ENV, CpuKind
 from capsnet.training.checkpoint import Checkpoint, create_model, load_checkpoint, save_checkpoint
 from capsnet.training.config import preset
 from capsnet.training.data import DIGIT_NAMES
+from cpu_kinds import CPU_KINDS
 
 # Without a CUDA GPU the fused routing kernels run in Triton's CPU interpreter, which Triton chooses when a kernel is
 # defined: set before any test imports capsnet.runtime.fused_routing
@@ -32,6 +34,9 @@ def _gpu_skip_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "cpu_kind" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cpu_kind)  # `pytest -m cpu_kind`: every CPU-kind decision, every kind
     reason = _gpu_skip_reason()
     if reason is None:
         return
@@ -39,6 +44,16 @@ def pytest_collection_modifyitems(config, items):
         # the marker itself: `"gpu" in item.keywords` also matched every test of a checkout in a folder named gpu
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(params=list(CPU_KINDS))
+def cpu_kind(request, monkeypatch) -> CpuKind:
+    """Each CPU kind in turn, as every CPU-kind decision of the product reads it (torch's and oneDNN's caps
+    cleared, so only the kind decides)."""
+    monkeypatch.setenv(CPU_FLAGS_ENV, CPU_KINDS[request.param])
+    for cap in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(cap, raising=False)
+    return CpuKind.this_host()
 
 
 def save_random_checkpoint(config, path: Path) -> Path:

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
-from capsnet.runtime.cpu import MAX_THREADS, CpuKind, bf16_autocast_pays
+from capsnet.runtime.cpu import MAX_THREADS, bf16_on_this_cpu
 from capsnet.errors import CapsNetError
 from capsnet.training import distributed
 from capsnet.training.checkpoint import (Checkpoint, Model, create_model, load_checkpoint, remove_leftover_temporaries,
@@ -372,7 +372,7 @@ def prepare_run(options: TrainOptions, context: DistributedContext, device: torc
     if options.batch_size % context.world_size:
         raise CapsNetError(f"--batch-size {options.batch_size} is not divisible by the {context.world_size} processes")
     if options.amp and device.type == "cpu":
-        native, why = bf16_autocast_pays(CpuKind.this_host(), torch.backends.cpu.get_cpu_capability())
+        native, why = bf16_on_this_cpu()
         if not native:
             announce(context, f"--amp: training in fp32: {why}; emulated bf16 is many times slower than fp32")
             options = replace(options, amp=False)

@@ -62,7 +62,7 @@ def _torch_cpu(cpu: CpuKind) -> dict:
     answer, and the CPU flags' with the ISA caps) or be emulated."""
     import torch
 
-    capability = torch.backends.cpu.get_cpu_capability()
+    capability = cpu.aten_capability()
     native, why = bf16_autocast_pays(cpu, capability)
     return {"capability": capability, "onednn_native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
             "native_bf16": native, "bf16_why": why}

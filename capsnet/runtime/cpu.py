@@ -1,7 +1,10 @@
 """What this CPU can do, for choices that differ between x86 kinds (AVX2 only; AVX-512 + VNNI; AMX).
 
 Export records it beside the INT8 accuracy gate, serving beside its self-check, training decides from
-it whether bf16 autocast pays. Dependency-free: torch is asked only when a caller passes it in.
+it whether bf16 autocast pays. Every decision reads the CPU through `CpuKind.this_host()`, which takes its flags
+from CAPSNET_CPU_FLAGS where that is set: the decisions of any kind (AVX2 only, AVX-512 without bf16, AVX-512 with
+bf16, AMX) can then be run and tested on any x86 host. The flags decide only what the product chooses; the kernels
+that run are still the host's. Dependency-free: torch is imported only when torch's own answer is asked for.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ ONEDNN_BF16_ISAS = ("AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX1
 # libgomp's "Thread creation failed").
 MAX_THREADS = 1024
 
+# ISA flags (as /proc/cpuinfo spells them, separated by spaces or commas) to decide by instead of this host's
+CPU_FLAGS_ENV = "CAPSNET_CPU_FLAGS"
+
 
 def read_cpuinfo(path: str | Path = "/proc/cpuinfo") -> dict[str, str]:
     """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
@@ -43,13 +49,20 @@ def read_cpuinfo(path: str | Path = "/proc/cpuinfo") -> dict[str, str]:
 class CpuKind:
     model: str  # e.g. "AMD EPYC" (generic under some hypervisors)
     flags: frozenset[str]  # the ISA_FLAGS this CPU has
+    substituted: bool = False  # the flags came from CAPSNET_CPU_FLAGS, not from this host
 
     @classmethod
-    def this_host(cls) -> "CpuKind":
+    def this_host(cls, environ: Mapping[str, str] | None = None) -> "CpuKind":
+        """This host's CPU, or the kind CAPSNET_CPU_FLAGS names: the one place every CPU-kind decision reads."""
+        environ = os.environ if environ is None else environ
         info = read_cpuinfo()
+        model = info.get("model name", platform.processor() or "unknown")
+        substitute = environ.get(CPU_FLAGS_ENV)
+        if substitute is not None:
+            named = set(substitute.replace(",", " ").split())
+            return cls(f"{model} as {CPU_FLAGS_ENV}", frozenset(f for f in ISA_FLAGS if f in named), substituted=True)
         flags = set(info.get("flags", "").split())
-        return cls(info.get("model name", platform.processor() or "unknown"),
-                   frozenset(f for f in ISA_FLAGS if f in flags))
+        return cls(model, frozenset(f for f in ISA_FLAGS if f in flags))
 
     @property
     def vnni(self) -> bool:
@@ -66,6 +79,19 @@ class CpuKind:
 
     def to_dict(self) -> dict:
         return {"model": self.model, "flags": [f for f in ISA_FLAGS if f in self.flags]}
+
+    def aten_capability(self, environ: Mapping[str, str] | None = None) -> str:
+        """The vector ISA torch's CPU kernels dispatch to: torch's own answer on this host; for a substituted kind,
+        the widest its flags allow, capped by ATEN_CPU_CAPABILITY as torch caps it."""
+        if not self.substituted:
+            import torch
+
+            return torch.backends.cpu.get_cpu_capability()
+        environ = os.environ if environ is None else environ
+        order = ("DEFAULT", "AVX2", "AVX512")
+        widest = "AVX512" if "avx512f" in self.flags else "AVX2" if "avx2" in self.flags else "DEFAULT"
+        cap = environ.get("ATEN_CPU_CAPABILITY", "").upper()
+        return cap if cap in order and order.index(cap) < order.index(widest) else widest
 
 
 def bf16_autocast_pays(cpu: CpuKind, aten_capability: str,
@@ -85,3 +111,9 @@ def bf16_autocast_pays(cpu: CpuKind, aten_capability: str,
     if onednn_cap not in ONEDNN_BF16_ISAS:
         return False, f"oneDNN is capped at {onednn_cap} (ONEDNN_MAX_CPU_ISA), below its bf16 kernels"
     return True, f"native bf16 ({cpu.describe()})"
+
+
+def bf16_on_this_cpu() -> tuple[bool, str]:
+    """bf16_autocast_pays for this host (or the kind CAPSNET_CPU_FLAGS names) and torch's capability on it."""
+    cpu = CpuKind.this_host()
+    return bf16_autocast_pays(cpu, cpu.aten_capability())

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from capsnet.runtime.cpu import CpuKind, bf16_autocast_pays
+from capsnet.runtime.cpu import bf16_on_this_cpu
 from capsnet.errors import CapsNetError
 from capsnet.export.precision import convolutions_in
 from capsnet.serving.artifacts import ModelArtifacts
@@ -28,7 +28,7 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 
 def bf16_unavailable_reason() -> str | None:
     """None where this CPU runs bf16 convolutions natively; else why not (emulated bf16 is many times slower)."""
-    native, why = bf16_autocast_pays(CpuKind.this_host(), torch.backends.cpu.get_cpu_capability())
+    native, why = bf16_on_this_cpu()
     return None if native else f"{why}; emulated bf16 runs many times slower than fp32"
 
 

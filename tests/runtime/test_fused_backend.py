@@ -12,8 +12,10 @@ import torch
 
 from capsnet.cli import main
 from capsnet.errors import CapsNetError
+from capsnet.runtime.cpu import CPU_FLAGS_ENV
 from capsnet.serving.artifacts import load_artifacts
 from capsnet.serving.backends import create_backend
+from cpu_kinds import CPU_KINDS
 from serving_helpers import assert_served_as_onnxruntime, server_config
 
 ON_GPU = torch.cuda.is_available()
@@ -36,10 +38,30 @@ def test_export_names_the_fused_engine_and_gates_its_precisions(tiny_model_dir):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_fused_backend_serves_as_onnxruntime_does(tiny_model_dir, precision):
+def test_the_fused_backend_serves_as_onnxruntime_does(tiny_model_dir, precision, monkeypatch):
+    # The CPU kind decides only whether bf16 convolutions are offered on the CPU (the tests below). Served as a
+    # kind with native bf16, a host without it runs torch's emulation of the same arithmetic.
+    monkeypatch.setenv(CPU_FLAGS_ENV, CPU_KINDS["avx512-bf16"])
     images = np.random.default_rng(3).random((11, 1, 28, 28), dtype=np.float32)
     assert_served_as_onnxruntime(tiny_model_dir, "fused", precision, images, described="routing in the fused kernels",
                                  max_batch_size=16, gpu=0 if ON_GPU else None)
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the convolutions run in bf16 on the GPU, whatever the CPU")
+@pytest.mark.parametrize("cpu_kind", ["avx2", "avx512"], indirect=True)
+def test_bf16_on_a_cpu_without_native_bf16_is_refused_in_one_line(tiny_model_dir, cpu_kind):
+    with pytest.raises(CapsNetError) as refused:
+        create_backend("fused", "bf16", load_artifacts(tiny_model_dir),
+                       server_config(tiny_model_dir, backend="fused", precision="bf16"))
+    assert str(refused.value) == (f"--precision bf16: this CPU has no native bf16 (no avx512_bf16 or amx_bf16: "
+                                  f"{cpu_kind.describe()}); emulated bf16 runs many times slower than fp32")
+
+
+@pytest.mark.parametrize("cpu_kind", ["avx512-bf16", "amx"], indirect=True)
+def test_bf16_on_a_cpu_with_native_bf16_is_offered(tiny_model_dir, cpu_kind):
+    backend = create_backend("fused", "bf16", load_artifacts(tiny_model_dir),
+                             server_config(tiny_model_dir, backend="fused", precision="bf16"))
+    assert backend.precision == "bf16"
 
 
 def test_models_outside_the_kernels_are_refused_with_the_reason(random_checkpoint, tmp_path):

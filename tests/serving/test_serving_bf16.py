@@ -15,16 +15,12 @@ from capsnet.errors import CapsNetError
 from capsnet.serving.client import image_message
 from capsnet.export.precision import convolutions_in
 from capsnet.model_description.precision_gate import GATE_MAX_DIFF
-from capsnet.serving.backends.torch_backend import bf16_unavailable_reason
 from capsnet.serving.config import ServerConfig
 from capsnet.training.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset, to_float
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
 from serving_helpers import ServerThread, server_config
-
-NO_NATIVE_BF16 = bf16_unavailable_reason()
-
 
 def test_bf16_convolutions_keep_routing_in_fp32_and_match_fp32(trained_tiny_checkpoint):
     """Runs wherever torch has bf16 kernels (emulated ones too): the numerics, not the speed."""
@@ -61,17 +57,19 @@ def test_bf16_is_for_the_backends_that_run_the_checkpoint_only():
             ServerConfig.from_sources({"model_dir": "m", "backend": backend, "precision": "bf16"}, env={})
 
 
-@pytest.mark.skipif(NO_NATIVE_BF16 is None, reason="this CPU has native bf16: the refusal does not apply")
-def test_bf16_is_refused_in_one_line_without_native_bf16(model_dir, capsys):
+@pytest.mark.parametrize("cpu_kind", ["avx2", "avx512"], indirect=True)
+def test_bf16_is_refused_in_one_line_without_native_bf16(model_dir, cpu_kind, capsys):
     code = main(["serve", "--model", str(model_dir), "--backend", "torch", "--precision", "bf16",
                  "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet serve: error: ")]
-    assert code == 2 and errors == [f"capsnet serve: error: --precision bf16: {NO_NATIVE_BF16}"]
-    assert "no native bf16" in errors[0] and "many times slower" in errors[0]
+    assert code == 2 and errors == [f"capsnet serve: error: --precision bf16: this CPU has no native bf16 (no "
+                                    f"avx512_bf16 or amx_bf16: {cpu_kind.describe()}); emulated bf16 runs many times "
+                                    "slower than fp32"]
 
 
-@pytest.mark.skipif(NO_NATIVE_BF16 is not None, reason=f"bf16 would be emulated here: {NO_NATIVE_BF16}")
-def test_bf16_serves_after_its_self_check_on_a_native_bf16_cpu(model_dir):
+@pytest.mark.parametrize("cpu_kind", ["avx512-bf16", "amx"], indirect=True)
+def test_bf16_serves_after_its_self_check_on_a_native_bf16_cpu(model_dir, cpu_kind):
+    """On a host without native bf16 the kind's decision still holds; torch emulates the bf16 arithmetic."""
     running = ServerThread(server_config(model_dir, backend="torch", precision="bf16"))
     try:
         with grpc.insecure_channel(running.target) as channel:

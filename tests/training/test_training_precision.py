@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from capsnet.cli import main
-from capsnet.runtime.cpu import CpuKind, bf16_autocast_pays
+from capsnet.runtime.cpu import CPU_FLAGS_ENV, CpuKind, bf16_autocast_pays, bf16_on_this_cpu
 from capsnet.training.checkpoint import load_checkpoint
 
 AVX2 = CpuKind("AMD EPYC", frozenset({"avx2", "fma"}))
@@ -37,6 +37,26 @@ def test_cpu_kind_reads_this_host():
     cpu = CpuKind.this_host()
     assert cpu.describe().startswith(cpu.model) and set(cpu.to_dict()["flags"]) == set(cpu.flags)
     assert cpu.vnni == bool(cpu.flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def test_this_hosts_bf16_decision_follows_the_cpu_kind(cpu_kind):
+    native, why = bf16_on_this_cpu()
+    assert cpu_kind.substituted and native is cpu_kind.native_bf16 and cpu_kind.describe() in why
+
+
+@pytest.mark.parametrize("substitute, flags, capability", [
+    ("avx2,fma", {"avx2", "fma"}, "AVX2"),
+    ("fpu avx2 avx512f avx512_bf16 sse4_2", {"avx2", "avx512f", "avx512_bf16"}, "AVX512"),
+    ("", set(), "DEFAULT"),
+])
+def test_cpu_flags_from_the_environment_stand_for_the_hosts(monkeypatch, substitute, flags, capability):
+    monkeypatch.setenv(CPU_FLAGS_ENV, substitute)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    cpu = CpuKind.this_host()
+    assert cpu.flags == flags and cpu.aten_capability() == capability
+    assert cpu.describe().startswith(f"{CpuKind.this_host({}).model} as {CPU_FLAGS_ENV} [")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # torch's own cap applies to a substituted kind too
+    assert cpu.aten_capability() == ("AVX2" if capability == "AVX512" else capability)
 
 
 def test_amp_on_a_cpu_without_native_bf16_trains_in_fp32_and_says_so(tmp_path, monkeypatch, capsys):
