@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from capsnet.runtime.cpu import CpuKind
-from capsnet.errors import CapsNetError
+from capsnet.errors import CapsNetError, first_line
 from capsnet.export.logs import quiet
 from capsnet.model_description.files import AOTI_PRECISIONS, aoti_name
 from capsnet.model_description.schema import AotiPackage
@@ -31,7 +31,7 @@ def compiler_unavailable_reason() -> str | None:
     try:
         get_cpp_compiler()  # runs `$CXX --version` (default g++)
     except Exception as err:  # inductor's InvalidCxxCompiler, naming what it tried
-        return f"no C++ compiler for AOTInductor ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+        return f"no C++ compiler for AOTInductor ({type(err).__name__}: {first_line(err)[:200]})"
     return None
 
 

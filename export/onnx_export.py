@@ -13,7 +13,7 @@ from pathlib import Path
 
 import onnx
 
-from capsnet.errors import CapsNetError
+from capsnet.errors import CapsNetError, first_line
 from capsnet.export.config import check_opset
 from capsnet.export.logs import quiet
 from capsnet.model_description.schema import INPUT_NAME
@@ -122,7 +122,7 @@ def check_graph(model: onnx.ModelProto) -> None:
         onnx.checker.check_model(model, full_check=True)
         onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
-        raise CapsNetError(f"the exported ONNX graph is invalid: {str(err).splitlines()[0]}") from None
+        raise CapsNetError(f"the exported ONNX graph is invalid: {first_line(err)}") from None
     control_flow = sorted(CONTROL_FLOW_OPS & set(op_counts(model)))
     if control_flow:
         raise CapsNetError(f"the exported ONNX graph has control flow ({', '.join(control_flow)}); routing must be "

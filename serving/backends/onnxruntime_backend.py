@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import onnxruntime as ort
 
-from capsnet.errors import CapsNetError
+from capsnet.errors import CapsNetError, first_line
 from capsnet.model_description.files import ONNX_FP16_NAME, ONNX_INT8_NAME
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import Backend
@@ -51,7 +51,7 @@ class OnnxRuntimeBackend(Backend):
             self.session = ort.InferenceSession(str(path), options,
                                                 providers=self._providers(artifacts, precision, max_batch_size, gpu))
         except Exception as err:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail, ...)
-            raise CapsNetError(f"{path} is damaged or cannot be loaded: {str(err).splitlines()[0]}") from None
+            raise CapsNetError(f"{path} is damaged or cannot be loaded: {first_line(err)}") from None
         graph_outputs = {output.name: output for output in self.session.get_outputs()}
         missing = [name for name in artifacts.output_names if name not in graph_outputs]
         if missing:

@@ -15,7 +15,7 @@ from pathlib import Path
 import onnx
 from onnx import numpy_helper, shape_inference
 
-from capsnet.errors import CapsNetError
+from capsnet.errors import CapsNetError, first_line
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def count_flops(onnx_path: str | Path) -> FlopCount:
     try:
         model = shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
     except onnx.shape_inference.InferenceError as err:
-        raise CapsNetError(f"{onnx_path}: ONNX shape inference failed: {str(err).splitlines()[0]}") from None
+        raise CapsNetError(f"{onnx_path}: ONNX shape inference failed: {first_line(err)}") from None
     shapes = _static_shapes(model.graph)
     nodes = []
     for node in model.graph.node:

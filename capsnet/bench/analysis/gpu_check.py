@@ -195,7 +195,7 @@ def _public_reference(artifacts, dry_run: bool):
 def inprocess(args) -> dict:
     import torch
 
-    from capsnet.errors import CapsNetError
+    from capsnet.errors import CapsNetError, first_line
     from capsnet.serving.loadgen import random_images
 
     torch.set_num_threads(args.threads)
@@ -206,7 +206,7 @@ def inprocess(args) -> dict:
         try:
             run, description, check = load_spec(spec, Path(args.model), args.cpu_dry_run, max(batches), args.threads)
         except (CapsNetError, RuntimeError, ValueError) as err:
-            failed[spec] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            failed[spec] = f"{type(err).__name__}: {first_line(err)}"
             continue
         backends[spec] = (run, description, check)
         for batch in batches:  # first runs allocate and pick kernels

@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from capsnet.errors import first_line
+
 WARMUP_RUNS = 3
 CONV_OP_TYPES = ("Conv", "QLinearConv", "FusedConv", "NchwcConv")
 
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             sessions.append(ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]))
         except Exception as err:  # onnxruntime's own error types: not an ONNX file, or one it cannot run
-            parser.error(f"{path} is not an ONNX model ONNX Runtime can load: {str(err).splitlines()[0]}")
+            parser.error(f"{path} is not an ONNX model ONNX Runtime can load: {first_line(err)}")
     graph_input = sessions[0].get_inputs()[0]
     shape = [args.batch, *graph_input.shape[1:]]  # the batch axis is symbolic
     images = np.random.default_rng(0).random(shape, dtype=np.float32)  # (batch, C, H, W)
