@@ -127,10 +127,9 @@ class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
             by_size: dict[tuple[int, ...], list[int]] = {}
             for index, image in enumerate(decoded.images):
                 by_size.setdefault(image.shape, []).append(index)
-            results = await asyncio.gather(*(
-                service.infer(np.stack([decoded.images[index] for index in indices]), field="images",
-                              reconstruction=request.include_reconstruction, deadline=deadline, arrival=started)
-                for indices in by_size.values()))
+            results = await service.infer_sizes(
+                [np.stack([decoded.images[index] for index in indices]) for indices in by_size.values()],
+                field="images", reconstruction=request.include_reconstruction, deadline=deadline, arrival=started)
             return _response(spec, request, _in_request_order(list(by_size.values()), results), threshold,
                              decoded.resized_from, started)
 

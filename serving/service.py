@@ -27,7 +27,7 @@ from capsnet.serving.artifacts import ModelArtifacts, load_artifacts
 from capsnet.serving.backend_registry import BACKEND_KINDS
 from capsnet.serving.backends import LoadedBackend, load_backend
 from capsnet.serving.backends.base import Backend
-from capsnet.serving.batcher import Batcher, BatcherConfig, ImageSource, OutputSink
+from capsnet.serving.batcher import BatchOutput, Batcher, BatcherConfig, ImageSource, OutputSink
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.errors import InvalidInput
 from capsnet.serving.lifecycle import Lifecycle
@@ -215,19 +215,41 @@ class InferenceService:
         (check_image_shape, or the image decoder), check_batch_size(); `arrival` (time.monotonic()): when the request
         reached the server, for its statistics. Outputs of `sinks` are written there, not answered.
         """
+        (result,) = await self._infer_request([images], field, reconstruction, deadline, arrival, sinks)
+        return result
+
+    async def infer_sizes(self, groups: list[np.ndarray], *, field: str = "images", reconstruction: bool = False,
+                          deadline: float | None = None, arrival: float | None = None) -> list[InferenceResult]:
+        """One request's images of several sizes, a (N_k, C, H_k, W_k) array each, inferred side by side (a model of
+        any size) and counted as one request: in the statistics, the metrics and the access log."""
+        return await self._infer_request(groups, field, reconstruction, deadline, arrival, None)
+
+    async def _infer_request(self, groups: list, field: str, reconstruction: bool, deadline: float | None,
+                             arrival: float | None, sinks: dict[str, OutputSink] | None) -> list[InferenceResult]:
         arrival = time.monotonic() if arrival is None else arrival
         if reconstruction and "reconstruction" not in self.spec.output_names:
             raise InvalidInput("reconstruction: this model was exported without the reconstruction output "
                                "(re-export with `capsnet export --reconstruction`)")
-        self.validate_values(images, field)
+        for images in groups:
+            self.validate_values(images, field)
         try:
-            output = await self.batcher.submit(images, deadline, sinks)
+            if len(groups) == 1:  # the common case, without a gather's tasks
+                outputs = [await self.batcher.submit(groups[0], deadline, sinks)]
+            else:
+                outputs = list(await asyncio.gather(*(self.batcher.submit(images, deadline, sinks)
+                                                      for images in groups)))
         except BaseException:  # queue full, past its deadline, a backend failure, cancelled: failed at the model
             self.stats.record_request(False, time.monotonic() - arrival)
             raise
-        self.stats.record_request(True, time.monotonic() - arrival, len(images), output.queue_wait,
-                                  {name: sum(run.phases()[name] for run in output.runs) for name in PHASES})
+        images_count = sum(len(images) for images in groups)
+        runs = [run for output in outputs for run in output.runs]
+        queue_wait = max(output.queue_wait for output in outputs)  # the sizes waited side by side
+        self.stats.record_request(True, time.monotonic() - arrival, images_count, queue_wait,
+                                  {name: sum(run.phases()[name] for run in runs) for name in PHASES})
         if (record := CURRENT.get()) is not None:
-            record.answered(len(images), output)
-        outputs = {name: array for name, array in output.outputs.items() if reconstruction or name != "reconstruction"}
-        return InferenceResult(outputs, queue_seconds=output.queue_wait, compute_seconds=output.compute)
+            record.answered(images_count, outputs[0] if len(outputs) == 1 else BatchOutput(
+                {}, queue_wait, sorted(runs, key=lambda run: run.cut), min(output.submitted for output in outputs)))
+        return [InferenceResult({name: array for name, array in output.outputs.items()
+                                 if reconstruction or name != "reconstruction"},
+                                queue_seconds=output.queue_wait, compute_seconds=output.compute)
+                for output in outputs]

@@ -82,7 +82,11 @@ def test_our_api_takes_pngs_at_their_own_size_and_reports_the_present_classes(an
     with CapsNetClient(any_size_server.target) as client:
         info = client.model_info()
         assert list(info.input_sizes) == [1, 14, 14, 256, 256]
+        stats = any_size_server.server.service.stats
+        before = (stats.requests["success"].count, stats.inference_count)
         predictions = client.classify(sent, top_k=2, poses=False)
+        # one request of two sizes, counted once with all its images
+        assert (stats.requests["success"].count, stats.inference_count) == (before[0] + 1, before[1] + len(sent))
         lowered = client.classify(sent[:1], present_threshold=0.05)
     expected = np.concatenate([reference(images), reference(single)])
     for prediction, probabilities in zip(predictions, expected):
