@@ -5,6 +5,7 @@ data of another size."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -215,9 +216,9 @@ def test_full_mnist_folder_loads_with_its_validation_split():
 
     from capsnet.training.data import load_dataset
 
-    folder = Path("/work/shared/data/mnist")
-    if not folder.is_dir():
-        pytest.skip(f"{folder} (the full MNIST IDX files) is not on this machine")
+    folder = Path(os.environ.get("CAPSNET_MNIST_DIR", ""))
+    if not os.environ.get("CAPSNET_MNIST_DIR") or not folder.is_dir():
+        pytest.skip("CAPSNET_MNIST_DIR does not name a folder of the full MNIST IDX files")
     dataset = load_dataset(str(folder), 0.1)
     assert dataset.image_shape == (1, 28, 28) and len(dataset.class_names) == 10
     assert (len(dataset.train), len(dataset.validation), len(dataset.test)) == (54_001, 5_999, 10_000)
