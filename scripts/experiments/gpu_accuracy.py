@@ -12,9 +12,9 @@ and INT8, checked against PyTorch, INT8's accuracy measured on the test split).
 
 --budget is the whole script, start to last file: training stops --export-seconds before its end, and an
 export still going at the end is stopped. Data: --data-root holds mnist/ and fashion-mnist/ (IDX files, as
-gzip or not), an ignored folder of the checkout (`.data/`), since only the checkout reaches a lent GPU machine.
+gzip or not), an ignored folder of the checkout (`.data/`), for a GPU host that receives only a copy of the checkout.
 
-Writes to --out only files of at most 15 MiB (what a lent GPU machine returns):
+Writes to --out only files of at most 15 MiB (so that a host that returns files up to 16 MiB returns all of them):
     results.json            every run's epochs, the choice per family, the exports, the machine, the timings
     <family>.ckpt.NN        the chosen checkpoint without optimiser state, split; rejoin: cat <family>.ckpt.* > F
     onnx/<family>/...       `capsnet export`'s directory but its model.ckpt (the checkpoint above: rejoin it there
@@ -246,7 +246,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="the files to return, each at most 15 MiB")
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu-accuracy-work"),
                         help="full checkpoints, logs and exports (default: /tmp/gpu-accuracy-work)")
-    # a lent machine runs one command for at most 600 s
+    # one command under a 600-s limit, with time to spare
     parser.add_argument("--budget", type=float, default=570, help="seconds for the whole script (default 570)")
     parser.add_argument("--export-seconds", type=float, default=120,
                         help="seconds kept at the end for summary and exports (default 120)")

@@ -27,7 +27,7 @@ import numpy as np
 from capsnet.bench.timing import summarize
 
 PROFILED_BATCHES = (1, 256)
-# torch.compile compiles each batch size anew (a minute or more on the GPU machine's 16 cores for all four): it is
+# torch.compile compiles each batch size anew (a minute or more on an H200 host's 16 cores for all four): it is
 # timed at the sizes its target is stated for
 COMPILED_BATCHES = (1, 256)
 CALLS = {"small": 30, "large": 15, "dry": 3}  # timed calls per cell: batches up to 256, larger; the CPU dry run
