@@ -1,0 +1,411 @@
+"""One-image KServe gRPC requests against four servers of one ONNX model, in one run: the bare `grpc.aio` floor,
+`capsnet serve` with one process and with N front-end processes, and Triton through PyTriton.
+
+- floor: a grpc.aio server (this file, `--floor`) that decodes each request's tensor and answers fixed outputs of the
+  model's shapes, with no model: what Python gRPC itself costs a request;
+- capsnet-1 and capsnet-N: `capsnet serve --workers 1|N` on the ONNX Runtime backend (FP32), N front ends beside one
+  engine process (serving/workers.py);
+- pytriton: Triton's server through PyTriton, ONNX Runtime in its Python model with dynamic batching (this file,
+  `--pytriton`, run by --pytriton-python, a Python that has nvidia-pytriton and onnxruntime); skipped without it.
+
+perf_analyzer drives each at each concurrency (1-image requests, `--input-data zero`), read from its CSV: requests/s,
+p50 and p99. perf_analyzer runs from tritonclient 2.41's wheel in a venv of its own (docs/benchmarks/README.md);
+without --perf-analyzer, the project's load generator (serving/loadgen.py, tritonclient's asyncio client in this
+process) applies the load instead. Around each cell the server's process tree's CPU time (user + system, every
+process of it) and its request count (its ModelStatistics, which every server here answers) give the server CPU time
+per request. The engine's in-process time is the backend's p50 at batch 1, called directly.
+
+    .venv/bin/python scripts/bench_front_end.py --perf-analyzer /opt/perf-analyzer/bin/perf_analyzer \\
+        --pytriton-python /opt/pytriton/bin/python --out docs/benchmarks/front-end-cpu
+
+writes OUT.json and OUT.md. On a GPU host (scripts/gpu_check.sh's serve step) add `--gpu 0`: capsnet serves with
+the torch backend on the device, and PyTriton is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from serving_ab import CHECKPOINT, READY_LINE, cpu_kind  # noqa: E402 (the same checkpoint and machine facts)
+
+MODEL = "capsnet"
+STARTUP_TIMEOUT_S = 600.0
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# -- the servers -------------------------------------------------------------------------------------------------
+
+def export(preset: str, scratch: Path) -> Path:
+    checkpoint, out = scratch / "model.ckpt", scratch / "model"
+    for args in (["-c", CHECKPOINT, str(checkpoint), preset],
+                 ["-m", "capsnet", "export", str(checkpoint), "--out", str(out), "--data", "embedded"]):
+        subprocess.run([sys.executable, *args], check=True, capture_output=True, timeout=1800)
+    return out
+
+
+class Served:
+    """A server process, ready once it prints `ready` (the floor, PyTriton) or capsnet's ready line."""
+
+    def __init__(self, name: str, command: list[str], port: int | None = None):
+        self.name, self.command = name, command
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                        start_new_session=True)
+        lines: list[str] = []
+        threading.Thread(target=lambda: lines.extend(self.process.stdout), daemon=True).start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline and self.process.poll() is None:
+            if match := next(filter(None, map(READY_LINE.search, lines)), None):
+                self.target = f"127.0.0.1:{match[1]}"
+                return
+            if port is not None and any(line.startswith("ready") for line in lines):
+                self.target = f"127.0.0.1:{port}"
+                return
+            time.sleep(0.1)
+        raise SystemExit(f"{name} did not become ready (exit {self.process.poll()})")
+
+    def cpu_seconds(self) -> float:
+        """User + system time of every process of the server's tree (its children: front ends, engine, Triton)."""
+        total, pids = 0.0, [self.process.pid]
+        while pids:
+            pid = pids.pop()
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    pids.extend(int(child) for child in (task / "children").read_text().split())
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        return total
+
+    def requests(self) -> int:
+        import tritonclient.grpc as triton
+
+        with triton.InferenceServerClient(self.target) as client:
+            stats = client.get_inference_statistics(MODEL, as_json=True)["model_stats"]
+        return sum(int(model["inference_stats"]["success"].get("count", 0)) for model in stats)
+
+    def stop(self) -> None:
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def model_io(model_dir: Path) -> tuple[list[int], dict[str, list[int]]]:
+    description = json.loads((model_dir / "model.json").read_text())
+    outputs = {output["name"]: list(output["shape"]) for output in description["outputs"]}
+    return list(description["input_shape"]), outputs
+
+
+# -- the floor: grpc.aio, the tensor decoded, fixed outputs --------------------------------------------------------
+
+def floor(model_dir: Path, port: int) -> None:
+    import grpc
+    from google.protobuf import json_format
+
+    from capsnet.kserve import grpc_service_pb2 as pb
+    from capsnet.kserve import grpc_service_pb2_grpc as pb_grpc
+    from capsnet.kserve import model_config_pb2 as config_pb
+
+    image, outputs = model_io(model_dir)
+    answers = {name: np.zeros(shape, np.float32).tobytes() for name, shape in outputs.items()}
+    count = 0
+
+    class Floor(pb_grpc.GRPCInferenceServiceServicer):
+        async def ServerLive(self, request, context):
+            return pb.ServerLiveResponse(live=True)
+
+        async def ServerReady(self, request, context):
+            return pb.ServerReadyResponse(ready=True)
+
+        async def ModelReady(self, request, context):
+            return pb.ModelReadyResponse(ready=True)
+
+        async def ModelMetadata(self, request, context):
+            return json_format.ParseDict({
+                "name": MODEL, "versions": ["1"], "platform": "onnxruntime_onnx",
+                "inputs": [{"name": "images", "datatype": "FP32", "shape": [-1, *image]}],
+                "outputs": [{"name": name, "datatype": "FP32", "shape": [-1, *shape]}
+                            for name, shape in outputs.items()]}, pb.ModelMetadataResponse())
+
+        async def ModelConfig(self, request, context):
+            config = json_format.ParseDict({
+                "name": MODEL, "platform": "onnxruntime_onnx", "max_batch_size": 64,
+                "input": [{"name": "images", "data_type": "TYPE_FP32", "dims": image}],
+                "output": [{"name": name, "data_type": "TYPE_FP32", "dims": shape} for name, shape in outputs.items()],
+                "dynamic_batching": {}}, config_pb.ModelConfig())
+            return pb.ModelConfigResponse(config=config)
+
+        async def ModelStatistics(self, request, context):
+            return json_format.ParseDict({"model_stats": [{"name": MODEL, "version": "1", "inference_stats": {
+                "success": {"count": count}}}]}, pb.ModelStatisticsResponse())
+
+        async def ModelInfer(self, request, context):
+            nonlocal count
+            tensor = request.inputs[0]
+            images = np.frombuffer(request.raw_input_contents[0], np.float32).reshape(tensor.shape)  # (N, C, H, W)
+            response = pb.ModelInferResponse(model_name=MODEL, model_version="1", id=request.id)
+            for name, shape in outputs.items():
+                response.outputs.add(name=name, datatype="FP32", shape=[len(images), *shape])
+                response.raw_output_contents.append(answers[name] * len(images))
+            count += 1
+            return response
+
+    async def run() -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(Floor(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        print("ready", flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(run())
+
+
+# -- PyTriton: Triton's server, ONNX Runtime in its Python model ---------------------------------------------------
+
+def pytriton(model_dir: Path, port: int, max_batch_size: int) -> None:
+    import onnxruntime
+    from pytriton.decorators import batch
+    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+    from pytriton.triton import Triton, TritonConfig
+
+    image, outputs = model_io(model_dir)
+    session = onnxruntime.InferenceSession(str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    names = [output.name for output in session.get_outputs() if output.name in outputs]
+
+    @batch
+    def infer(images):
+        return dict(zip(names, session.run(names, {"images": images})))
+
+    config = TritonConfig(grpc_port=port, http_port=free_port(), metrics_port=free_port())
+    with Triton(config=config) as triton:
+        triton.bind(model_name=MODEL, infer_func=infer,
+                    inputs=[Tensor(name="images", dtype=np.float32, shape=tuple(image))],
+                    outputs=[Tensor(name=name, dtype=np.float32, shape=tuple(outputs[name])) for name in names],
+                    config=ModelConfig(max_batch_size=max_batch_size, batcher=DynamicBatcher()))
+        print("ready", flush=True)
+        triton.serve()
+
+
+# -- the load ------------------------------------------------------------------------------------------------------
+
+def perf_analyzer(binary: Path, target: str, concurrency: int, seconds: float, scratch: Path) -> dict:
+    """One cell: perf_analyzer's CSV (requests/s, p50, p99), after its stabilisation (windows of `seconds`)."""
+    out = scratch / f"pa-{time.monotonic_ns()}.csv"
+    command = [str(binary), "-m", MODEL, "-u", target, "-i", "grpc", "-b", "1", "--concurrency-range",
+               str(concurrency), "--input-data", "zero", "--measurement-interval", str(int(seconds * 1000)),
+               "--max-trials", "6", "--stability-percentage", "25", "-f", str(out)]
+    site = next(binary.resolve().parent.parent.glob("lib/python3*/site-packages"), None)
+    env = dict(os.environ)
+    if site is not None and (runtime := site / "nvidia/cuda_runtime/lib").is_dir():  # linked, not used, on a CPU
+        env["LD_LIBRARY_PATH"] = ":".join(filter(None, [str(runtime), env.get("LD_LIBRARY_PATH")]))
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120 + 20 * seconds)
+    if result.returncode != 0 or not out.exists():
+        return {"error": (result.stdout + result.stderr)[-600:]}
+    row = next(csv.DictReader(out.read_text().splitlines()))
+    return {"requests_per_s": float(row["Inferences/Second"]), "p50_ms": float(row["p50 latency"]) / 1e3,
+            "p99_ms": float(row["p99 latency"]) / 1e3}
+
+
+def loadgen(target: str, concurrency: int, seconds: float, image: list[int]) -> dict:
+    from capsnet.serving.loadgen import random_images, run_load
+
+    result = asyncio.run(run_load(target, random_images(64, tuple(image)), concurrency=concurrency,
+                                  max_requests=10 ** 7, max_seconds=seconds, warmup_seconds=1.0, api="kserve",
+                                  model_name=MODEL, input_name="images")).summary()
+    return {key: result[key] for key in ("requests_per_s", "p50_ms", "p99_ms", "errors")}
+
+
+def engine_in_process(model_dir: Path, seconds: float, gpu: int | None) -> float:
+    """The backend's p50 ms at batch 1, called directly (numpy in, numpy out)."""
+    from capsnet.serving.artifacts import load_artifacts
+    from capsnet.serving.backends import create_backend
+    from capsnet.serving.config import ServerConfig
+
+    backend_name = "onnxruntime" if gpu is None else "torch"
+    config = ServerConfig(model_dir=model_dir, backend=backend_name, precision="fp32", gpu=gpu)
+    backend = create_backend(backend_name, "fp32", load_artifacts(model_dir), config)
+    image, _ = model_io(model_dir)
+    images = np.zeros((1, *image), np.float32)
+    backend.run(images)
+    times: list[float] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end or len(times) < 20:
+        started = time.perf_counter()
+        backend.run(images)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+# -- the run -------------------------------------------------------------------------------------------------------
+
+def servers(args, model_dir: Path, workers: int) -> list[tuple[str, list[str], int | None]]:
+    here = str(Path(__file__).resolve())
+    port = free_port()
+    engine = (["--backend", "onnxruntime"] if args.gpu is None else ["--backend", "torch", "--gpu", str(args.gpu)])
+    capsnet = [sys.executable, "-m", "capsnet", "serve", "--model", str(model_dir), *engine, "--precision", "fp32",
+               "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", "--no-allow-client-shm",
+               "--max-batch-size", str(args.max_batch_size)]
+    chosen = [("floor", [sys.executable, here, "--floor", str(port), "--model-dir", str(model_dir)], port),
+              ("capsnet-1", [*capsnet, "--workers", "1"], None),
+              (f"capsnet-{workers}", [*capsnet, "--workers", str(workers)], None)]
+    if args.pytriton_python and args.gpu is None:
+        triton_port = free_port()
+        chosen.append(("pytriton", [args.pytriton_python, here, "--pytriton", str(triton_port), "--model-dir",
+                                    str(model_dir), "--max-batch-size", str(args.max_batch_size)], triton_port))
+    return chosen
+
+
+def measure(args, model_dir: Path, scratch: Path) -> dict:
+    workers = args.workers or max(2, len(os.sched_getaffinity(0)) // 2)
+    image, _ = model_io(model_dir)
+    report: dict = {"engine_p50_ms": engine_in_process(model_dir, args.seconds, args.gpu), "servers": {}}
+    for name, command, port in servers(args, model_dir, workers):
+        try:
+            served = Served(name, command, port)
+        except SystemExit as err:
+            report["servers"][name] = {"error": str(err)}
+            continue
+        cells = {}
+        try:
+            for concurrency in args.concurrency:
+                cpu, requests = served.cpu_seconds(), served.requests()
+                if args.perf_analyzer:
+                    cell = perf_analyzer(args.perf_analyzer, served.target, concurrency, args.seconds, scratch)
+                else:
+                    cell = loadgen(served.target, concurrency, args.seconds, image)
+                done = served.requests() - requests
+                cell["server_cpu_ms_per_request"] = (served.cpu_seconds() - cpu) * 1e3 / done if done else None
+                cells[concurrency] = cell
+                print(name, concurrency, cell, flush=True)
+        finally:
+            served.stop()
+        report["servers"][name] = {"command": shlex.join(command), "cells": cells}
+    return report
+
+
+def markdown(report: dict) -> list[str]:
+    levels = report["concurrency"]
+    lines = [f"# One-image KServe gRPC requests: the floor, capsnet serve, Triton", "",
+             f"`{report['command']}`", "",
+             f"Measured {report['when']} on {report['cpu']} ({report['cores']} cores; load average before "
+             f"{', '.join(f'{x:.2f}' for x in report['load_before'])}, after "
+             f"{', '.join(f'{x:.2f}' for x in report['load_after'])}). The machine was shared with other work while "
+             "it ran, and the load generator shares its cores with the servers: compare figures within this run "
+             "only.", "",
+             f"Load: {report['load_by']}; model: the `{report['preset']}` preset, FP32 ONNX; engine in process "
+             f"(batch 1, p50): **{report['engine_p50_ms']:.3f} ms**.", "",
+             "| server | " + " | ".join(f"c{c} req/s | c{c} p50 / p99 ms | c{c} server CPU ms/req" for c in levels)
+             + " |",
+             "|---|" + "---|---|---|" * len(levels)]
+    for name, server in report["servers"].items():
+        if "error" in server:
+            lines.append(f"| {name} | not run: {server['error']} |")
+            continue
+        row = [name]
+        for level in levels:
+            cell = server["cells"].get(str(level)) or server["cells"].get(level) or {}
+            if "error" in cell:
+                row += ["error", cell["error"][:80].replace("|", "/").replace("\n", " "), ""]
+                continue
+            cpu = cell.get("server_cpu_ms_per_request")
+            row += [f"{cell['requests_per_s']:,.0f}", f"{cell['p50_ms']:.2f} / {cell['p99_ms']:.2f}",
+                    "" if cpu is None else f"{cpu:.3f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", *targets(report)]
+    return lines
+
+
+def targets(report: dict) -> list[str]:
+    """The CPU targets: capsnet's server CPU per request against the floor's (≤ 1.5×), c1 p50 against the engine's
+    in-process time (≤ + 0.3 ms)."""
+    servers = report["servers"]
+    floor_cells = servers.get("floor", {}).get("cells", {})
+    lines = ["| target | server | measured | met |", "|---|---|---|---|"]
+    for name, server in servers.items():
+        if not name.startswith("capsnet") or "cells" not in server:
+            continue
+        for level, cell in server["cells"].items():
+            base = floor_cells.get(level, {}).get("server_cpu_ms_per_request")
+            mine = cell.get("server_cpu_ms_per_request")
+            if base and mine:
+                lines.append(f"| server CPU per request ≤ 1.5× the floor's, c{level} | {name} | {mine:.3f} against "
+                             f"{base:.3f} ms ({mine / base:.2f}×) | {'yes' if mine <= 1.5 * base else '**no**'} |")
+        c1 = server["cells"].get("1", server["cells"].get(1, {}))
+        if "p50_ms" in c1:
+            bound = report["engine_p50_ms"] + 0.3
+            lines.append(f"| c1 p50 ≤ engine in process + 0.3 ms | {name} | {c1['p50_ms']:.3f} against "
+                         f"{bound:.3f} ms | {'yes' if c1['p50_ms'] <= bound else '**no**'} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--seconds", type=float, default=3.0, help="per measurement window")
+    parser.add_argument("--workers", type=int, help="front ends of capsnet-N (default: one per 2 cores, at least 2)")
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--gpu", type=int, help="serve capsnet with the torch backend on this CUDA device")
+    parser.add_argument("--perf-analyzer", type=Path, metavar="PATH", help="perf_analyzer's binary")
+    parser.add_argument("--pytriton-python", metavar="PATH", help="a Python with nvidia-pytriton and onnxruntime")
+    parser.add_argument("--model-dir", type=Path, help="an export folder (default: the preset, exported now)")
+    parser.add_argument("--floor", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--pytriton", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help="OUT.json and OUT.md")
+    args = parser.parse_args(argv)
+    if args.floor is not None:
+        floor(args.model_dir, args.floor)
+        return 0
+    if args.pytriton is not None:
+        pytriton(args.model_dir, args.pytriton, args.max_batch_size)
+        return 0
+    if not args.out:
+        parser.error("--out is required")
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = args.model_dir or export(args.preset, Path(scratch))
+        report = measure(args, model_dir, Path(scratch))
+    report.update({
+        "command": shlex.join(["python", "scripts/bench_front_end.py", *(argv or sys.argv[1:])]),
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_kind(),
+        "cores": len(os.sched_getaffinity(0)), "load_before": load_before, "load_after": os.getloadavg(),
+        "preset": args.preset, "concurrency": args.concurrency,
+        "load_by": "perf_analyzer (tritonclient 2.41.0's build)" if args.perf_analyzer
+        else "serving/loadgen.py (tritonclient's asyncio client, in the benchmark's process)"})
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".md").write_text("\n".join(markdown(report)) + "\n")
+    print("\n".join(markdown(report)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
