@@ -45,6 +45,8 @@ class Engine:
         self.models: ModelManager | None = None
         self.metrics_port: int | None = None
         self._connections: set[asyncio.Task] = set()
+        self._failed = asyncio.Event()
+        self.lifecycle.on_change(self._follow_phase)
 
     async def run(self, announce, stopping: asyncio.Event) -> None:
         """Load, warm up, listen; announce(metrics port) once serving; serve until `stopping`, then drain."""
@@ -71,19 +73,20 @@ class Engine:
             gc.freeze()  # as CapsNetServer.start: full collections never rescan the models
             await self.lifecycle.move(Phase.SERVING)
             announce(self.metrics_port)
-            failed = asyncio.ensure_future(self._until_failed())
-            await asyncio.wait([failed, asyncio.ensure_future(stopping.wait())], return_when=asyncio.FIRST_COMPLETED)
-            if self.lifecycle.phase is Phase.FAILED:
+            waits = [asyncio.ensure_future(self._failed.wait()), asyncio.ensure_future(stopping.wait())]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for wait in waits:
+                wait.cancel()
+            if self._failed.is_set():  # a backend that can no longer run: the supervisor stops the server
                 raise CapsNetError(f"the engine cannot serve: {self.lifecycle.failure}")
-            failed.cancel()
             listener.close()
             for connection in list(self._connections):  # front ends have stopped: nothing should be left
                 connection.cancel()
             await self.lifecycle.move(Phase.DRAINING)
 
-    async def _until_failed(self) -> None:
-        while self.lifecycle.phase is not Phase.FAILED:
-            await asyncio.sleep(0.5)
+    async def _follow_phase(self, phase: Phase) -> None:
+        if phase is Phase.FAILED:
+            self._failed.set()
 
     async def _serve_front_end(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -91,19 +94,20 @@ class Engine:
         self._connections.add(task)
         requests: dict[int, asyncio.Task] = {}
         slots: TensorSlots | None = None
+        outbox = engine_link.Outbox(writer)
         try:
-            engine_link.send(writer, ([service.spec for service in self.models.services()],))
+            outbox.send(([service.spec for service in self.models.services()],))
             while True:
                 message = await engine_link.receive(reader)
                 kind = message[0]
                 if kind == INFER:
                     assert slots is not None  # sent before any request
-                    requests[message[1]] = asyncio.ensure_future(self._infer(message, slots, writer, requests))
+                    requests[message[1]] = asyncio.ensure_future(self._infer(message, slots, outbox, requests))
                 elif kind == CANCEL:
                     if (request := requests.get(message[1])) is not None:
                         request.cancel()
                 elif kind == STATISTICS:
-                    requests[message[1]] = asyncio.ensure_future(self._statistics(message, writer, requests))
+                    requests[message[1]] = asyncio.ensure_future(self._statistics(message, outbox, requests))
                 elif kind == SLOTS:
                     _, name, count, size = message
                     slots = TensorSlots(name, count, size)
@@ -119,7 +123,7 @@ class Engine:
             writer.close()
             self._connections.discard(task)
 
-    async def _infer(self, message: tuple, slots: TensorSlots, writer: asyncio.StreamWriter,
+    async def _infer(self, message: tuple, slots: TensorSlots, outbox: engine_link.Outbox,
                      requests: dict[int, asyncio.Task]) -> None:
         _, request_id, name, version, slot, shape, deadline, arrival = message
         assert self.models is not None
@@ -145,10 +149,9 @@ class Engine:
             reply = (request_id, engine_link.error_of(err), None)
         finally:
             requests.pop(request_id, None)
-        if not writer.is_closing():
-            engine_link.send(writer, reply)
+        outbox.send(reply)
 
-    async def _statistics(self, message: tuple, writer: asyncio.StreamWriter,
+    async def _statistics(self, message: tuple, outbox: engine_link.Outbox,
                           requests: dict[int, asyncio.Task]) -> None:
         _, request_id, name, version = message
         assert self.models is not None
@@ -158,8 +161,7 @@ class Engine:
             reply = (request_id, engine_link.error_of(err), None)
         finally:
             requests.pop(request_id, None)
-        if not writer.is_closing():
-            engine_link.send(writer, reply)
+        outbox.send(reply)
 
 
 async def run_engine(config: ServerConfig, socket_path: str, announce) -> int:

@@ -50,6 +50,7 @@ class EngineLink:
         self.specs = specs
         self.slots = slots
         self._reader, self._writer = reader, writer
+        self._outbox = engine_link.Outbox(writer)
         self._ids = itertools.count()
         self._pending: dict[int, tuple[asyncio.Future, int | None]] = {}  # id -> (its reply, its slot)
         self._free = list(range(slots.count))
@@ -63,8 +64,9 @@ class EngineLink:
         (specs,) = await engine_link.receive(reader)
         # every request the engine may hold at once (its queue, and a batch computing) has a slot
         slots = TensorSlots.for_specs(slots_name, specs, config.max_queue_size + config.max_batch_size)
-        engine_link.send(writer, (SLOTS, slots.name, slots.count, slots.size))
-        return cls(reader, writer, specs, slots)
+        link = cls(reader, writer, specs, slots)
+        link._outbox.send((SLOTS, slots.name, slots.count, slots.size))
+        return link
 
     async def _read(self) -> None:
         try:
@@ -97,7 +99,7 @@ class EngineLink:
         request_id = next(self._ids)
         reply = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (reply, slot)
-        engine_link.send(self._writer, (message[0], request_id, *message[1:]))
+        self._outbox.send((message[0], request_id, *message[1:]))
         return request_id, reply
 
     async def infer(self, spec: ModelSpec, images: np.ndarray, deadline: float | None,
@@ -115,7 +117,7 @@ class EngineLink:
             except asyncio.CancelledError:
                 if reply.cancelled() and not self.lost.is_set():  # the engine is told; its reply frees the slot
                     owned = False
-                    engine_link.send(self._writer, (CANCEL, request_id))
+                    self._outbox.send((CANCEL, request_id))
                 raise
             offsets = self.slots.output_offsets(images.shape, shapes)
             outputs = {name: self.slots.array(slot, offset, shape).copy()

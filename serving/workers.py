@@ -177,7 +177,7 @@ class Supervisor:
                           "answer requests)", self.engine.exited.result())
                 await self._stop()
                 return ENGINE_FAILED
-            for index, child in list(self.front.items()):
+            for child in list(self.front.values()):
                 if child.exited.done():
                     await self._restart(child)
 
