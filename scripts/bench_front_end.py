@@ -18,8 +18,8 @@ per request. The engine's in-process time is the backend's p50 at batch 1, calle
     .venv/bin/python scripts/bench_front_end.py --perf-analyzer /opt/perf-analyzer/bin/perf_analyzer \\
         --pytriton-python /opt/pytriton/bin/python --out docs/benchmarks/front-end-cpu
 
-writes OUT.json and OUT.md. On a GPU host (scripts/gpu_check.sh's serve step) add `--gpu 0`: capsnet serves with
-the torch backend on the device, and PyTriton is skipped.
+writes OUT.json and OUT.md. On a GPU host (scripts/gpu_check.sh, its front-end step) add `--gpu 0`: capsnet serves with
+the fused engine in fp16 on the device (--engine), and PyTriton is skipped.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -52,16 +53,6 @@ BATCH_SIZES = (1, 4, 16, 64)  # the engine's CPU time per image is measured at t
 
 
 # -- the servers -------------------------------------------------------------------------------------------------
-
-def export(preset: str, scratch: Path) -> Path:
-    from serving_ab import CHECKPOINT
-
-    checkpoint, out = scratch / "model.ckpt", scratch / "model"
-    for args in (["-c", CHECKPOINT, str(checkpoint), preset],
-                 ["-m", "capsnet", "export", str(checkpoint), "--out", str(out), "--data", "embedded"]):
-        subprocess.run([sys.executable, *args], check=True, capture_output=True, timeout=1800)
-    return out
-
 
 class Served:
     """A server process, ready once it prints `ready` (the floor, PyTriton) or capsnet's ready line."""
@@ -100,14 +91,18 @@ class Served:
         return total
 
     def counts(self) -> tuple[int, int, int]:
-        """Requests answered, images inferred, backend runs (its ModelStatistics)."""
-        import tritonclient.grpc as triton
+        """Requests answered, images inferred, backend runs (its ModelStatistics, through the project's own KServe
+        stubs: a GPU host may have no tritonclient)."""
+        import grpc
 
-        with triton.InferenceServerClient(self.target) as client:
-            stats = client.get_inference_statistics(MODEL, as_json=True)["model_stats"]
-        return (sum(int(model["inference_stats"]["success"].get("count", 0)) for model in stats),
-                sum(int(model.get("inference_count", 0)) for model in stats),
-                sum(int(model.get("execution_count", 0)) for model in stats))
+        from capsnet.kserve import grpc_service_pb2 as pb
+        from capsnet.kserve import grpc_service_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(self.target) as channel:
+            stats = pb_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(
+                pb.ModelStatisticsRequest(name=MODEL), timeout=30).model_stats
+        return (sum(model.inference_stats.success.count for model in stats),
+                sum(model.inference_count for model in stats), sum(model.execution_count for model in stats))
 
     def stop(self) -> None:
         os.killpg(self.process.pid, signal.SIGTERM)
@@ -205,8 +200,12 @@ def pytriton(model_dir: Path, port: int, max_batch_size: int) -> None:
     import onnxruntime
     from pytriton.decorators import batch
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
-    from pytriton.triton import Triton, TritonConfig
+    from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig
 
+    # Triton's Python backend stub loads this interpreter's libpython: where a build keeps it outside the linker's
+    # paths (pyenv), tell the server's processes
+    libdir = sysconfig.get_config_var("LIBDIR")
+    os.environ["LD_LIBRARY_PATH"] = ":".join(filter(None, [libdir, os.environ.get("LD_LIBRARY_PATH")]))
     image, outputs = model_io(model_dir)
     session = onnxruntime.InferenceSession(str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
     names = [output.name for output in session.get_outputs() if output.name in outputs]
@@ -216,7 +215,8 @@ def pytriton(model_dir: Path, port: int, max_batch_size: int) -> None:
         return dict(zip(names, session.run(names, {"images": images})))
 
     config = TritonConfig(grpc_port=port, http_port=free_port(), metrics_port=free_port())
-    with Triton(config=config) as triton:
+    # every endpoint open, as capsnet serve's are: perf_analyzer reads the statistics, which PyTriton guards by default
+    with Triton(config=config, security_config=TritonSecurityConfig(restricted_endpoints=[])) as triton:
         triton.bind(model_name=MODEL, infer_func=infer,
                     inputs=[Tensor(name="images", dtype=np.float32, shape=tuple(image))],
                     outputs=[Tensor(name=name, dtype=np.float32, shape=tuple(outputs[name])) for name in names],
@@ -255,16 +255,16 @@ def loadgen(target: str, concurrency: int, seconds: float, image: list[int]) -> 
     return {key: result[key] for key in ("requests_per_s", "p50_ms", "p99_ms", "errors")}
 
 
-def engine_in_process(model_dir: Path, seconds: float, gpu: int | None) -> dict:
+def engine_in_process(model_dir: Path, seconds: float, engine: str, gpu: int | None) -> dict:
     """The backend called directly (numpy in, numpy out): its p50 ms at batch 1, and the CPU time it takes per image
     (this process's, its threads') at the batch sizes a server forms."""
     from capsnet.serving.artifacts import load_artifacts
     from capsnet.serving.backends import create_backend
     from capsnet.serving.config import ServerConfig
 
-    backend_name = "onnxruntime" if gpu is None else "torch"
-    config = ServerConfig(model_dir=model_dir, backend=backend_name, precision="fp32", gpu=gpu)
-    backend = create_backend(backend_name, "fp32", load_artifacts(model_dir), config)
+    name, precision = engine.split(":")
+    config = ServerConfig(model_dir=model_dir, backend=name, precision=precision, gpu=gpu)
+    backend = create_backend(name, precision, load_artifacts(model_dir), config)
     image, _ = model_io(model_dir)
     report: dict = {"cpu_ms_per_image": {}}
     for size in BATCH_SIZES:
@@ -294,8 +294,10 @@ def backend_cpu_ms(engine: dict, mean_batch: float) -> float:
 def servers(args, model_dir: Path, workers: int) -> list[tuple[str, list[str], int | None]]:
     here = str(Path(__file__).resolve())
     port = free_port()
-    engine = (["--backend", "onnxruntime"] if args.gpu is None else ["--backend", "torch", "--gpu", str(args.gpu)])
-    capsnet = [sys.executable, "-m", "capsnet", "serve", "--model", str(model_dir), *engine, "--precision", "fp32",
+    name, precision = args.engine.split(":")
+    device = [] if args.gpu is None else ["--gpu", str(args.gpu)]
+    capsnet = [sys.executable, "-m", "capsnet", "serve", "--model", str(model_dir), "--backend", name, "--precision",
+               precision, *device,
                "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", "--no-allow-client-shm",
                "--max-batch-size", str(args.max_batch_size)]
     chosen = [("floor", [sys.executable, here, "--floor", str(port), "--model-dir", str(model_dir)], port),
@@ -311,7 +313,7 @@ def servers(args, model_dir: Path, workers: int) -> list[tuple[str, list[str], i
 def measure(args, model_dir: Path, scratch: Path) -> dict:
     workers = args.workers or max(2, len(os.sched_getaffinity(0)) // 2)
     image, _ = model_io(model_dir)
-    engine = engine_in_process(model_dir, args.seconds, args.gpu)
+    engine = engine_in_process(model_dir, args.seconds, args.engine, args.gpu)
     report: dict = {"engine_p50_ms": engine["p50_ms"], "engine": engine, "servers": {}}
     for name, command, port in servers(args, model_dir, workers):
         try:
@@ -350,8 +352,9 @@ def markdown(report: dict) -> list[str]:
              f"{', '.join(f'{x:.2f}' for x in report['load_after'])}). The machine was shared with other work while "
              "it ran, and the load generator shares its cores with the servers: compare figures within this run "
              "only.", "",
-             f"Load: {report['load_by']}, 1-image requests; model: the `{report['preset']}` preset, FP32 ONNX. The "
-             f"engine in process (ONNX Runtime, called directly): p50 **{engine['p50_ms']:.3f} ms** at batch 1; CPU "
+             f"Load: {report['load_by']}, 1-image requests; model: the `{report['preset']}` preset; capsnet's engine: "
+             f"{report['engine_spec']}{report['device']}. The engine in process (called directly): p50 "
+             f"**{engine['p50_ms']:.3f} ms** at batch 1; CPU "
              "time per image " + ", ".join(f"{value:.3f} ms at batch {size}"
                                            for size, value in engine["cpu_ms_per_image"].items()) + ".", "",
              "Server CPU: user + system time of the server's whole process tree over the cell, over the requests its "
@@ -409,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="per measurement window")
     parser.add_argument("--workers", type=int, help="front ends of capsnet-N (default: one per 2 cores, at least 2)")
     parser.add_argument("--max-batch-size", type=int, default=64)
-    parser.add_argument("--gpu", type=int, help="serve capsnet with the torch backend on this CUDA device")
+    parser.add_argument("--gpu", type=int, help="serve capsnet on this CUDA device")
+    parser.add_argument("--engine", metavar="BACKEND:PRECISION",
+                        help="capsnet's backend (default onnxruntime:fp32; with --gpu fused:fp16)")
     parser.add_argument("--perf-analyzer", type=Path, metavar="PATH", help="perf_analyzer's binary")
     parser.add_argument("--pytriton-python", metavar="PATH", help="a Python with nvidia-pytriton and onnxruntime")
     parser.add_argument("--model-dir", type=Path, help="an export folder (default: the preset, exported now)")
@@ -425,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.out:
         parser.error("--out is required")
+    args.engine = args.engine or ("onnxruntime:fp32" if args.gpu is None else "fused:fp16")
+    from measure_shared_memory import export  # the preset's seeded checkpoint, exported
     from serving_ab import cpu_kind
 
     load_before = os.getloadavg()
@@ -435,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(["python", "scripts/bench_front_end.py", *(argv or sys.argv[1:])]),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_kind(),
         "cores": len(os.sched_getaffinity(0)), "load_before": load_before, "load_after": os.getloadavg(),
-        "preset": args.preset, "concurrency": args.concurrency,
+        "preset": args.preset, "concurrency": args.concurrency, "engine_spec": args.engine,
+        "device": "" if args.gpu is None else f" on CUDA device {args.gpu}",
         "load_by": "perf_analyzer (tritonclient 2.41.0's build)" if args.perf_analyzer
         else "serving/loadgen.py (tritonclient's asyncio client, in the benchmark's process)"})
     out = Path(args.out)

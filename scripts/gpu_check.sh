@@ -111,6 +111,12 @@ step flops 30 "${check[@]}" flops "${common[@]}" --model "$work/model"
 # 4-5. in process: the public formulation, the model eager and compiled, every served engine; then served
 step engines 200 "${check[@]}" engines "${common[@]}" --model "$work/model" --specs "${engines[@]}"
 step serve 100 "${check[@]}" serve "${common[@]}" --model "$work/model" --concurrency "${concurrency[@]}" --window "$window"
+# 6. one-image requests against the bare grpc.aio floor and capsnet serve with 1 and N front-end processes (the
+# fused engine in fp16 on the GPU), perf_analyzer where carried, else the project's load generator: OUT/front-end.md
+front_end=(--seconds 1 --concurrency "${concurrency[@]}" --model-dir "$work/model" --out "$out/front-end")
+[ $dry = 1 ] || front_end+=(--gpu 0)
+[ -x "$repo/.perf-analyzer/bin/perf_analyzer" ] && front_end+=(--perf-analyzer "$repo/.perf-analyzer/bin/perf_analyzer")
+step front-end 150 "$python" "$repo/scripts/bench_front_end.py" "${front_end[@]}"
 
 # the GPU tests, where pytest is there and time is left
 if (cd "$work" && "$python" -c "import pytest") 2>/dev/null; then
