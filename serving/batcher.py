@@ -3,8 +3,8 @@
 Requests wait in a bounded FIFO queue. A batch is cut when max_batch_size images are waiting or the
 oldest request has waited max_queue_delay; it takes images from the head of the queue and may split
 a request across two batches, so batches are full under load. One batch runs at a time, in a worker
-thread, so the event loop keeps accepting and queueing requests meanwhile (they form the next batch); a batch whose
-size last ran in under INLINE_RUN_S runs on the event loop instead, as handing it to the thread and back would cost
+thread, so the event loop keeps accepting and queueing requests meanwhile (they form the next batch); a batch of a
+size whose runs take under INLINE_RUN_S runs on the event loop instead, as handing it to the thread and back would cost
 about as much CPU and latency as the run (a small model's one-image batches on a CPU).
 Every image is computed independently of its batch-mates (the model has no cross-sample state), so
 the split and the grouping change nothing in the results. A model of any size gets requests of several image sizes;
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 # hand-overs, about 50-100 µs of CPU and latency on a 2-core AMD EPYC with AVX2): the event loop runs it. Long enough
 # for a small model's one-image batch on a CPU, short enough that the loop is never held long.
 INLINE_RUN_S = 0.0005
+RUN_ESTIMATE_DRIFT = 1.05  # how much one slower run may raise a batch size's run estimate
 
 
 class ImageSource(Protocol):
@@ -139,7 +140,9 @@ class Batcher:
         self._idle.set()
         # One thread: batches run one after another; the backend parallelises within a batch.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsnet-backend")
-        self._last_run_s: dict[int, float] = {}  # batch size -> its last backend run's seconds
+        # batch size -> its backend run's seconds as the fastest recent runs say: a run slowed by other work on the
+        # machine raises it only by RUN_ESTIMATE_DRIFT, so the choice of inline runs does not flip with the load
+        self._run_estimate_s: dict[int, float] = {}
         self._task = asyncio.get_running_loop().create_task(self._schedule(), name="capsnet-batcher")
 
     async def submit(self, images: Images, deadline: float | None = None,
@@ -252,12 +255,14 @@ class Batcher:
                 self.metrics.queue_wait.observe(request.queue_wait)
         size = sum(stop - start for _, start, stop in parts)
         try:
-            if self._last_run_s.get(size, INLINE_RUN_S) < INLINE_RUN_S:
+            estimate = self._run_estimate_s.get(size)
+            if estimate is not None and estimate < INLINE_RUN_S:
                 outputs, failed, started, ended = self._gather_and_run(parts)
             else:
                 outputs, failed, started, ended = await loop.run_in_executor(self._executor, self._gather_and_run,
                                                                              parts)
-            self._last_run_s[size] = ended - started
+            ran = ended - started
+            self._run_estimate_s[size] = ran if estimate is None else min(ran, estimate * RUN_ESTIMATE_DRIFT)
             for request, err in failed:  # its images could not be read, or its outputs written: it alone fails
                 self._remove(request)
                 if not request.future.done():
