@@ -129,6 +129,7 @@ class Engine:
         assert self.models is not None
         record = RequestRecord("engine", "infer", arrival)  # what the batcher says of the request: its batches
         CURRENT.set(record)
+        reply: tuple  # (request id, None or the error, None or the answer)
         try:
             with self.models.use(ModelRef(name, version)) as service:
                 # every output the model has: the front end answers those its request asked for
@@ -139,7 +140,7 @@ class Engine:
             shapes = [result.outputs[output].shape for output in names]
             for output, offset in zip(names, slots.output_offsets(shape, shapes)):
                 slots.array(slot, offset, result.outputs[output].shape)[...] = result.outputs[output]
-            runs = [tuple(run) for run in record.output.runs] if record.output is not None else []
+            runs: list[tuple] = [tuple(run) for run in record.output.runs] if record.output is not None else []
             reply = (request_id, None, (names, shapes, result.queue_seconds, runs))
         except asyncio.CancelledError:
             reply = (request_id, ("RequestTimeout", "cancelled"), None)
@@ -155,6 +156,7 @@ class Engine:
                           requests: dict[int, asyncio.Task]) -> None:
         _, request_id, name, version = message
         assert self.models is not None
+        reply: tuple
         try:
             reply = (request_id, None, await self.models.statistics(ModelRef(name, version, "name", "version")))
         except Exception as err:

@@ -248,6 +248,8 @@ async def supervise(config: ServerConfig, workers: int) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal)
+    # SIGHUP rescans a single-process server's repository; here the models are the engine's as loaded at start
+    loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP ignored: model control is off with front-end processes")
     code = await supervisor.run(stopping)
     print("capsnet serve: stopped", file=sys.stderr, flush=True)
     return code

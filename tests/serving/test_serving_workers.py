@@ -101,8 +101,12 @@ def test_front_ends_answer_count_and_restart(served, model_dir):
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
 
-    # Requests held in the (stopped) engine when their front ends die end UNAVAILABLE, not in a hang.
+    # Requests held in the (stopped) engine: one past its deadline ends DEADLINE_EXCEEDED; those whose front ends
+    # die end UNAVAILABLE, not in a hang.
     os.kill(engine, signal.SIGSTOP)
+    with pytest.raises(InferenceServerException) as late:
+        infer(connections[0], IMAGES[:1], timeout=0.5)
+    assert late.value.status() == "StatusCode.DEADLINE_EXCEEDED"
     failures: list[str] = []
 
     def held(client) -> None:
