@@ -15,8 +15,14 @@ process) applies the load instead. Around each cell the server's process tree's 
 process of it) and its request count (its ModelStatistics, which every server here answers) give the server CPU time
 per request. The engine's in-process time is the backend's p50 at batch 1, called directly.
 
+    python3 -m venv /opt/perf-analyzer && /opt/perf-analyzer/bin/pip install tritonclient==2.41.0 \\
+        nvidia-cuda-runtime-cu12   # and apt-get install libb64-0d
+    python3.10 -m venv /opt/pytriton && /opt/pytriton/bin/pip install nvidia-pytriton onnxruntime numpy
     .venv/bin/python scripts/bench_front_end.py --perf-analyzer /opt/perf-analyzer/bin/perf_analyzer \\
         --pytriton-python /opt/pytriton/bin/python --out docs/benchmarks/front-end-cpu
+
+PyTriton 0.7's Python 3.11 backend stub fails against a Python 3.11.7 standard library (its multiprocessing calls
+RLock._recursion_count, which the stub's interpreter lacks), so its venv here is a Python 3.10's.
 
 writes OUT.json and OUT.md. On a GPU host (scripts/gpu_check.sh, its front-end step) add `--gpu 0`: capsnet serves with
 the fused engine in fp16 on the device (--engine), and PyTriton is skipped.
@@ -49,10 +55,17 @@ sys.path.insert(0, str(REPO / "scripts"))  # serving_ab: the same checkpoint, re
 MODEL = "capsnet"
 STARTUP_TIMEOUT_S = 600.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-BATCH_SIZES = (1, 4, 16, 64)  # the engine's CPU time per image is measured at these
+BATCH_SIZES = (1, 4, 16, 64)
+CPU_PARTS = ("total", "main thread", "gRPC threads")  # the engine's CPU time per image is measured at these
 
 
 # -- the servers -------------------------------------------------------------------------------------------------
+
+def _ticks(stat: Path) -> int:
+    """utime + stime of a /proc stat file, in clock ticks."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
 
 class Served:
     """A server process, ready once it prints `ready` (the floor, PyTriton) or capsnet's ready line."""
@@ -76,19 +89,24 @@ class Served:
             time.sleep(0.1)
         raise SystemExit(f"{name} did not become ready (exit {self.process.poll()})")
 
-    def cpu_seconds(self) -> float:
-        """User + system time of every process of the server's tree (its children: front ends, engine, Triton)."""
-        total, pids = 0.0, [self.process.pid]
+    def cpu_seconds(self) -> dict[str, float]:
+        """User + system time of every process of the server's tree (its children: front ends, engine, Triton): in
+        all, in the processes' main threads (a Python server's event loop), and in gRPC's core threads."""
+        spent = dict.fromkeys(CPU_PARTS, 0.0)
+        pids = [self.process.pid]
         while pids:
             pid = pids.pop()
             try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+                spent["total"] += _ticks(Path(f"/proc/{pid}/stat")) / CLK_TCK  # its threads, ended ones too
                 for task in Path(f"/proc/{pid}/task").iterdir():
                     pids.extend(int(child) for child in (task / "children").read_text().split())
+                    if task.name == str(pid):
+                        spent["main thread"] += _ticks(task / "stat") / CLK_TCK
+                    elif (task / "comm").read_text().startswith(("event_engine", "grpc")):
+                        spent["gRPC threads"] += _ticks(task / "stat") / CLK_TCK
             except (FileNotFoundError, ProcessLookupError):
                 continue
-        return total
+        return spent
 
     def counts(self) -> tuple[int, int, int]:
         """Requests answered, images inferred, backend runs (its ModelStatistics, through the project's own KServe
@@ -329,12 +347,14 @@ def measure(args, model_dir: Path, scratch: Path) -> dict:
                     cell = perf_analyzer(args.perf_analyzer, served.target, concurrency, args.seconds, scratch)
                 else:
                     cell = loadgen(served.target, concurrency, args.seconds, image)
-                cpu = served.cpu_seconds() - cpu
+                spent = {part: value - cpu[part] for part, value in served.cpu_seconds().items()}
                 done, images, runs = (after - first for after, first in zip(served.counts(), before))
-                cell["server_cpu_ms_per_request"] = cpu * 1e3 / done if done else None
+                cell["server_cpu_ms_per_request"] = spent["total"] * 1e3 / done if done else None
+                if done:
+                    cell["cpu_ms_per_request_by_thread"] = {part: value * 1e3 / done for part, value in spent.items()}
                 if runs and done and name != "floor":  # the rest, once the backend's own CPU time is taken away
                     cell["mean_batch"] = images / runs
-                    cell["request_path_cpu_ms"] = cpu * 1e3 / done - backend_cpu_ms(engine, images / runs)
+                    cell["request_path_cpu_ms"] = spent["total"] * 1e3 / done - backend_cpu_ms(engine, images / runs)
                 cells[concurrency] = cell
                 print(name, concurrency, cell, flush=True)
         finally:
@@ -358,27 +378,34 @@ def markdown(report: dict) -> list[str]:
              "time per image " + ", ".join(f"{value:.3f} ms at batch {size}"
                                            for size, value in engine["cpu_ms_per_image"].items()) + ".", "",
              "Server CPU: user + system time of the server's whole process tree over the cell, over the requests its "
-             "statistics counted. Less the backend's: minus the engine's in-process CPU time per image at the batch "
+             "statistics counted; of it, the processes' main threads (a Python server's event loop: its request "
+             "path, and capsnet's batches that run on the loop) and gRPC's core threads (the rest: backend threads, "
+             "Triton's own). Less the backend's: minus the engine's in-process CPU time per image at the batch "
              "size nearest the server's mean batch (the cost of the request path itself).", "",
-             "| server | concurrency | requests/s | p50 ms | p99 ms | server CPU ms/request | mean batch | less the "
-             "backend's CPU ms/request |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| server | concurrency | requests/s | p50 ms | p99 ms | server CPU ms/request | of it: main threads / "
+             "gRPC's threads | mean batch | less the backend's CPU ms/request |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, server in report["servers"].items():
         if "error" in server:
-            lines.append(f"| {name} | not run: {server['error']} | | | | | | |")
+            lines.append(f"| {name} | not run: {server['error']} | | | | | | | |")
             continue
         for level, cell in server["cells"].items():
             if "error" in cell:
                 error = cell["error"][-120:].replace("|", "/").replace("\n", " ")
-                lines.append(f"| {name} | {level} | perf_analyzer failed: {error} | | | | | |")
+                lines.append(f"| {name} | {level} | perf_analyzer failed: {error} | | | | | | |")
                 continue
             cpu, path = cell.get("server_cpu_ms_per_request"), cell.get("request_path_cpu_ms")
             row = [name, str(level), f"{cell['requests_per_s']:,.0f}", f"{cell['p50_ms']:.3f}", f"{cell['p99_ms']:.3f}",
-                   "" if cpu is None else f"{cpu:.3f}", f"{cell['mean_batch']:.1f}" if "mean_batch" in cell else "",
+                   "" if cpu is None else f"{cpu:.3f}", _by_thread(cell.get("cpu_ms_per_request_by_thread")),
+                   f"{cell['mean_batch']:.1f}" if "mean_batch" in cell else "",
                    "" if path is None else f"{path:.3f}"]
             lines.append("| " + " | ".join(row) + " |")
     lines += ["", *targets(report)]
     return lines
+
+
+def _by_thread(parts: dict | None) -> str:
+    return "" if parts is None else f"{parts['main thread']:.3f} / {parts['gRPC threads']:.3f}"
 
 
 def targets(report: dict) -> list[str]:

@@ -2,7 +2,8 @@
 # The GPU check, on a bare GPU machine, in one run: install against the machine's own torch, train the paper model
 # briefly on the embedded digits on the GPU, export it, time every engine in one process (the public formulation,
 # the model eager and under torch.compile, every served engine; device-resident and numpy in and out; a profiler
-# table of each), serve it on the GPU under gRPC and REST load, run the GPU tests. Every step has its own time limit within one budget; a failed step does not stop the others; the
+# table of each), serve it on the GPU under gRPC and REST load, one-image requests against the bare gRPC floor and 1 and N
+# front-end processes (scripts/bench_front_end.py), run the GPU tests. Every step has its own time limit within one budget; a failed step does not stop the others; the
 # results so far are rewritten after each step to OUT/gpu_check.json and OUT/gpu_check.md (OUT/gpu_check.log: all
 # output).
 #
