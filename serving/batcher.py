@@ -3,9 +3,10 @@
 Requests wait in a bounded FIFO queue. A batch is cut when max_batch_size images are waiting or the
 oldest request has waited max_queue_delay; it takes images from the head of the queue and may split
 a request across two batches, so batches are full under load. One batch runs at a time, in a worker
-thread, so the event loop keeps accepting and queueing requests meanwhile (they form the next batch); a batch of a
-size whose runs take under INLINE_RUN_S runs on the event loop instead, as handing it to the thread and back would cost
-about as much CPU and latency as the run (a small model's one-image batches on a CPU).
+thread, so the event loop keeps accepting and queueing requests meanwhile (they form the next batch); a batch that
+holds every request the server is handling, of a size whose runs take under INLINE_RUN_S, runs on the event loop
+instead: nothing else could use the loop meanwhile, and handing it to the thread and back would cost about as much
+CPU and latency as the run (a small model's lone one-image requests on a CPU).
 Every image is computed independently of its batch-mates (the model has no cross-sample state), so
 the split and the grouping change nothing in the results. A model of any size gets requests of several image sizes;
 a batch holds one size (the oldest waiting request's), as a batch is one tensor, and padding an image to another size
@@ -125,14 +126,17 @@ class BatchOutput:
 
 class Batcher:
     def __init__(self, backend: Backend, config: BatcherConfig, metrics: VersionMetrics, stats: ModelStatistics,
-                 on_unusable: Callable[[str], Awaitable[None]] | None = None):
+                 on_unusable: Callable[[str], Awaitable[None]] | None = None,
+                 handled: Callable[[], int] | None = None):
         """`metrics` and `stats`: the model version's. `on_unusable(reason)` is awaited when the backend raises
-        BackendUnusable, after the batch's requests fail."""
+        BackendUnusable, after the batch's requests fail. `handled()`: the requests the server is handling now (None:
+        unknown), so that a batch runs on the event loop only when it holds all of them."""
         self.backend = backend
         self.config = config
         self.metrics = metrics
         self.stats = stats
         self._on_unusable = on_unusable
+        self._handled = handled
         self._queue: collections.deque[_Request] = collections.deque()
         self._queued_images = 0  # images of the queue not yet handed to a batch
         self._wakeup = asyncio.Event()
@@ -256,7 +260,10 @@ class Batcher:
         size = sum(stop - start for _, start, stop in parts)
         try:
             estimate = self._run_estimate_s.get(size)
-            if estimate is not None and estimate < INLINE_RUN_S:
+            # Alone, the request has nothing to overlap its run with; with others being decoded, the thread lets
+            # them queue meanwhile, and they form the next batch.
+            alone = self._handled is not None and self._handled() <= len(parts)
+            if alone and estimate is not None and estimate < INLINE_RUN_S:
                 outputs, failed, started, ended = self._gather_and_run(parts)
             else:
                 outputs, failed, started, ended = await loop.run_in_executor(self._executor, self._gather_and_run,

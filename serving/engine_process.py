@@ -27,7 +27,7 @@ from capsnet.serving import engine_link
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.engine_link import CANCEL, INFER, SLOTS, STATISTICS, TensorSlots
 from capsnet.serving.errors import ServingError
-from capsnet.serving.lifecycle import Lifecycle, Phase
+from capsnet.serving.lifecycle import Lifecycle, Phase, Tracked
 from capsnet.serving.metrics import Metrics
 from capsnet.serving.model_manager import ModelManager, ModelRef
 from capsnet.serving.observe import CURRENT, RequestRecord
@@ -129,6 +129,8 @@ class Engine:
         assert self.models is not None
         record = RequestRecord("engine", "infer", arrival)  # what the batcher says of the request: its batches
         CURRENT.set(record)
+        handled = Tracked(arrival)  # what the batchers read as the engine's load
+        self.lifecycle.in_flight.add(handled)
         reply: tuple  # (request id, None or the error, None or the answer)
         try:
             with self.models.use(ModelRef(name, version)) as service:
@@ -150,6 +152,7 @@ class Engine:
             reply = (request_id, engine_link.error_of(err), None)
         finally:
             requests.pop(request_id, None)
+            self.lifecycle.in_flight.remove(handled)
         outbox.send(reply)
 
     async def _statistics(self, message: tuple, outbox: engine_link.Outbox,
