@@ -2,7 +2,8 @@
 # The GPU check, on a bare GPU machine, in one run: install against the machine's own torch, train the paper model
 # briefly on the embedded digits on the GPU, export it, time every engine in one process (the public formulation,
 # the model eager and under torch.compile, every served engine; device-resident and numpy in and out; a profiler
-# table of each), serve it on the GPU under gRPC and REST load, run the GPU tests. Every step has its own time limit within one budget; a failed step does not stop the others; the
+# table of each), serve it on the GPU under gRPC and REST load, one-image requests against the bare gRPC floor and 1 and N
+# front-end processes (scripts/bench_front_end.py), run the GPU tests. Every step has its own time limit within one budget; a failed step does not stop the others; the
 # results so far are rewritten after each step to OUT/gpu_check.json and OUT/gpu_check.md (OUT/gpu_check.log: all
 # output).
 #
@@ -111,6 +112,12 @@ step flops 30 "${check[@]}" flops "${common[@]}" --model "$work/model"
 # 4-5. in process: the public formulation, the model eager and compiled, every served engine; then served
 step engines 200 "${check[@]}" engines "${common[@]}" --model "$work/model" --specs "${engines[@]}"
 step serve 100 "${check[@]}" serve "${common[@]}" --model "$work/model" --concurrency "${concurrency[@]}" --window "$window"
+# 6. one-image requests against the bare grpc.aio floor and capsnet serve with 1 and N front-end processes (the
+# fused engine in fp16 on the GPU), perf_analyzer where carried, else the project's load generator: OUT/front-end.md
+front_end=(--seconds 1 --concurrency "${concurrency[@]}" --model-dir "$work/model" --out "$out/front-end")
+[ $dry = 1 ] || front_end+=(--gpu 0)
+[ -x "$repo/.perf-analyzer/bin/perf_analyzer" ] && front_end+=(--perf-analyzer "$repo/.perf-analyzer/bin/perf_analyzer")
+step front-end 150 "$python" "$repo/scripts/bench_front_end.py" "${front_end[@]}"
 
 # the GPU tests, where pytest is there and time is left
 if (cd "$work" && "$python" -c "import pytest") 2>/dev/null; then

@@ -3,7 +3,10 @@
 Requests wait in a bounded FIFO queue. A batch is cut when max_batch_size images are waiting or the
 oldest request has waited max_queue_delay; it takes images from the head of the queue and may split
 a request across two batches, so batches are full under load. One batch runs at a time, in a worker
-thread, so the event loop keeps accepting and queueing requests meanwhile (they form the next batch).
+thread, so the event loop keeps accepting and queueing requests meanwhile (they form the next batch); a batch that
+holds every request the server is handling, of a size whose runs take under INLINE_RUN_S, runs on the event loop
+instead: nothing else could use the loop meanwhile, and handing it to the thread and back would cost about as much
+CPU and latency as the run (a small model's lone one-image requests on a CPU).
 Every image is computed independently of its batch-mates (the model has no cross-sample state), so
 the split and the grouping change nothing in the results. A model of any size gets requests of several image sizes;
 a batch holds one size (the oldest waiting request's), as a batch is one tensor, and padding an image to another size
@@ -31,6 +34,12 @@ from capsnet.serving.metrics import VersionMetrics
 from capsnet.serving.statistics import ModelStatistics
 
 log = logging.getLogger(__name__)
+
+# A backend run this short is not worth the hand-off to the batch thread and back (two thread wake-ups and GIL
+# hand-overs, about 50-100 µs of CPU and latency on a 2-core AMD EPYC with AVX2): the event loop runs it. Long enough
+# for a small model's one-image batch on a CPU, short enough that the loop is never held long.
+INLINE_RUN_S = 0.0005
+RUN_ESTIMATE_DRIFT = 1.05  # how much one slower run may raise a batch size's run estimate
 
 
 class ImageSource(Protocol):
@@ -117,14 +126,17 @@ class BatchOutput:
 
 class Batcher:
     def __init__(self, backend: Backend, config: BatcherConfig, metrics: VersionMetrics, stats: ModelStatistics,
-                 on_unusable: Callable[[str], Awaitable[None]] | None = None):
+                 on_unusable: Callable[[str], Awaitable[None]] | None = None,
+                 handled: Callable[[], int] | None = None):
         """`metrics` and `stats`: the model version's. `on_unusable(reason)` is awaited when the backend raises
-        BackendUnusable, after the batch's requests fail."""
+        BackendUnusable, after the batch's requests fail. `handled()`: the requests the server is handling now (None:
+        unknown), so that a batch runs on the event loop only when it holds all of them."""
         self.backend = backend
         self.config = config
         self.metrics = metrics
         self.stats = stats
         self._on_unusable = on_unusable
+        self._handled = handled
         self._queue: collections.deque[_Request] = collections.deque()
         self._queued_images = 0  # images of the queue not yet handed to a batch
         self._wakeup = asyncio.Event()
@@ -132,6 +144,9 @@ class Batcher:
         self._idle.set()
         # One thread: batches run one after another; the backend parallelises within a batch.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsnet-backend")
+        # batch size -> its backend run's seconds as the fastest recent runs say: a run slowed by other work on the
+        # machine raises it only by RUN_ESTIMATE_DRIFT, so the choice of inline runs does not flip with the load
+        self._run_estimate_s: dict[int, float] = {}
         self._task = asyncio.get_running_loop().create_task(self._schedule(), name="capsnet-batcher")
 
     async def submit(self, images: Images, deadline: float | None = None,
@@ -244,7 +259,17 @@ class Batcher:
                 self.metrics.queue_wait.observe(request.queue_wait)
         size = sum(stop - start for _, start, stop in parts)
         try:
-            outputs, failed, started, ended = await loop.run_in_executor(self._executor, self._gather_and_run, parts)
+            estimate = self._run_estimate_s.get(size)
+            # Alone, the request has nothing to overlap its run with; with others being decoded, the thread lets
+            # them queue meanwhile, and they form the next batch.
+            alone = self._handled is not None and self._handled() <= len(parts)
+            if alone and estimate is not None and estimate < INLINE_RUN_S:
+                outputs, failed, started, ended = self._gather_and_run(parts)
+            else:
+                outputs, failed, started, ended = await loop.run_in_executor(self._executor, self._gather_and_run,
+                                                                             parts)
+            ran = ended - started
+            self._run_estimate_s[size] = ran if estimate is None else min(ran, estimate * RUN_ESTIMATE_DRIFT)
             for request, err in failed:  # its images could not be read, or its outputs written: it alone fails
                 self._remove(request)
                 if not request.future.done():

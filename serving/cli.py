@@ -137,6 +137,10 @@ def register(subparsers) -> None:
     serve.add_argument("--grace-period", dest="grace_period_s", type=float, metavar="SECONDS",
                        help="seconds requests in flight get to finish after the drain window "
                             f"(default {defaults['grace_period_s']:g})")
+    serve.add_argument("--workers", type=int, metavar="N",
+                       help="front-end processes sharing the gRPC and REST ports, beside one engine process that "
+                            "batches for all of them (default: one per 2 cores when neither --model-control nor "
+                            "clients' shared memory is on, else 1; more than 1 needs --no-allow-client-shm)")
     serve.set_defaults(handler=run_serve)
 
     predict = subparsers.add_parser("predict", help="classify image files with a running server",
@@ -185,15 +189,18 @@ def run_serve(args: argparse.Namespace) -> int:
     from capsnet.serving.config import ServerConfig
     from capsnet.serving.observe import use_json_logs
     from capsnet.serving.server import serve
+    from capsnet.serving.workers import front_ends, supervise
 
     names = ("model_dir model_repository version_policy model_control poll_seconds log_format otlp_endpoint host "
              "grpc_port http_port http ui metrics_port backend precision gpu max_batch_size max_queue_delay_us "
              "max_queue_size max_pending_rpcs threads max_message_bytes max_image_scale allow_client_shm "
              "max_shm_regions max_shm_bytes tls_cert tls_key tls_client_ca "
-             "drain_window_s grace_period_s").split()
+             "drain_window_s grace_period_s workers").split()
     config = ServerConfig.from_sources({name: getattr(args, name) for name in names})
     if config.log_format == "json":
         use_json_logs()
+    if (workers := front_ends(config)) > 1:
+        return asyncio.run(supervise(config, workers))
     return asyncio.run(serve(config))
 
 

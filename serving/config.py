@@ -93,6 +93,9 @@ class ServerConfig:
     # balancers stop sending first; then new requests get UNAVAILABLE and in-flight ones grace_period_s.
     drain_window_s: float = 1.0
     grace_period_s: float = 10.0
+    # Front-end processes (serving/workers.py): None, the host's default (one per 2 cores where the server needs
+    # neither model control nor clients' shared memory, else 1); 1 is a single process, as without the flag.
+    workers: int | None = None
 
     def __post_init__(self) -> None:
         if (self.model_dir is None) == (self.model_repository is None):
@@ -148,6 +151,17 @@ class ServerConfig:
             raise CapsNetError(f"--drain-window must be <= {MAX_DRAIN_WINDOW_S:g} seconds, got {self.drain_window_s:g}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise CapsNetError("--tls-cert and --tls-key go together")
+        if self.workers is not None and self.workers < 1:
+            raise CapsNetError(f"--workers must be >= 1, got {self.workers}")
+        if self.workers is not None and self.workers > 1:
+            if self.model_control != "none":
+                raise CapsNetError(f"--model-control {self.model_control} is served by one process: with --workers "
+                                   f"{self.workers} the models are the engine's as loaded at start (leave out "
+                                   "--model-control, or serve with --workers 1)")
+            if self.allow_client_shm:
+                raise CapsNetError(f"clients' shared memory is served by one process: with --workers {self.workers} "
+                                   "add --no-allow-client-shm (a region registered on one front end would be unknown "
+                                   "to the others), or serve with --workers 1")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise CapsNetError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
 

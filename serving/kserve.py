@@ -350,8 +350,8 @@ class DataPlane:
         spec = self.model(ref).spec
         return model_metadata(spec, self.models.versions(spec.name))
 
-    def model_statistics(self, ref: ModelRef) -> dict:
-        return {"model_stats": self.models.statistics(ref)}
+    async def model_statistics(self, ref: ModelRef) -> dict:
+        return {"model_stats": await self.models.statistics(ref)}
 
     def repository_index(self, repository: str, ready_only: bool) -> list[dict]:
         _one_repository(repository)

@@ -67,7 +67,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelConfigResponse(config=config)
 
     async def ModelStatistics(self, request, context):
-        return json_format.ParseDict(self._plane.model_statistics(_ref(request)), pb.ModelStatisticsResponse())
+        return json_format.ParseDict(await self._plane.model_statistics(_ref(request)), pb.ModelStatisticsResponse())
 
     async def RepositoryIndex(self, request, context):
         return json_format.ParseDict({"models": self._plane.repository_index(request.repository_name, request.ready)},

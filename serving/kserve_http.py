@@ -132,15 +132,17 @@ class KServeHTTP:
         """The routes' paths, `{model}` and `{version}` as they are written."""
         return [resource.canonical for resource in self._app.router.resources()]
 
-    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None, shutdown_timeout: float) -> None:
-        """Listen on host:port (0: any free port, then in `port`); OSError when it cannot."""
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None, shutdown_timeout: float,
+                    reuse_port: bool = False) -> None:
+        """Listen on host:port (0: any free port, then in `port`); OSError when it cannot. `reuse_port`: share the
+        port with the other front-end processes of one server (SO_REUSEPORT)."""
         self._runner = web.AppRunner(self._app, access_log=None, handler_cancellation=True, auto_decompress=False,
                                      read_bufsize=READ_BUFFER_BYTES, keepalive_timeout=KEEPALIVE_S,
                                      shutdown_timeout=shutdown_timeout)
         await self._runner.setup()
-        # SO_REUSEADDR (asyncio's default) lets a restarted server bind at once; no SO_REUSEPORT, so a port another
-        # server holds is an error, as for gRPC.
-        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context, reuse_port=False)
+        # SO_REUSEADDR (asyncio's default) lets a restarted server bind at once; SO_REUSEPORT only among one server's
+        # front-end processes, so a port another server holds is an error, as for gRPC.
+        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context, reuse_port=reuse_port)
         try:
             await site.start()
         except OSError:
@@ -240,7 +242,7 @@ class KServeHTTP:
     async def _model_statistics(self, request: web.Request) -> web.Response:
         ref = kserve.ModelRef(request.match_info.get("model", ""), request.match_info.get("version", ""),
                               "model name", "model version")
-        return web.json_response(self._plane.model_statistics(ref))
+        return web.json_response(await self._plane.model_statistics(ref))
 
     async def _repository_index(self, request: web.Request) -> web.Response:
         body = await self._control_body(request)

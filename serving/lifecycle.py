@@ -84,6 +84,10 @@ class InFlight:
         if self._drain_before is not None and not self._busy_before(self._drain_before):
             self._drained.set()
 
+    def __len__(self) -> int:
+        """Calls and streams being handled (on the event loop; a stream counts once)."""
+        return len(self._items)
+
     def requests(self) -> int:
         """For the in-flight gauge, read at each scrape on another thread: so from a copy of the set."""
         return sum(item.requests_in_flight() for item in self._items.copy())

@@ -27,12 +27,16 @@ from prometheus_client import (
     GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge, Histogram,
     disable_created_metrics, make_wsgi_app,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 
 if TYPE_CHECKING:  # for a type only: the metrics load no backend code
     from capsnet.serving.backends.base import Backend
 
 log = logging.getLogger(__name__)
 
+# Where the processes of one server write their series (prometheus-client's multiprocess mode): set by
+# serving/workers.py for its engine and front-end processes, before they import prometheus-client.
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 # 100 µs (a tiny model's batch on a GPU) to 10 s (a deep queue on a CPU), about 2.5x apart.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0)
@@ -48,9 +52,17 @@ class Metrics:
     def __init__(self, max_batch_size: int):
         disable_created_metrics()  # no *_created series: Prometheus does not use them, they double the exposition
         self.registry = registry = CollectorRegistry()
-        # process_* (CPU, memory, file descriptors), python_info and python_gc_* of this process
-        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
-            registry.register(collector)
+        if MULTIPROCESS_DIR in os.environ:
+            # One server in several processes (serving/workers.py): each writes its series to files there, which
+            # prometheus-client's MultiProcessCollector sums into the one /metrics its engine process serves.
+            # process_* and python_* describe one process each, so they are not exported then.
+            self.exposed = CollectorRegistry()
+            MultiProcessCollector(self.exposed)
+        else:
+            self.exposed = registry
+            # process_* (CPU, memory, file descriptors), python_info and python_gc_* of this process
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+                registry.register(collector)
         # `model` and `version` label what a request was served by: a model of the repository, never a client's
         # text ("" for a request that named none the server has, and for calls that are not for a model).
         self.requests = Counter("capsnet_requests", "Requests finished (gRPC calls, REST requests), by API, method, "
@@ -63,7 +75,8 @@ class Metrics:
                                           registry=registry)
         self.inflight = Gauge("capsnet_inflight_requests",
                               "Requests being handled: unary RPCs, REST requests, and a stream's requests from "
-                              "arrival to answer (health checks and reflection aside)", registry=registry)
+                              "arrival to answer (health checks and reflection aside)", registry=registry,
+                              multiprocess_mode="livesum")
         version = ["model", "version"]
         self.queue_wait = Histogram("capsnet_queue_wait_seconds",
                                     "Time a request waited in the batch queue before its first backend run",
@@ -75,19 +88,20 @@ class Metrics:
                                     buckets=batch_buckets, registry=registry)
         self.images = Counter("capsnet_images", "Images inferred", version, registry=registry)
         self.queue_depth = Gauge("capsnet_queue_depth", "Requests waiting in the batch queue", version,
-                                 registry=registry)
+                                 registry=registry, multiprocess_mode="livesum")
         self.dropped = Counter("capsnet_dropped_requests",
                                "Requests that left the queue without being computed, by reason",
                                [*version, "reason"], registry=registry)
         self.model_info = Gauge("capsnet_model_info", "A model version being served (value 1)",
-                                ["model", "version", "backend", "precision", "routing_iterations"], registry=registry)
+                                ["model", "version", "backend", "precision", "routing_iterations"], registry=registry,
+                                multiprocess_mode="livemax")
         self.self_check_agreement = Gauge(
             "capsnet_self_check_argmax_agreement_ratio",
             "Share of the export's reference images the served backend gives the FP32 reference's class (at load)",
-            version, registry=registry)
+            version, registry=registry, multiprocess_mode="livemax")
         self.self_check_diff = Gauge(
             "capsnet_self_check_max_abs_diff", "Largest difference from the FP32 reference outputs at load, by output",
-            [*version, "output"], registry=registry)
+            [*version, "output"], registry=registry, multiprocess_mode="livemax")
         self.model_loads = Counter("capsnet_model_loads",
                                    "Loads of a model version: loaded (self-checked, warmed up, serving) or refused "
                                    "(unreadable or altered files, a failed self-check)",
@@ -117,7 +131,7 @@ class Metrics:
         if reader is None:
             log.warning("no GPU metrics (nv_gpu_*) on /metrics: %s", what)
             return
-        self.registry.register(GpuCollector(reader))
+        self.exposed.register(GpuCollector(reader))
         log.info("GPU metrics (nv_gpu_*) on /metrics for %s", what)
 
     def for_version(self, model: str, version: str) -> "VersionMetrics":
@@ -125,7 +139,7 @@ class Metrics:
 
     def serve_http(self, host: str, port: int) -> "MetricsHTTPServer":
         """Start /metrics on a daemon thread; returns the HTTP server (its bound port: server.server_port)."""
-        httpd = MetricsHTTPServer((host, port), make_wsgi_app(self.registry))
+        httpd = MetricsHTTPServer((host, port), make_wsgi_app(self.exposed))
         threading.Thread(target=httpd.serve_forever, daemon=True, name="capsnet-metrics-accept").start()
         return httpd
 
@@ -181,6 +195,8 @@ class VersionMetrics:
 
 
 def _remove(family, labels: tuple[str, ...]) -> None:
+    if MULTIPROCESS_DIR in os.environ:  # series cannot leave the shared files; versions only leave at shutdown there
+        return
     with contextlib.suppress(KeyError):  # never set: nothing to remove
         family.remove(*labels)
 

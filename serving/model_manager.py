@@ -223,7 +223,7 @@ class ModelManager:
     def versions(self, name: str) -> list[str]:
         return sorted(self.models[name].serving, key=version_order)
 
-    def statistics(self, ref: ModelRef) -> list[dict]:
+    async def statistics(self, ref: ModelRef) -> list[dict]:
         """Triton's statistics of the serving versions `ref` selects: every model's ("" name), a model's every
         version ("" version), or one version."""
         if not ref.name:

@@ -28,6 +28,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -145,6 +146,8 @@ def check_message_limit(config: ServerConfig, limit: int, spec: ModelSpec) -> No
 
 
 class CapsNetServer:
+    REUSE_PORT = False  # front-end processes (serving/workers.py) listen on one port together, through SO_REUSEPORT
+
     def __init__(self, config: ServerConfig, tracing: Tracing | None = None):
         """`tracing`: spans to this Tracing (tests: an in-memory exporter); None: as the config and the OTEL_*
         variables say (serving/tracing.py)."""
@@ -193,7 +196,7 @@ class CapsNetServer:
             else:
                 assert config.model_dir is not None  # ServerConfig holds exactly one of the two
                 source = OneModel(config.model_dir)
-            self.models = ModelManager(source, config, self.metrics, self.lifecycle, self._check_spec)
+            self.models = self._model_manager(source)
             opened.push_async_callback(self.models.close)
             await self.models.start()
             self.max_message_bytes = checked_message_limit(config, [s.spec for s in self.models.services()])
@@ -205,7 +208,7 @@ class CapsNetServer:
                                      client_certificates=config.tls_client_ca is not None)
             self._grpc = await self._listen_grpc(plane, tls)
             opened.push_async_callback(self._close_listeners)
-            opened.callback(self._close_metrics, self._listen_metrics())
+            self._open_metrics(opened)
             if config.http:
                 self._http = await self._listen_http(plane, tls)
             await self.models.warmup()
@@ -221,6 +224,14 @@ class CapsNetServer:
             self._opened = opened.pop_all()
         if stopping is None or not stopping.is_set():
             await self.lifecycle.move(Phase.SERVING)
+
+    def _model_manager(self, source: OneModel | RepositoryDir) -> ModelManager:
+        """The models this process serves: loaded here (a front-end process of serving/workers.py asks its engine)."""
+        return ModelManager(source, self.config, self.metrics, self.lifecycle, self._check_spec)
+
+    def _open_metrics(self, opened: contextlib.AsyncExitStack) -> None:
+        """/metrics on the metrics port, closed with the rest (front-end processes leave it to their engine)."""
+        opened.callback(self._close_metrics, self._listen_metrics())
 
     def _check_spec(self, spec: ModelSpec) -> None:
         """A version loaded while serving must fit the message limit the listeners were started with."""
@@ -257,8 +268,9 @@ class CapsNetServer:
                      # some at random, past the hard one all, with CANCELLED: one limit, well above the queue.
                      ("grpc.server.max_pending_requests", config.max_pending_rpcs),
                      ("grpc.server.max_pending_requests_hard_limit", config.max_pending_rpcs),
-                     # A port already taken is an error, not silently shared with another server.
-                     ("grpc.so_reuseport", 0)],
+                     # A port already taken is an error, not silently shared with another server (front-end
+                     # processes share theirs: REUSE_PORT).
+                     ("grpc.so_reuseport", int(self.REUSE_PORT))],
         )
         capsnet_api.add_to_server(server, self.models, config.max_image_scale)
         kserve_grpc.add_to_server(server, plane)
@@ -294,7 +306,8 @@ class CapsNetServer:
         config = self.config
         http = kserve_http.KServeHTTP(plane, self.observer, self.max_message_bytes, ui=config.ui)
         try:
-            await http.start(config.host, config.http_port, None if tls is None else tls.context, STOP_GRACE_S)
+            await http.start(config.host, config.http_port, None if tls is None else tls.context, STOP_GRACE_S,
+                             reuse_port=self.REUSE_PORT)
         except OSError as err:  # asyncio's strerror holds the address again: the errno's own text
             raise CapsNetError(f"cannot listen on {_address(config.host, config.http_port)}: "
                                f"{os.strerror(err.errno) if err.errno else err}") from None
@@ -369,14 +382,20 @@ def _address(host: str, port: int | None) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 in brackets
 
 
-async def serve(config: ServerConfig) -> int:
+def _print_ready(line: str) -> None:
+    print(line, flush=True)
+
+
+async def serve(config: ServerConfig, server: CapsNetServer | None = None,
+                announce: Callable[[str], None] = _print_ready) -> int:
     """Run until SIGTERM or SIGINT; 0 after a graceful shutdown. A signal during startup (Kubernetes stops pods
-    that are still warming up) stops the server once the startup step under way ends, without serving."""
+    that are still warming up) stops the server once the startup step under way ends, without serving. `server`: a
+    front-end process's (serving/front_end.py), which announces its ready line to its supervisor."""
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
-    server = CapsNetServer(config)
+    server = server or CapsNetServer(config)
     rescans: set[asyncio.Task] = set()
 
     def rescan() -> None:  # SIGHUP (its default action would end the process)
@@ -395,9 +414,9 @@ async def serve(config: ServerConfig) -> int:
         secure = "s" if config.tls_cert else ""
         rest = "" if server.http_port is None else f" rest http{secure}://{_address(config.host, server.http_port)}"
         # One line on stdout that scripts (and tests, with port 0) read the bound ports from.
-        print(f"capsnet serve: ready: {served}; "
-              f"grpc{secure}://{_address(config.host, server.grpc_port)} "
-              f"metrics http://{_address(config.host, server.metrics_port)}/metrics{rest}", flush=True)
+        announce(f"capsnet serve: ready: {served}; "
+                 f"grpc{secure}://{_address(config.host, server.grpc_port)} "
+                 f"metrics http://{_address(config.host, server.metrics_port)}/metrics{rest}")
         await stopping.wait()
         log.info("shutting down: health NOT_SERVING; requests still served for %.1f s, then refused; those that "
                  "arrived before get up to %.1f s more", config.drain_window_s, config.grace_period_s)

@@ -155,7 +155,8 @@ class InferenceService:
         )
         series, stats = metrics.for_version(name, version), ModelStatistics(name, version)
         batcher = Batcher(backend, BatcherConfig(config.max_batch_size, config.max_queue_delay_us / 1e6,
-                                                 config.max_queue_size), series, stats, on_unusable=lifecycle.fail)
+                                                 config.max_queue_size), series, stats, on_unusable=lifecycle.fail,
+                          handled=lifecycle.in_flight.__len__)
         return cls(spec, backend, batcher, lifecycle, series, stats)
 
     async def warmup(self) -> None:
