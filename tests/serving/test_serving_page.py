@@ -4,7 +4,8 @@ uploaded, or digits drawn, and what the page shows read back against what the ex
 from __future__ import annotations
 
 import json
-
+import os
+import platform
 import shutil
 import urllib.error
 import urllib.request
@@ -16,7 +17,7 @@ from PIL import Image
 
 from capsnet.serving.kserve_http import PAGE
 from capsnet.training.data import load_dataset
-from serving_helpers import ServerThread, graph_probabilities, server_config
+from serving_helpers import ServerThread, graph_probabilities, rest, server_config
 
 CHROMIUM = Path("/usr/bin/chromium")
 # what keeps Chromium off the network it would otherwise reach for at start (the page itself fetches nothing else)
@@ -163,3 +164,242 @@ def test_the_page_is_one_file_that_fetches_nothing_elsewhere_and_no_ui_turns_it_
         assert raised.value.code == 404
     finally:
         without.stop()
+
+
+# --- the capsule explorer: the served decoder redraws a capsule's pose as it is moved ------------------------------
+
+# Set, `capsnet serve`'s defaults serve this export for the explorer tests (a trained model), and the timings of its
+# slider moves and grids are written to this report (docs/benchmarks/explorer.md); unset, the tiny export and no
+# report.
+EXPLORER_MODEL = os.environ.get("CAPSNET_EXPLORER_MODEL")
+EXPLORER_REPORT = os.environ.get("CAPSNET_EXPLORER_REPORT")
+TIMED_MOVES = 100 if EXPLORER_REPORT else 12
+TIMED_GRIDS = 20 if EXPLORER_REPORT else 2
+DECODER_INFER = "**/v2/models/capsnet-decoder/infer"
+
+
+@pytest.fixture(scope="module")
+def explorer(request, browser):
+    """(server, its export folder, a page of it with a test digit classified and its reconstruction drawn)."""
+    if EXPLORER_MODEL:
+        served, folder = ServerThread(server_config(Path(EXPLORER_MODEL), max_batch_size=32, max_queue_delay_us=0,
+                                                    threads=0)), Path(EXPLORER_MODEL)
+    else:
+        served, folder = request.getfixturevalue("server"), request.getfixturevalue("model_dir")
+    path = request.getfixturevalue("tmp_path_factory").mktemp("explorer") / "digit.png"
+    Image.fromarray(load_dataset("embedded").test.images[0][0]).save(path)
+    page, _ = open_page(browser, served)
+    page.set_input_files("#file", str(path))
+    drawn_count(page, above=0)
+    yield served, folder, page
+    if EXPLORER_REPORT:
+        write_report(Path(EXPLORER_REPORT), page.evaluate("window.explorerTimings"), browser.version, folder)
+    page.close()
+    if EXPLORER_MODEL:
+        served.stop()
+
+
+def write_report(path: Path, measured: list[dict], chromium: str, folder: Path) -> None:
+    """The explorer's timings, as the page measured them (from the input event to the pixels drawn), in markdown
+    and in JSON beside it."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    kinds = sorted({flag for flag in flags if flag.startswith(("avx", "amx")) or "vnni" in flag})
+    rows = {}
+    for kind, target in (("slider", 50.0), ("grid", 150.0)):
+        times = np.array([entry["ms"] for entry in measured if entry["kind"] == kind])
+        rows[kind] = {"count": int(times.size), "p50_ms": float(np.percentile(times, 50)),
+                      "p95_ms": float(np.percentile(times, 95)), "max_ms": float(times.max()), "target_ms": target}
+    machine = f"{cpu}, {os.cpu_count()} cores [{' '.join(kinds)}]"
+    model = json.loads((folder / "model.json").read_text())
+    summary = {"machine": machine, "chromium": chromium, "model": {"name": model["name"],
+               "training_metrics": model.get("training_metrics", {}), "pose_shape": model["decoder"]["inputs"][0][
+                   "shape"]}, "timings": rows}
+    path.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    lines = [f"| {kind} | {row['count']} | {row['p50_ms']:.1f} | {row['p95_ms']:.1f} | {row['max_ms']:.1f} | "
+             f"≤ {row['target_ms']:.0f} |" for kind, row in rows.items()]
+    path.write_text("\n".join([
+        "| what | n | p50 ms | p95 ms | max ms | target (p95) |", "|---|---|---|---|---|---|", *lines, "",
+        f"Machine: {machine}; Chromium {chromium}; `capsnet serve` defaults (ONNX Runtime, FP32) on loopback.", ""]))
+
+
+def drawn_count(page, above: int) -> int:
+    """The number of reconstructions drawn, once it is above `above`."""
+    page.wait_for_function(f"Number(document.getElementById('reconstruction').dataset.drawn) > {above}",
+                           timeout=30_000)
+    return int(page.locator("#reconstruction").get_attribute("data-drawn"))
+
+
+def drawn_pixels(page, canvas: str = "reconstruction") -> np.ndarray:
+    """The canvas's red channel (the image's grey), (H, W) uint8."""
+    values = page.evaluate(f"""() => {{ const c = document.getElementById({canvas!r});
+        return Array.from(c.getContext('2d').getImageData(0, 0, c.width, c.height).data); }}""")
+    height, width = page.evaluate(f"[document.getElementById({canvas!r}).height, "
+                                  f"document.getElementById({canvas!r}).width]")
+    return np.array(values, dtype=np.uint8).reshape(height, width, 4)[..., 0]
+
+
+def decoder_draws(folder: Path, page, pose_delta: np.ndarray, as_class: int) -> np.ndarray:
+    """What decoder.onnx draws, as 8-bit grey (H, W), of the page's classified poses with the chosen capsule's pose
+    moved by `pose_delta` and put in class `as_class`'s place."""
+    import onnxruntime
+
+    poses = np.array(page.evaluate("Array.from(state.poses)"), dtype=np.float32)
+    source, (classes, dims) = page.evaluate("state.source"), page.evaluate("[state.decoder.classes, state.decoder.dims]")
+    poses = poses.reshape(1, classes, dims)  # (1, J, D)
+    poses[0, as_class] = poses[0, source] + pose_delta
+    session = onnxruntime.InferenceSession(str(folder / "decoder.onnx"), providers=["CPUExecutionProvider"])
+    (drawn,) = session.run(["reconstruction"], {"poses": poses, "class_index": np.array([as_class])})
+    side = int(np.sqrt(drawn.size))
+    return np.round(drawn.reshape(side, side) * 255).astype(np.uint8)
+
+
+def timings(page, kind: str) -> list[float]:
+    return [entry["ms"] for entry in page.evaluate("window.explorerTimings") if entry["kind"] == kind]
+
+
+@needs_browser
+def test_a_slider_moved_by_the_keyboard_redraws_what_the_decoder_draws(explorer):
+    served, folder, page = explorer
+    page.click("#reset")
+    count = drawn_count(page, above=0)
+    before = drawn_pixels(page)
+    dims = page.evaluate("state.decoder.dims")
+    assert page.locator("#dims input[type=range]").count() == dims
+    assert page.locator("label[for=dim-0]").inner_text() == "dimension 1"  # each slider named for screen readers
+    page.focus("#dim-0")
+    page.keyboard.press("ArrowRight")
+    count = drawn_count(page, above=count)
+    delta = np.zeros(dims, dtype=np.float32)
+    delta[0] = float(page.locator("#dim-0").input_value())
+    assert delta[0] == pytest.approx(0.01) and "+0.01" in page.locator("#dim-0").get_attribute("aria-valuetext")
+    after = drawn_pixels(page)
+    assert np.abs(after.astype(int) - before).max() > 0  # the move changed the drawn pixels
+    source = page.evaluate("state.source")
+    assert np.abs(after.astype(int) - decoder_draws(folder, page, delta, source)).max() <= 1
+    for press in range(TIMED_MOVES):  # one move at a time, each answered and drawn before the next
+        page.keyboard.press("ArrowLeft" if press % 40 >= 20 else "ArrowRight")
+        count = drawn_count(page, above=count)
+    assert len(timings(page, "slider")) >= TIMED_MOVES
+
+
+@needs_browser
+def test_moves_faster_than_the_server_answers_keep_one_call_in_flight_and_draw_the_last(explorer):
+    served, folder, page = explorer
+    page.click("#reset")
+    count = drawn_count(page, above=0)
+    in_flight, most = [0], [0]
+
+    def started(request):
+        if request.url.endswith("/v2/models/capsnet-decoder/infer"):
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+
+    def ended(request):
+        if request.url.endswith("/v2/models/capsnet-decoder/infer"):
+            in_flight[0] -= 1
+
+    page.on("request", started)
+    page.on("requestfinished", ended)
+    page.on("requestfailed", ended)
+    page.focus("#dim-1")
+    for _ in range(15):
+        page.keyboard.press("ArrowRight")
+    page.wait_for_function("!redraws.busy && redraws.wanted === null", timeout=30_000)
+    page.remove_listener("request", started)
+    page.remove_listener("requestfinished", ended)
+    page.remove_listener("requestfailed", ended)
+    dims = page.evaluate("state.decoder.dims")
+    delta = np.zeros(dims, dtype=np.float32)
+    delta[1] = float(page.locator("#dim-1").input_value())
+    assert most[0] == 1 and drawn_count(page, above=count) <= count + 15
+    assert np.abs(drawn_pixels(page).astype(int) - decoder_draws(folder, page, delta, page.evaluate("state.source"))
+                  ).max() <= 1  # the latest value won
+
+
+@needs_browser
+def test_the_class_picker_redraws_the_same_pose_as_another_class(explorer):
+    served, folder, page = explorer
+    page.click("#reset")
+    count = drawn_count(page, above=0)
+    source = page.evaluate("state.source")
+    before = drawn_pixels(page)
+    other = (source + 1) % page.evaluate("state.decoder.classes")
+    page.select_option("#draw-as", str(other))
+    drawn_count(page, above=count)
+    after = drawn_pixels(page)
+    assert np.abs(after.astype(int) - before).max() > 0
+    no_move = np.zeros(page.evaluate("state.decoder.dims"), dtype=np.float32)
+    assert np.abs(after.astype(int) - decoder_draws(folder, page, no_move, other)).max() <= 1
+    assert page.locator("#reconstruction").get_attribute("aria-label").endswith(f"drawn as {other}")
+    page.select_option("#draw-as", str(source))
+
+
+@needs_browser
+def test_the_grid_comes_from_one_call_and_downloads_as_a_png_of_its_size(explorer, tmp_path):
+    served, folder, page = explorer
+    page.click("#reset")
+    drawn_count(page, above=0)
+    calls = []
+    page.on("request", lambda request: calls.append(request.url) if request.url.endswith("decoder/infer") else None)
+    for _ in range(TIMED_GRIDS):
+        page.click("#grid-make")
+        page.wait_for_function(f"window.explorerTimings.filter((t) => t.kind === 'grid').length >= {_ + 1}",
+                               timeout=30_000)
+    assert len(calls) == TIMED_GRIDS  # each grid one decoder call
+    dims, (height, width) = page.evaluate("state.decoder.dims"), page.evaluate("state.fixed")
+    with page.expect_download() as downloading:
+        page.click("#grid-download")
+    path = tmp_path / "grid.png"
+    downloading.value.save_as(path)
+    with Image.open(path) as grid:
+        assert grid.format == "PNG" and grid.size == (11 * width, dims * height)
+        pixels = np.array(grid.convert("L"))
+    # the middle column is the pose unmoved: what the reconstruction shows
+    for row in (0, dims - 1):
+        tile = pixels[row * height:(row + 1) * height, 5 * width:6 * width]
+        assert np.abs(tile.astype(int) - drawn_pixels(page)).max() <= 1
+    assert np.abs(pixels[:height, :width].astype(int) - pixels[:height, 10 * width:]).max() > 0  # -0.25 vs +0.25
+
+
+@needs_browser
+def test_a_refused_call_shows_the_servers_message(explorer):
+    served, folder, page = explorer
+    # the page's call, sent to a version the decoder does not have: the server's own refusal comes back
+    page.route(DECODER_INFER, lambda route: route.continue_(url=route.request.url.replace(
+        "/capsnet-decoder/infer", "/capsnet-decoder/versions/9/infer")))
+    page.focus("#dim-2")
+    page.keyboard.press("ArrowRight")
+    page.wait_for_selector("#explorer-status.error", timeout=30_000)
+    shown_message = page.locator("#explorer-status").inner_text()
+    status, answer = rest(served, "POST", "/v2/models/capsnet-decoder/versions/9/infer", {})
+    assert status == 404 and shown_message == f"capsnet-decoder refused: {answer['error']}"
+    page.unroute(DECODER_INFER)
+    page.keyboard.press("ArrowLeft")
+    page.wait_for_selector("#explorer-status:not(.error)", timeout=30_000)
+
+
+@needs_browser
+def test_a_model_of_any_size_says_it_has_no_decoder_and_marks_each_present_class(any_size_server, browser,
+                                                                                  tmp_path):
+    test = load_dataset("embedded").test
+    pixels = np.concatenate([test.images[0][0], test.images[1][0]], axis=1)  # (28, 56): a 7 beside a 2
+    path = tmp_path / "pair.png"
+    Image.fromarray(pixels).save(path)
+    page, requested = open_page(browser, any_size_server)
+    note = page.locator("#decoder-note")
+    assert note.is_visible() and "takes images of any size and has no decoder" in note.inner_text()
+    assert not page.locator("#explorer-controls").is_visible()
+    page.set_input_files("#file", str(path))
+    _, present = shown(page)
+    marked = page.locator("#marks").get_attribute("data-classes")
+    assert present and marked == ",".join(map(str, present))
+    places = {int(item.get_attribute("data-class")): item.inner_text() for item in page.locator("#marks-list li").all()}
+    assert set(places) == set(present) and all(": columns " in place for place in places.values())
+    if {7, 2} <= set(present):  # each digit where it is: the 7 left of the 2
+        assert int(places[7].split()[2]) < int(places[2].split()[2])
+    assert not any("decoder" in url for url in requested)
+    page.close()
+
