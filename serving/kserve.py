@@ -443,16 +443,16 @@ class DataPlane:
         header = await decoder.header(spec)
         # a decoder takes two inputs, poses and class indices, batched as one row per item (serving/decoder.py)
         pose_inputs = check_decoder_inputs(spec, header.inputs) if spec.part == DECODER_PART else None
-        shared = None
+        shared, first = None, 0
         if pose_inputs is not None:
             for index, part in pose_inputs:
                 decoder.check_data(part, False, index)
-            tensor = pose_inputs[0][1]
+            first, tensor = pose_inputs[0]
         else:
             tensor = check_input(spec, header.inputs)
             shared = region_ref(header.inputs[0].parameters, "inputs[0]")
             decoder.check_data(tensor, shared is not None)
-        model.check_batch_size(tensor.shape[0], "inputs[0].shape[0]")
+        model.check_batch_size(tensor.shape[0], f"inputs[{first}].shape[0]")
         plans = requested_outputs(spec, header.outputs)
         with contextlib.ExitStack() as held:  # the regions named, held until answered
             images: np.ndarray | RegionImages
