@@ -60,7 +60,7 @@ def parity_poses(poses: np.ndarray, classes: np.ndarray, limit: float | None) ->
     """Poses (N, J, D) and class indices (N,) a client would send, from `poses` and their predicted `classes`: each
     as predicted, the first as every class (its own capsule's pose in that class's place), and the first's each
     dimension moved by PERTURBATION_STEPS, within `limit` (the pose's length, where bounded)."""
-    count, classes_count, pose_dim = poses.shape
+    _, classes_count, pose_dim = poses.shape
     first, own = poses[0], int(classes[0])
     as_other = np.zeros((classes_count, classes_count, pose_dim), dtype=np.float32)  # (J, J, D)
     as_other[np.arange(classes_count), np.arange(classes_count)] = first[own]

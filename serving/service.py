@@ -147,12 +147,12 @@ class InferenceService:
         """
         fields: dict = {"name": name, "version": version}
         if part == DECODER_PART:
-            artifacts, backend, check = await asyncio.to_thread(load_decoder, folder, config)
-            loaded = LoadedBackend(backend, check, DECODER_CHOICE)
+            artifacts, decoder, check = await asyncio.to_thread(load_decoder, folder, config)
+            loaded = LoadedBackend(decoder, check, DECODER_CHOICE)
             fields.update(decoder_spec_fields(artifacts, config.max_batch_size))
         else:
             artifacts, loaded = await asyncio.to_thread(_load, folder, config)
-            backend = loaded.backend
+        backend = loaded.backend
         log.info("loaded %s %s from %s with %s (%s): %s", name, version, folder, backend.name, backend.precision,
                  backend.description)
         spec = ModelSpec(

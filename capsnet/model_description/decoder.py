@@ -46,8 +46,9 @@ class DecoderDescription:
 
     def tensors(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(inputs, outputs) as model.json and KServe list them: name, datatype and shape without the batch axis."""
-        inputs = [{"name": POSES_INPUT, "datatype": "FP32", "shape": [self.classes, self.pose_dim]},
-                  {"name": CLASS_INPUT, "datatype": "INT64", "shape": []}]
+        inputs: list[dict[str, Any]] = [{"name": POSES_INPUT, "datatype": "FP32",
+                                         "shape": [self.classes, self.pose_dim]},
+                                        {"name": CLASS_INPUT, "datatype": "INT64", "shape": []}]
         return inputs, [{"name": RECONSTRUCTION_OUTPUT, "datatype": "FP32", "shape": [self.output_size]}]
 
     def to_json(self) -> dict[str, Any]:

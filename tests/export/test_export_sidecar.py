@@ -17,7 +17,8 @@ CONTRACT_KEYS = {
     "class_names", "routing", "training_metrics", "artifacts", "sha256", "reference_set", "int8", "parity",
     "precision_gate", "aoti", "refused", "decoder",
 }
-FILES = ["decoder.onnx", "model.ckpt", "model.fp16.onnx", "model.int8.onnx", "model.json", "model.onnx", "reference.npz"]
+FILES = ["decoder.onnx", "model.ckpt", "model.fp16.onnx", "model.int8.onnx", "model.json", "model.onnx",
+         "reference.npz"]
 
 
 def test_export_sidecar_describes_the_checkpoint(tiny_export):

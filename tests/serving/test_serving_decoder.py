@@ -126,7 +126,8 @@ def _long(poses: np.ndarray) -> np.ndarray:
 
 
 BAD = {  # what is sent instead (poses, classes), and what the answer says
-    "a wrong shape": (lambda p, c: (p[:, :, :15], c), "inputs[0].shape: 'poses' takes shape [N, 10, 16], got [2, 10, 15]"),
+    "a wrong shape": (lambda p, c: (p[:, :, :15], c),
+                      "inputs[0].shape: 'poses' takes shape [N, 10, 16], got [2, 10, 15]"),
     "a class out of range": (lambda p, c: (p, np.array([0, 10])),
                              "class_index: item 1 is class 10; expected 0 to 9 (the model's 10 classes)"),
     "NaN": (lambda p, c: (np.where(np.arange(16) == 5, np.nan, p), c), "poses: item 0 contains NaN or Inf"),

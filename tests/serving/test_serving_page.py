@@ -96,7 +96,7 @@ def pair_of_two_longest(model: Path, path: Path) -> tuple[np.ndarray, np.ndarray
 @needs_browser
 def test_an_uploaded_pair_shows_both_digits_present(any_size_server, shared_tiny_export, browser, tmp_path):
     path = tmp_path / "pair.png"
-    pixels, lengths, digits = pair_of_two_longest(shared_tiny_export, path)
+    _, lengths, digits = pair_of_two_longest(shared_tiny_export, path)
 
     page, requested = open_page(browser, any_size_server)
     page.set_input_files("#file", str(path))
@@ -271,7 +271,8 @@ def decoder_draws(folder: Path, page, pose_delta: np.ndarray, as_class: int) -> 
     import onnxruntime
 
     poses = np.array(page.evaluate("Array.from(state.poses)"), dtype=np.float32)
-    source, (classes, dims) = page.evaluate("state.source"), page.evaluate("[state.decoder.classes, state.decoder.dims]")
+    source = page.evaluate("state.source")
+    classes, dims = page.evaluate("[state.decoder.classes, state.decoder.dims]")
     poses = poses.reshape(1, classes, dims)  # (1, J, D)
     poses[0, as_class] = poses[0, source] + pose_delta
     session = onnxruntime.InferenceSession(str(folder / "decoder.onnx"), providers=["CPUExecutionProvider"])
@@ -286,7 +287,7 @@ def timings(page, kind: str) -> list[float]:
 
 @needs_browser
 def test_a_slider_moved_by_the_keyboard_redraws_what_the_decoder_draws(explorer):
-    served, folder, page = explorer
+    _, folder, page = explorer
     page.click("#reset")
     count = drawn_count(page, above=0)
     before = drawn_pixels(page)
@@ -311,7 +312,7 @@ def test_a_slider_moved_by_the_keyboard_redraws_what_the_decoder_draws(explorer)
 
 @needs_browser
 def test_moves_faster_than_the_server_answers_keep_one_call_in_flight_and_draw_the_last(explorer):
-    served, folder, page = explorer
+    _, folder, page = explorer
     page.click("#reset")
     count = drawn_count(page, above=0)
     in_flight, most = [0], [0]
@@ -345,7 +346,7 @@ def test_moves_faster_than_the_server_answers_keep_one_call_in_flight_and_draw_t
 
 @needs_browser
 def test_the_class_picker_redraws_the_same_pose_as_another_class(explorer):
-    served, folder, page = explorer
+    _, folder, page = explorer
     page.click("#reset")
     count = drawn_count(page, above=0)
     page.focus("#dim-0")
@@ -367,7 +368,7 @@ def test_the_class_picker_redraws_the_same_pose_as_another_class(explorer):
 
 @needs_browser
 def test_the_grid_comes_from_one_call_and_downloads_as_a_png_of_its_size(explorer, tmp_path):
-    served, folder, page = explorer
+    _, _, page = explorer
     page.click("#reset")
     drawn_count(page, above=0)
     calls = []
@@ -394,7 +395,7 @@ def test_the_grid_comes_from_one_call_and_downloads_as_a_png_of_its_size(explore
 
 @needs_browser
 def test_a_refused_call_shows_the_servers_message(explorer):
-    served, folder, page = explorer
+    served, _, page = explorer
     # the page's call, sent to a version the decoder does not have: the server's own refusal comes back
     page.route(DECODER_INFER, lambda route: route.continue_(url=route.request.url.replace(
         "/capsnet-decoder/infer", "/capsnet-decoder/versions/9/infer")))
