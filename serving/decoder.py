@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from capsnet.errors import CapsNetError, first_line
 from capsnet.model_description.decoder import (
@@ -90,6 +89,8 @@ class DecoderBackend(Backend):
     output_names = (RECONSTRUCTION_OUTPUT,)
 
     def __init__(self, artifacts: ModelArtifacts, threads: int):
+        import onnxruntime as ort  # here: importing the request path loads no runtime
+
         decoder = _described(artifacts)
         path = artifacts.resolve(artifacts.directory, decoder.file, "decoder.file")
         options = ort.SessionOptions()

@@ -7,6 +7,8 @@ Versions are positive integers, as Triton's, so that "the newest" has one meanin
 `version_policy`) selects the versions it serves among those on disk: the newest N (`{"latest": {"num_versions":
 N}}`), the ones listed (`{"specific": {"versions": [1, 3]}}`) or all (`{"all": {}}`); without config.json, the
 server's --version-policy. `--model DIR` is the one-model repository: the model and version model.json names.
+A model whose versions were exported with their decoder (`--reconstruction`) has it served beside it as a model of
+its own, `<model>-decoder`, of the same folders: the versions that have one, as the model's policy selects.
 
 Names that come from clients (a request's model or version, a load or unload) are checked against NAME before
 anything is looked up, and a model is found among the entries the repository directory lists, never by joining a

@@ -206,8 +206,9 @@ def explorer(request, browser):
         served.stop()
 
 
-REPORT_COMMAND = ("CAPSNET_EXPLORER_MODEL=MODEL_DIR CAPSNET_EXPLORER_REPORT=docs/benchmarks/explorer.md python -m pytest "
-                  "tests/serving/test_serving_page.py -k 'keyboard or faster or picker or grid or refused'")
+REPORT_COMMAND = ("CAPSNET_EXPLORER_MODEL=MODEL_DIR CAPSNET_EXPLORER_REPORT=docs/benchmarks/explorer.md "
+                  "python -m pytest tests/serving/test_serving_page.py "
+                  "-k 'keyboard or faster or picker or grid or refused'")
 
 
 def write_report(path: Path, measured: list[dict], chromium: str, folder: Path, load: tuple) -> None:
