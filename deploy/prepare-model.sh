@@ -46,8 +46,9 @@ fi
 
 echo "==> exporting $checkpoint -> $model_dir"
 # --int8 too: `capsnet serve --precision auto` (the default) serves it where it passes its self-check and is faster.
-# A model whose INT8 fails the export's accuracy gate is still served, in FP32.
-if ! capsnet export "$checkpoint" --out "$model_dir" --int8 "$@"; then
+# A model whose INT8 fails the export's accuracy gate is still served, in FP32. --reconstruction: the decoder too,
+# served beside the model, which the page at / redraws moved poses with (docs/serving.md, "The page at /").
+if ! capsnet export "$checkpoint" --out "$model_dir" --reconstruction --int8 "$@"; then
     echo "==> exporting again without --int8 (see the error above): the server will run FP32"
-    capsnet export "$checkpoint" --out "$model_dir" "$@"
+    capsnet export "$checkpoint" --out "$model_dir" --reconstruction "$@"
 fi

@@ -113,13 +113,18 @@ def run_export(args: argparse.Namespace) -> int:
     assert fp32_name is not None  # the FP32 model is always exported
     counts = op_counts(onnx.load(str(out / fp32_name)))
     parity = description.parity
-    written = ", ".join(name for name in description.artifacts.values() if name)
+    decoder = description.decoder
+    files = [name for name in description.artifacts.values() if name] + ([decoder.file] if decoder else [])
+    written = ", ".join(files)
     print(f"wrote {out}: {written}, model.json")
     print(f"  ONNX opset {description.opset}, {sum(counts.values())} nodes "
           f"({', '.join(f'{op} {n}' for op, n in counts.most_common())})")
     diffs = ", ".join(f"{name} {diff:.1e}" for name, diff in parity["onnxruntime"]["max_abs_diff"].items())
     print(f"  ONNX Runtime vs PyTorch, batches {'/'.join(map(str, parity['batch_sizes']))}: max |diff| {diffs}; "
           f"same class {parity['onnxruntime']['argmax_agreement']:.0%}")
+    if decoder is not None:
+        print(f"  the decoder alone ({decoder.file}) vs PyTorch's on {decoder.parity['rows']} poses: max |diff| "
+              f"{decoder.parity['max_abs_diff']:.1e}")
     if "sizes" in parity:
         worst = {size: max(max(result[what]["max_abs_diff"].values()) for what in ("pytorch", "batch_invariance"))
                  for size, result in parity["sizes"].items()}

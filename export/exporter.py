@@ -28,6 +28,7 @@ import onnx
 from capsnet.runtime.cpu import CpuKind
 from capsnet.errors import CapsNetError
 from capsnet.export.config import EngineConfig, ExportConfig
+from capsnet.export.decoder import check_decoder, export_decoder
 from capsnet.export import aoti
 from capsnet.export.fp16 import convert_fp16
 from capsnet.export.metadata import describe, embed_metadata, output_shapes
@@ -55,7 +56,8 @@ from capsnet.export.tensorrt_build import (
     tensorrt_major_version,
 )
 from capsnet.export.tensorrt_ops import tensorrt_problems
-from capsnet.export.triton import CONFIG_NAME, write_model_directory
+from capsnet.export.triton import CONFIG_NAME, write_decoder_directory, write_model_directory
+from capsnet.model_description.decoder import DecoderDescription, decoder_model_name
 from capsnet.model_description.files import (
     CHECKPOINT_NAME,
     ONNX_FP16_NAME,
@@ -115,10 +117,15 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
     _check_model_options(checkpoint, config)
     _check_target(out_dir, SIDECAR_NAME)
     triton_model_dir = Path(config.triton_repo) / MODEL_NAME if config.triton_repo else None
+    # the decoder alone is a model of its own in the Triton repository, beside the classifier
+    triton_decoder_dir = (triton_model_dir.parent / decoder_model_name(MODEL_NAME)
+                          if triton_model_dir is not None and config.reconstruction else None)
     if triton_model_dir is not None:
         if triton_model_dir.parent.exists() and not triton_model_dir.parent.is_dir():
             raise CapsNetError(f"Triton repository {triton_model_dir.parent} exists and is not a directory")
         _check_target(triton_model_dir, CONFIG_NAME)
+        if triton_decoder_dir is not None:
+            _check_target(triton_decoder_dir, CONFIG_NAME)
         _check_apart(out_dir, triton_model_dir.parent)
     _check_aoti_possible(config)
     tensorrt_error = unavailable_reason(config.engine().gpu) if config.tensorrt else None
@@ -128,22 +135,30 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
     dataset = load_checkpoint_data(checkpoint, checkpoint_path, config.data, every_class=True)
 
     staging = _staging_dir(out_dir)
-    triton_staging = None
+    triton_staging = decoder_staging = None
     try:
         description, tensorrt_error = _write_artifacts(staging, checkpoint_path, checkpoint, dataset, config,
                                                        tensorrt_error)
         if triton_model_dir is not None:
-            triton_staging = _staging_dir(triton_model_dir, beside=_outside_repository(triton_model_dir.parent))
+            outside = _outside_repository(triton_model_dir.parent)
+            triton_staging = _staging_dir(triton_model_dir, beside=outside)
             model_format = "plan" if description.artifacts["tensorrt"] else "onnx"
             model_file = staging / (PLAN_NAME if model_format == "plan" else ONNX_NAME)
             write_model_directory(triton_staging, description, model_file, model_format, config.triton())
+            if triton_decoder_dir is not None and description.decoder is not None:
+                decoder_staging = _staging_dir(triton_decoder_dir, beside=outside)
+                write_decoder_directory(decoder_staging, triton_decoder_dir.name, description.decoder,
+                                        staging / description.decoder.file, config.triton())
         _publish(staging, out_dir)
-        if triton_staging is not None and triton_model_dir is not None:  # both or neither
+        if triton_staging is not None and triton_model_dir is not None:  # all or none
             _publish(triton_staging, triton_model_dir)
+        if decoder_staging is not None and triton_decoder_dir is not None:
+            _publish(decoder_staging, triton_decoder_dir)
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
-        if triton_staging is not None:
-            shutil.rmtree(triton_staging, ignore_errors=True)
+        for folder in (triton_staging, decoder_staging):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
         if isinstance(err, OSError):  # a full disk, a file size limit: the user's to fix, in one line
             target = out_dir if triton_staging is None else triton_model_dir  # the Triton copy comes last
             raise CapsNetError(f"cannot write the export to {target}: {err.strerror or err}") from None
@@ -174,6 +189,7 @@ class _Staged:
     reference: _Reference
     parity: dict[str, Any]
     variants: dict[str, Path]  # precision -> ONNX file written
+    decoder: DecoderDescription | None = None  # the decoder alone, written with the reconstruction
     gates: dict[str, PrecisionGate] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)  # file name -> why the precision gate refused it
 
@@ -182,6 +198,8 @@ def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoin
                      config: ExportConfig, tensorrt_error: str | None) -> tuple[ModelDescription, str | None]:
     """Write every artifact into `staging`; returns the description and why no engine was built, if so."""
     staged = _write_fp32(staging, _staged_checkpoint(checkpoint_path, checkpoint, staging), dataset, config)
+    if config.reconstruction:
+        staged.decoder = _write_decoder(staged)
     _gate_torch_variants(staged)
     int8 = _write_reduced_onnx(staged)
     packages = _compile_aoti(staging, staged.program, staged.checkpoint, config, staged.names, staged.batches,
@@ -226,6 +244,18 @@ def _write_fp32(staging: Path, checkpoint: Checkpoint, dataset: Dataset, config:
     return _Staged(staging, config, checkpoint, dataset, names, program, exported, batches, pytorch_outputs,
                    fp32_session, fp32_outputs, onnxruntime_probabilities(fp32_session, dataset.test.images),
                    _write_reference(staging / REFERENCE_NAME, fp32_session, dataset, names), parity, {"fp32": path})
+
+
+def _write_decoder(staged: _Staged) -> DecoderDescription:
+    """The decoder alone (export/decoder.py), checked against PyTorch's on the reference images' poses."""
+    model = staged.checkpoint.build_model()
+    export_decoder(model, staged.staging, staged.config.opset)
+    outputs = staged.reference.outputs
+    decoder = check_decoder(model, staged.staging, outputs["poses"], outputs["probabilities"],
+                            outputs["reconstruction"])
+    log.info("decoder ONNX Runtime vs PyTorch on %d poses: max |diff| %.2e", decoder.parity["rows"],
+             decoder.parity["max_abs_diff"])
+    return decoder
 
 
 def _gate_torch_variants(staged: _Staged) -> None:
@@ -308,13 +338,15 @@ def _write_description(staged: _Staged, int8: dict[str, Any] | None, packages: t
     }
     description = describe(staged.checkpoint, graph_opset(staged.exported), staged.config.reconstruction,
                            artifacts=artifacts, reference_set=staged.reference.description, int8=int8,
-                           parity=staged.parity, precision_gate=staged.gates, aoti=packages, refused=staged.refused)
-    for path in staged.variants.values():
+                           parity=staged.parity, precision_gate=staged.gates, aoti=packages, refused=staged.refused,
+                           decoder=staged.decoder)
+    decoder_files = [staged.staging / staged.decoder.file] if staged.decoder else []
+    for path in [*staged.variants.values(), *decoder_files]:
         onnx_model = onnx.load(str(path))
         embed_metadata(onnx_model, description)
         onnx.save(onnx_model, str(path))
     hashed = ([name for name in artifacts.values() if name] + ([PLAN_INFO_NAME] if plan_built else [])
-              + [package.file for package in packages])
+              + [package.file for package in packages] + [path.name for path in decoder_files])
     description = replace(description, sha256={name: file_sha256(staged.staging / name) for name in hashed})
     description.write(staged.staging)
     return description

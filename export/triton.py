@@ -11,27 +11,35 @@ from pathlib import Path
 
 from capsnet.export.config import TritonConfig
 from capsnet.model_description.classes import class_names_parameters
+from capsnet.model_description.decoder import DecoderDescription
 from capsnet.model_description.schema import ModelDescription
 
 CONFIG_NAME = "config.pbtxt"
 MODEL_VERSION_DIR = "1"
 # platform and the file name Triton's backend looks for
 PLATFORMS = {"onnx": ("onnxruntime_onnx", "model.onnx"), "plan": ("tensorrt_plan", "model.plan")}
-TRITON_DATATYPES = {"FP32": "TYPE_FP32"}
+TRITON_DATATYPES = {"FP32": "TYPE_FP32", "INT64": "TYPE_INT64"}
 
 
 def _tensor_entry(name: str, datatype: str, dims: list[int]) -> str:
-    return (f'  {{\n    name: "{name}"\n    data_type: {TRITON_DATATYPES[datatype]}\n'
-            f'    dims: [ {", ".join(map(str, dims))} ]\n  }}')
+    # Triton's dims may not be empty with max_batch_size > 0: a value per batch item is dims [1], reshaped to the
+    # graph's (B,)
+    shape = f'    dims: [ {", ".join(map(str, dims))} ]' if dims else "    dims: [ 1 ]\n    reshape: { shape: [ ] }"
+    return f'  {{\n    name: "{name}"\n    data_type: {TRITON_DATATYPES[datatype]}\n{shape}\n  }}'
 
 
 def config_pbtxt(description: ModelDescription, model_format: str, config: TritonConfig) -> str:
-    platform, _ = PLATFORMS[model_format]
     inputs = [_tensor_entry(description.input_name, "FP32", description.input_dims)]
     outputs = [_tensor_entry(name, "FP32", list(shape)) for name, shape in description.output_shapes.items()]
+    return _config(description.name, model_format, inputs, outputs, description.class_names, config)
+
+
+def _config(name: str, model_format: str, inputs: list[str], outputs: list[str], class_names: tuple[str, ...] | None,
+            config: TritonConfig) -> str:
+    platform, _ = PLATFORMS[model_format]
     preferred = sorted({size for size in config.preferred_batch_sizes if size <= config.max_batch_size})
     lines = [
-        f'name: "{description.name}"',
+        f'name: "{name}"',
         f'platform: "{platform}"',
         f"max_batch_size: {config.max_batch_size}",
         "input [\n" + ",\n".join(inputs) + "\n]",
@@ -41,7 +49,8 @@ def config_pbtxt(description: ModelDescription, model_format: str, config: Trito
         f"  max_queue_delay_microseconds: {config.max_queue_delay_us}\n"
         "}",
     ]
-    for key, value in class_names_parameters(description.class_names).items():
+    parameters = class_names_parameters(class_names) if class_names else {}  # the decoder's output is no class
+    for key, value in parameters.items():
         text = value["string_value"].replace("\\", "\\\\").replace('"', '\\"')  # a protobuf text-format string
         lines.append(f'parameters {{\n  key: "{key}"\n  value: {{ string_value: "{text}" }}\n}}')
     if model_format == "plan":
@@ -52,8 +61,21 @@ def config_pbtxt(description: ModelDescription, model_format: str, config: Trito
 def write_model_directory(model_dir: Path, description: ModelDescription, model_file: Path, model_format: str,
                           config: TritonConfig) -> None:
     """Fill `model_dir` (REPO/<name>) with config.pbtxt and version 1 of the model."""
+    _write(model_dir, model_file, model_format, config_pbtxt(description, model_format, config))
+
+
+def write_decoder_directory(model_dir: Path, name: str, decoder: DecoderDescription, model_file: Path,
+                            config: TritonConfig) -> None:
+    """Fill `model_dir` (REPO/<name>) with the decoder alone: poses and a class index in, its reconstruction out."""
+    inputs, outputs = decoder.tensors()
+    text = _config(name, "onnx", [_tensor_entry(t["name"], t["datatype"], t["shape"]) for t in inputs],
+                   [_tensor_entry(t["name"], t["datatype"], t["shape"]) for t in outputs], None, config)
+    _write(model_dir, model_file, "onnx", text)
+
+
+def _write(model_dir: Path, model_file: Path, model_format: str, config_text: str) -> None:
     _, file_name = PLATFORMS[model_format]
     version_dir = model_dir / MODEL_VERSION_DIR
     version_dir.mkdir(parents=True)
     shutil.copyfile(model_file, version_dir / file_name)
-    (model_dir / CONFIG_NAME).write_text(config_pbtxt(description, model_format, config))
+    (model_dir / CONFIG_NAME).write_text(config_text)

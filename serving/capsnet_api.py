@@ -15,6 +15,7 @@ import numpy as np
 from google.protobuf.duration_pb2 import Duration
 
 from capsnet.model_description.classes import PRESENT_THRESHOLD
+from capsnet.serving.decoder import check_takes_images
 from capsnet.serving.errors import InvalidInput, ServerNotReady
 from capsnet.serving.images import decode_images
 from capsnet.serving.lifecycle import SHUTTING_DOWN
@@ -84,6 +85,7 @@ class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
 
     async def GetModelInfo(self, request, context):
         spec = self.models.resolve(self._ref(request)).spec
+        check_takes_images(spec)
         check = spec.self_check
         return pb.GetModelInfoResponse(
             name=spec.name,
@@ -109,6 +111,7 @@ class CapsNetServicer(pb_grpc.CapsNetServiceServicer):
     async def _classify(self, request: pb.ClassifyRequest, context, started: float) -> pb.ClassifyResponse:
         with self.models.use(self._ref(request)) as service:
             spec = service.spec
+            check_takes_images(spec)
             if request.top_k > len(spec.class_names):
                 raise InvalidInput(f"top_k: expected 0 to {len(spec.class_names)} (the number of classes), got "
                                    f"{request.top_k}")

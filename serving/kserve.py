@@ -33,6 +33,8 @@ import numpy as np
 
 from capsnet import __version__
 from capsnet.model_description.classes import class_names_parameters
+from capsnet.model_description.decoder import DECODER_PART
+from capsnet.serving.decoder import rows as decoder_rows
 from capsnet.serving.errors import InvalidInput, Unauthenticated
 from capsnet.serving.lifecycle import Lifecycle
 from capsnet.serving.model_manager import ModelManager, ModelRef
@@ -46,7 +48,10 @@ SERVER_NAME = "capsnet-serve"
 INPUT_DATATYPES: dict[str, tuple[np.dtype, str]] = {
     "FP32": (np.dtype("<f4"), "fp32_contents"),
     "UINT8": (np.dtype("u1"), "uint_contents"),
+    "INT64": (np.dtype("<i8"), "int64_contents"),  # a decoder's class index
 }
+IMAGE_DATATYPES = ("FP32", "UINT8")
+MAX_POSE_LENGTH_PARAMETER = "max_pose_length"  # a decoder's model config parameter
 CLASSIFICATION_PARAMETER = "classification"  # on a requested output: its top k classes instead of the tensor
 CLASSIFIED_OUTPUT = "probabilities"  # the output classification ranks: one score per class
 
@@ -65,12 +70,29 @@ def server_metadata(shared_memory: SharedMemory) -> dict:
     return {"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS + shared_memory.extensions}
 
 
+def model_inputs(spec: ModelSpec) -> list[dict]:
+    """The inputs a model takes, as KServe's metadata lists them (the batch axis -1): images, or a decoder's poses
+    and class index."""
+    if spec.part == DECODER_PART and spec.decoder is not None:
+        return [{**tensor, "shape": [-1, *tensor["shape"]]} for tensor in spec.decoder.tensors()[0]]
+    return [{"name": spec.input_name, "datatype": "FP32", "shape": [-1, *spec.input_dims]}]
+
+
+def decoder_parameters(spec: ModelSpec) -> dict[str, dict[str, str]]:
+    """A decoder's config `parameters`: the longest pose it takes ("none": unbounded), which a client keeps
+    perturbed poses within."""
+    if spec.part != DECODER_PART or spec.decoder is None:
+        return {}
+    length = spec.decoder.max_pose_length
+    return {MAX_POSE_LENGTH_PARAMETER: {"string_value": "none" if length is None else f"{length:g}"}}
+
+
 def model_metadata(spec: ModelSpec, versions: list[str]) -> dict:
     return {
         "name": spec.name,
         "versions": versions,
         "platform": spec.platform,
-        "inputs": [{"name": spec.input_name, "datatype": "FP32", "shape": [-1, *spec.input_dims]}],
+        "inputs": model_inputs(spec),
         "outputs": [{"name": name, "datatype": "FP32", "shape": [-1, *shape]}
                     for name, shape in spec.output_shapes.items()],
     }
@@ -84,11 +106,14 @@ def model_config(service: InferenceService) -> dict:
         "name": spec.name,
         "platform": spec.platform,
         "max_batch_size": spec.max_batch_size,
-        "input": [{"name": spec.input_name, "data_type": "TYPE_FP32", "dims": spec.input_dims}],
+        # a value per batch item (a class index) is dims [1] reshaped to none, as Triton must declare it
+        "input": [{"name": tensor["name"], "data_type": f"TYPE_{tensor['datatype']}",
+                   **({"dims": tensor["shape"][1:]} if len(tensor["shape"]) > 1 else
+                      {"dims": [1], "reshape": {"shape": []}})} for tensor in model_inputs(spec)],
         "output": [{"name": name, "data_type": "TYPE_FP32", "dims": list(shape)}
                    for name, shape in spec.output_shapes.items()],
         "dynamic_batching": {"max_queue_delay_microseconds": round(service.batcher.config.max_queue_delay_s * 1e6)},
-        "parameters": class_names_parameters(spec.class_names),
+        "parameters": {**class_names_parameters(spec.class_names), **decoder_parameters(spec)},
     }
 
 
@@ -140,12 +165,12 @@ class Decoder(Protocol):
     async def header(self, spec: ModelSpec) -> InferHeader:
         """The request's tensors and outputs as declared."""
 
-    def check_data(self, tensor: InputTensor, shared: bool) -> None:
-        """The input's data is given once, in a form the transport takes (not yet read); `shared`: it is in a
+    def check_data(self, tensor: InputTensor, shared: bool, index: int = 0) -> None:
+        """Input `index`'s data is given once, in a form the transport takes (not yet read); `shared`: it is in a
         shared-memory region, and the request must carry none."""
 
-    async def values(self, tensor: InputTensor) -> np.ndarray:
-        """The input's flat values, of the tensor's dtype and count."""
+    async def values(self, tensor: InputTensor, index: int = 0) -> np.ndarray:
+        """Input `index`'s flat values, of the tensor's dtype and count."""
 
 
 @dataclass(frozen=True)
@@ -185,12 +210,44 @@ def check_input(spec: ModelSpec, inputs: list[InferInput]) -> InputTensor:
     name, datatype, shape = inputs[0].name, inputs[0].datatype, inputs[0].shape
     if name != spec.input_name:
         raise InvalidInput(f"inputs[0].name: expected {spec.input_name!r}, got {name!r}")
-    if datatype not in INPUT_DATATYPES:
-        raise InvalidInput(f"inputs[0].datatype: expected one of {', '.join(INPUT_DATATYPES)}, got {datatype!r}")
+    if datatype not in IMAGE_DATATYPES:
+        raise InvalidInput(f"inputs[0].datatype: expected one of {', '.join(IMAGE_DATATYPES)}, got {datatype!r}")
     if min(shape, default=0) < 0:
         raise InvalidInput(f"inputs[0].shape: dimensions must be >= 0, got {shape}")
     check_image_shape(spec, shape, "inputs[0].shape")
     return InputTensor(datatype, shape, math.prod(shape))
+
+
+def check_decoder_inputs(spec: ModelSpec, inputs: list[InferInput]) -> list[tuple[int, InputTensor]]:
+    """A decoder's two inputs' headers, poses then class index, each with its index in the request: the names, the
+    datatypes, the shapes [N, J, D] and [N] (or [N, 1], as Triton's config declares it), one N; in the request itself
+    (not in shared memory)."""
+    assert spec.decoder is not None  # a decoder's spec
+    expected = spec.decoder.tensors()[0]
+    names = [tensor["name"] for tensor in expected]
+    if sorted(tensor.name for tensor in inputs) != sorted(names):
+        got = ", ".join(repr(tensor.name) for tensor in inputs) or "none"
+        raise InvalidInput(f"inputs: expected the 2 inputs {' and '.join(map(repr, names))}, got {got}")
+    checked = []
+    for wanted in expected:
+        index = next(i for i, tensor in enumerate(inputs) if tensor.name == wanted["name"])
+        tensor, field = inputs[index], f"inputs[{index}]"
+        if tensor.datatype != wanted["datatype"]:
+            raise InvalidInput(f"{field}.datatype: {tensor.name!r} is {wanted['datatype']}, got {tensor.datatype!r}")
+        shapes = [[-1, *wanted["shape"]]] + ([[-1, 1]] if not wanted["shape"] else [])
+        if not any(len(tensor.shape) == len(shape) and tensor.shape[1:] == shape[1:] for shape in shapes) or (
+                min(tensor.shape, default=0) < 0):
+            taken = " or ".join(str(["N", *shape[1:]]).replace("'", "") for shape in shapes)
+            raise InvalidInput(f"{field}.shape: {tensor.name!r} takes shape {taken}, got {tensor.shape}")
+        if region_ref(tensor.parameters, field) is not None:
+            raise InvalidInput(f"{field}.parameters.shared_memory_region: a decoder takes its inputs in the request, "
+                               "not in shared memory")
+        checked.append((index, InputTensor(tensor.datatype, tensor.shape, math.prod(tensor.shape))))
+    (poses_index, poses), (classes_index, classes) = checked
+    if poses.shape[0] != classes.shape[0]:
+        raise InvalidInput(f"inputs[{classes_index}].shape: {classes.shape[0]} class indices for "
+                           f"{poses.shape[0]} poses (inputs[{poses_index}]); expected one per pose")
+    return checked
 
 
 def raw_values(data: bytes, tensor: InputTensor, field: str) -> np.ndarray:
@@ -384,14 +441,26 @@ class DataPlane:
         spec, decoder = model.spec, request.decoder
         model.check_arrival(request.arrival)
         header = await decoder.header(spec)
-        tensor = check_input(spec, header.inputs)
-        shared = region_ref(header.inputs[0].parameters, "inputs[0]")
-        decoder.check_data(tensor, shared is not None)
-        model.check_batch_size(tensor.shape[0], "inputs[0].shape[0]")
+        # a decoder takes two inputs, poses and class indices, batched as one row per item (serving/decoder.py)
+        pose_inputs = check_decoder_inputs(spec, header.inputs) if spec.part == DECODER_PART else None
+        shared, first = None, 0
+        if pose_inputs is not None:
+            for index, part in pose_inputs:
+                decoder.check_data(part, False, index)
+            first, tensor = pose_inputs[0]
+        else:
+            tensor = check_input(spec, header.inputs)
+            shared = region_ref(header.inputs[0].parameters, "inputs[0]")
+            decoder.check_data(tensor, shared is not None)
+        model.check_batch_size(tensor.shape[0], f"inputs[{first}].shape[0]")
         plans = requested_outputs(spec, header.outputs)
         with contextlib.ExitStack() as held:  # the regions named, held until answered
             images: np.ndarray | RegionImages
-            if shared is not None:
+            if pose_inputs is not None:
+                (poses_index, poses), (classes_index, classes) = pose_inputs
+                images = decoder_rows((await decoder.values(poses, poses_index)).reshape(poses.shape),
+                                      await decoder.values(classes, classes_index))
+            elif shared is not None:
                 expected = tensor.count * tensor.dtype.itemsize
                 if shared.byte_size != expected:
                     raise InvalidInput(f"inputs[0].parameters.shared_memory_byte_size: expected {expected} bytes for "

@@ -153,40 +153,43 @@ class _Decoder:
             outputs=[kserve.RequestedOutput(output.name, _parameters(output.parameters)) for output in request.outputs],
             id=request.id)
 
-    def check_data(self, tensor: kserve.InputTensor, shared: bool) -> None:
+    def check_data(self, tensor: kserve.InputTensor, shared: bool, index: int = 0) -> None:
         """Typed or raw, not both, and some unless the tensor is empty; none when in shared memory."""
         _, typed_field = kserve.INPUT_DATATYPES[tensor.datatype]
-        typed = [field.name for field, _ in self._request.inputs[0].contents.ListFields()]
+        typed = [field.name for field, _ in self._request.inputs[index].contents.ListFields()]
         if shared:
             if typed or self._request.raw_input_contents:
-                raise InvalidInput("inputs[0]: data given both in shared memory (parameters.shared_memory_region) and "
+                raise InvalidInput(f"inputs[{index}]: data given both in shared memory "
+                                   "(parameters.shared_memory_region) and "
                                    f"in {'contents' if typed else 'raw_input_contents'}; expected one of them")
         elif self._request.raw_input_contents:
             if typed:
-                raise InvalidInput(f"inputs[0].contents: data given both typed ({typed[0]}) and in raw_input_contents; "
-                                   "expected one of them")
+                raise InvalidInput(f"inputs[{index}].contents: data given both typed ({typed[0]}) and in "
+                                   "raw_input_contents; expected one of them")
         elif typed and typed != [typed_field]:
-            raise InvalidInput(f"inputs[0].contents: datatype {tensor.datatype} expects {typed_field}, "
+            raise InvalidInput(f"inputs[{index}].contents: datatype {tensor.datatype} expects {typed_field}, "
                                f"got {', '.join(typed)}")
         elif not typed and tensor.count:
-            raise InvalidInput(f"inputs[0]: no data; expected contents.{typed_field} or raw_input_contents[0]")
+            raise InvalidInput(f"inputs[{index}]: no data; expected contents.{typed_field} or "
+                               f"raw_input_contents[{index}]")
 
-    async def values(self, tensor: kserve.InputTensor) -> np.ndarray:
+    async def values(self, tensor: kserve.InputTensor, index: int = 0) -> np.ndarray:
         if not self._request.raw_input_contents and tensor.count > INLINE_TYPED_VALUES:
-            return await asyncio.to_thread(_input_values, self._request, tensor)
-        return _input_values(self._request, tensor)
+            return await asyncio.to_thread(_input_values, self._request, tensor, index)
+        return _input_values(self._request, tensor, index)
 
 
-def _input_values(request: pb.ModelInferRequest, tensor: kserve.InputTensor) -> np.ndarray:
-    """The input's flat values, from its raw bytes or typed contents (not yet validated)."""
+def _input_values(request: pb.ModelInferRequest, tensor: kserve.InputTensor, index: int) -> np.ndarray:
+    """Input `index`'s flat values, from its raw bytes or typed contents (not yet validated)."""
     raw = request.raw_input_contents
     if not raw:
         _, typed_field = kserve.INPUT_DATATYPES[tensor.datatype]
-        return _typed_values(getattr(request.inputs[0].contents, typed_field), f"inputs[0].contents.{typed_field}",
-                             tensor)
-    if len(raw) != 1:
-        raise InvalidInput(f"raw_input_contents: expected 1 entry (one per input), got {len(raw)}")
-    return kserve.raw_values(raw[0], tensor, "raw_input_contents[0]")
+        return _typed_values(getattr(request.inputs[index].contents, typed_field),
+                             f"inputs[{index}].contents.{typed_field}", tensor)
+    if len(raw) != len(request.inputs):
+        raise InvalidInput(f"raw_input_contents: expected {len(request.inputs)} "
+                           f"entr{'y' if len(request.inputs) == 1 else 'ies'} (one per input), got {len(raw)}")
+    return kserve.raw_values(raw[index], tensor, f"raw_input_contents[{index}]")
 
 
 def _typed_values(contents, field: str, tensor: kserve.InputTensor) -> np.ndarray:

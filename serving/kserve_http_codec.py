@@ -43,8 +43,8 @@ class RestDecoder:
         self._body = body
         self._header_length = header_length
         self._binary = b""  # the binary data after the JSON
-        self._parameters: Mapping = {}  # the one input's parameters
-        self._data = _ABSENT  # the one input's JSON `data`
+        self._parameters: list[Mapping] = []  # each input's parameters
+        self._data: list = []  # each input's JSON `data`
         self._binary_default = False  # binary_data_output: outputs not asked otherwise are answered in binary
         self._binary_asked: dict[str, bool] = {}  # requested output -> its binary_data
 
@@ -69,41 +69,46 @@ class RestDecoder:
                                           self._binary_default)
                               for index, (name, parameters) in enumerate(requested)}
         inputs = [_input(tensor, f"inputs[{index}]") for index, tensor in enumerate(tensors)]
-        if len(inputs) == 1:
-            self._parameters, self._data = inputs[0].parameters, tensors[0].get("data", _ABSENT)
+        self._parameters = [tensor.parameters for tensor in inputs]
+        self._data = [tensor.get("data", _ABSENT) for tensor in tensors]
         return kserve.InferHeader(inputs, requested, document.get("id"))
 
-    def check_data(self, tensor: kserve.InputTensor, shared: bool) -> None:
+    def check_data(self, tensor: kserve.InputTensor, shared: bool, index: int = 0) -> None:
         """In `data` or as binary (binary_data_size), not both; neither when in shared memory."""
+        parameters, data, field = self._parameters[index], self._data[index], f"inputs[{index}]"
         if shared:
-            if self._data is not _ABSENT or "binary_data_size" in self._parameters:
-                given = "`data`" if self._data is not _ABSENT else "binary (binary_data_size)"
-                raise InvalidInput(f"inputs[0]: data given both in shared memory (parameters.shared_memory_region) "
+            if data is not _ABSENT or "binary_data_size" in parameters:
+                given = "`data`" if data is not _ABSENT else "binary (binary_data_size)"
+                raise InvalidInput(f"{field}: data given both in shared memory (parameters.shared_memory_region) "
                                    f"and as {given}; expected one of them")
             if self._binary:
                 raise InvalidInput(f"request body: {len(self._binary)} bytes of binary data follow the JSON, but the "
                                    "input is in shared memory")
-        elif "binary_data_size" in self._parameters:
-            size = self._parameters["binary_data_size"]
+        elif "binary_data_size" in parameters:
+            size = parameters["binary_data_size"]
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise InvalidInput(f"inputs[0].parameters.binary_data_size: expected a number of bytes, got {size!r}")
-            if self._data is not _ABSENT:
-                raise InvalidInput("inputs[0]: data given both in `data` and as binary (binary_data_size); "
+                raise InvalidInput(f"{field}.parameters.binary_data_size: expected a number of bytes, got {size!r}")
+            if data is not _ABSENT:
+                raise InvalidInput(f"{field}: data given both in `data` and as binary (binary_data_size); "
                                    "expected one of them")
-        elif self._data is _ABSENT:
-            raise InvalidInput("inputs[0]: no data; expected `data` or binary data after the JSON (binary_data_size)")
+        elif data is _ABSENT:
+            raise InvalidInput(f"{field}: no data; expected `data` or binary data after the JSON (binary_data_size)")
 
-    async def values(self, tensor: kserve.InputTensor) -> np.ndarray:
-        if "binary_data_size" in self._parameters:
-            size = self._parameters["binary_data_size"]
-            if len(self._binary) != size:
-                raise InvalidInput(f"inputs[0].parameters.binary_data_size: {size} bytes, but {len(self._binary)} "
-                                   f"bytes of binary data follow the JSON ({BINARY_HEADER})")
-            return kserve.raw_values(self._binary, tensor, "inputs[0] binary data")
-        if self._binary:
+    async def values(self, tensor: kserve.InputTensor, index: int = 0) -> np.ndarray:
+        # the inputs' binary data follow the JSON one after another, in the inputs' order
+        sizes = [parameters.get("binary_data_size", 0) for parameters in self._parameters]
+        if "binary_data_size" in self._parameters[index]:
+            size, start = sizes[index], sum(sizes[:index])
+            if len(self._binary) != sum(sizes):
+                raise InvalidInput(f"inputs[{index}].parameters.binary_data_size: {size} bytes"
+                                   f"{f' of {sum(sizes)} declared' if size != sum(sizes) else ''}, but "
+                                   f"{len(self._binary)} bytes of binary data follow the JSON ({BINARY_HEADER})")
+            return kserve.raw_values(self._binary[start:start + size], tensor, f"inputs[{index}] binary data")
+        if self._binary and not any(sizes):
             raise InvalidInput(f"request body: {len(self._binary)} bytes of binary data follow the JSON, but no input "
                                "has parameters.binary_data_size")
-        return await _in_a_thread_if_large(tensor.count * 8, _json_values, self._data, tensor)
+        return await _in_a_thread_if_large(tensor.count * 8, _json_values, self._data[index], tensor,
+                                           f"inputs[{index}].data")
 
     async def encode(self, answer: kserve.InferResponse) -> tuple[bytes, str, dict[str, str]]:
         """The answer's body, content type and headers."""
@@ -156,16 +161,16 @@ def _output(output, field: str) -> kserve.RequestedOutput:
                                   _typed(output.get("parameters", {}), dict, f"{field}.parameters", "an object"))
 
 
-def _json_values(data, tensor: kserve.InputTensor) -> np.ndarray:
+def _json_values(data, tensor: kserve.InputTensor, field: str) -> np.ndarray:
     """The input's values from JSON `data`: flat, or nested as its shape."""
-    field, count = "inputs[0].data", tensor.count
+    count = tensor.count
     try:
         values = np.array(data)
     except ValueError:  # ragged, or nested deeper than numpy's 64 dimensions
         raise InvalidInput(f"{field}: expected a flat list of {count} numbers, or lists nested as the shape "
                            f"{tensor.shape}; got lists of uneven lengths or nested too deep") from None
-    kinds = "iu" if tensor.datatype == "UINT8" else "iuf"
-    expected = "integers 0..255" if tensor.datatype == "UINT8" else "numbers"
+    kinds = "iuf" if tensor.datatype == "FP32" else "iu"
+    expected = {"UINT8": "integers 0..255", "INT64": "integers"}.get(tensor.datatype, "numbers")
     if values.dtype.kind not in kinds or values.ndim == 0:
         kind = {"U": "str", "S": "str", "O": "object"}.get(values.dtype.kind, values.dtype.name)  # not str672
         raise InvalidInput(f"{field}: expected a list of {expected} for datatype {tensor.datatype}, got "

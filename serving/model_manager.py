@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from capsnet.errors import CapsNetError, first_line
+from capsnet.model_description.decoder import DECODER_PART
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.errors import (
     ControlDenied, InvalidInput, ModelLoadFailed, ModelNotFound, ModelNotReady, ServerNotReady, ServingError,
@@ -175,11 +176,19 @@ class ModelManager:
         return model
 
     def default_model(self, field: str) -> str:
-        """The model a request that names none is for: the server's one model."""
-        if len(self.models) != 1:
-            raise InvalidInput(f"{field}: this server serves several models ({', '.join(map(repr, self.models))}); "
+        """The model a request that names none is for: the server's one model that takes images (a decoder beside
+        it takes poses)."""
+        decoders = self.decoders()
+        names = [name for name in self.models if name not in decoders]
+        if len(names) != 1:
+            raise InvalidInput(f"{field}: this server serves several models ({', '.join(map(repr, names))}); "
                                "name one")
-        return next(iter(self.models))
+        return names[0]
+
+    def decoders(self) -> set[str]:
+        """The models that are a decoder alone."""
+        return {name for name, model in self.models.items()
+                if any(service.spec.part == DECODER_PART for service in model.serving.values())}
 
     def resolve(self, ref: ModelRef) -> InferenceService:
         """The serving version `ref` names (the default when it names none); ModelNotFound for a model or version the
@@ -330,7 +339,7 @@ class ModelManager:
         """Version `version`, loaded and self-checked, not yet warmed up; CapsNetError when it cannot serve."""
         try:
             service = await InferenceService.open(on_disk.versions[version], name, version, self.config, self.metrics,
-                                                  self.lifecycle)
+                                                  self.lifecycle, on_disk.part)
         except CapsNetError:
             raise
         except Exception as err:  # whatever else a backend or a file raises: this version is refused, not the server

@@ -7,6 +7,8 @@ Versions are positive integers, as Triton's, so that "the newest" has one meanin
 `version_policy`) selects the versions it serves among those on disk: the newest N (`{"latest": {"num_versions":
 N}}`), the ones listed (`{"specific": {"versions": [1, 3]}}`) or all (`{"all": {}}`); without config.json, the
 server's --version-policy. `--model DIR` is the one-model repository: the model and version model.json names.
+A model whose versions were exported with their decoder (`--reconstruction`) has it served beside it as a model of
+its own, `<model>-decoder`, of the same folders: the versions that have one, as the model's policy selects.
 
 Names that come from clients (a request's model or version, a load or unload) are checked against NAME before
 anything is looked up, and a model is found among the entries the repository directory lists, never by joining a
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from capsnet.errors import CapsNetError, first_line
+from capsnet.model_description.decoder import CLASSIFIER_PART, DECODER_PART, DECODER_SUFFIX, decoder_model_name
 from capsnet.model_description.files import SIDECAR_NAME
 from capsnet.model_description.schema import ModelDescription
 from capsnet.serving.errors import InvalidInput, ModelNotFound
@@ -127,9 +130,25 @@ class ModelOnDisk:
     versions: dict[str, Path]  # version -> its export folder
     policy: VersionPolicy
     fingerprints: dict[str, str] = field(default_factory=dict)  # version -> digest of its model.json
+    part: str = CLASSIFIER_PART  # the folders' classifier, or their decoder alone (serving/decoder.py)
 
     def selected(self) -> list[str]:
         return self.policy.select(list(self.versions))
+
+
+def has_decoder(folder: Path) -> bool:
+    """Whether the export in `folder` says it has the decoder alone (unreadable: no; loading it says why)."""
+    try:
+        return json.loads((folder / SIDECAR_NAME).read_bytes()).get("decoder") is not None
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def decoder_of(on_disk: ModelOnDisk) -> ModelOnDisk:
+    """The decoder alone of `on_disk`'s versions that have one, under the decoder's name, by the same policy."""
+    versions = {version: folder for version, folder in on_disk.versions.items() if has_decoder(folder)}
+    return ModelOnDisk(decoder_model_name(on_disk.name), versions, on_disk.policy,
+                       {version: on_disk.fingerprints[version] for version in versions}, DECODER_PART)
 
 
 def fingerprint(folder: Path) -> str:
@@ -158,7 +177,18 @@ class RepositoryDir:
 
     def model_names(self) -> list[str]:
         """The models in the repository: its folders with a NAME (others, such as lost+found, are skipped, and
-        logged the first time)."""
+        logged the first time), and `<folder>-decoder` beside a folder with a version exported with its decoder."""
+        folders = self._folders()
+        decoders = [decoder_model_name(name) for name in folders
+                    if any(map(has_decoder, self._versions(self.root / name, quiet=True).values()))]
+        return sorted({*folders, *decoders})
+
+    def _decoder_base(self, name: str, folders: list[str]) -> str | None:
+        """The folder whose decoder `name` is served as, unless a folder of that name is there."""
+        base = name.removesuffix(DECODER_SUFFIX)
+        return base if name != base and base in folders and name not in folders else None
+
+    def _folders(self) -> list[str]:
         try:
             with os.scandir(self.root) as entries:
                 folders = sorted(entry.name for entry in entries if entry.is_dir())
@@ -173,18 +203,31 @@ class RepositoryDir:
     def read(self, name: str) -> ModelOnDisk:
         """Model `name` (a checked NAME) as on disk now; ModelNotFound when the repository has no such folder,
         CapsNetError when its config.json or folder is unusable."""
-        if name not in self.model_names():  # looked up among the listed entries, never joined to a path first
+        folders = self._folders()
+        if (base := self._decoder_base(name, folders)) is not None:
+            return decoder_of(self._read(base))
+        if name not in folders:  # looked up among the listed entries, never joined to a path first
             raise ModelNotFound(f"model {name!r} is not in the model repository; it has "
                                 f"{', '.join(map(repr, self.model_names())) or 'no models'}")
+        return self._read(name)
+
+    def _read(self, name: str) -> ModelOnDisk:
         folder = self.root / name
-        try:
-            with os.scandir(folder) as entries:
-                versions = {entry.name: folder / entry.name for entry in entries
-                            if entry.is_dir() and VERSION_FOLDER.fullmatch(entry.name)}
-        except OSError as err:
-            raise CapsNetError(f"cannot read {folder}: {err.strerror or err}") from None
+        versions = self._versions(folder)
         return ModelOnDisk(name, versions, self._policy(folder),
                            {version: fingerprint(path) for version, path in versions.items()})
+
+    @staticmethod
+    def _versions(folder: Path, quiet: bool = False) -> dict[str, Path]:
+        """A model folder's version folders; unreadable: CapsNetError, or none when `quiet`."""
+        try:
+            with os.scandir(folder) as entries:
+                return {entry.name: folder / entry.name for entry in entries
+                        if entry.is_dir() and VERSION_FOLDER.fullmatch(entry.name)}
+        except OSError as err:
+            if quiet:
+                return {}
+            raise CapsNetError(f"cannot read {folder}: {err.strerror or err}") from None
 
     def _policy(self, folder: Path) -> VersionPolicy:
         path = folder / MODEL_CONFIG
@@ -218,10 +261,19 @@ class OneModel:
         return self._description
 
     def model_names(self) -> list[str]:
-        return [self.description.name]
+        name = self.description.name
+        return [name, *([decoder_model_name(name)] if self.description.decoder is not None else [])]
 
     def read(self, name: str) -> ModelOnDisk:
-        if name != self.description.name:
-            raise ModelNotFound(f"model {name!r} is not served; this server serves {self.description.name!r}")
+        model = self._model()
+        if name == decoder_model_name(model.name) and self.description.decoder is not None:
+            return decoder_of(model)
+        if name != model.name:
+            raise ModelNotFound(f"model {name!r} is not served; this server serves "
+                                f"{', '.join(map(repr, self.model_names()))}")
+        return model
+
+    def _model(self) -> ModelOnDisk:
         version = self.description.version
-        return ModelOnDisk(name, {version: self.folder}, VersionPolicy("all"), {version: fingerprint(self.folder)})
+        return ModelOnDisk(self.description.name, {version: self.folder}, VersionPolicy("all"),
+                           {version: fingerprint(self.folder)})

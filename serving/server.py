@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 
 from capsnet.errors import CapsNetError
 from capsnet.kserve import reflection_pool
+from capsnet.model_description.decoder import DECODER_PART
 from capsnet.serving import capsnet_api, kserve, kserve_grpc, kserve_http
 from capsnet.serving.config import GRPC_INT_MAX, ServerConfig
 from capsnet.serving.images import largest_encoded, max_encoded_bytes
@@ -105,8 +106,9 @@ def quiet_client_errors() -> None:
 def message_limit(spec: ModelSpec, max_image_scale: int) -> int:
     """The default --max-message-bytes: a full batch of the largest accepted images, as float32 tensors or
     encoded (max_encoded_bytes), or of their float32 outputs, whichever is largest, with framing."""
-    per_image = max(_float32_image_bytes(spec), max_encoded_bytes(largest_encoded(spec.sizes, spec.input_shape,
-                                                                                   max_image_scale)))
+    per_image = _float32_image_bytes(spec)
+    if spec.part != DECODER_PART:  # a decoder takes no encoded images
+        per_image = max(per_image, max_encoded_bytes(largest_encoded(spec.sizes, spec.input_shape, max_image_scale)))
     return spec.max_batch_size * (per_image + IMAGE_OVERHEAD_BYTES) + MESSAGE_OVERHEAD_BYTES
 
 
@@ -119,6 +121,8 @@ def least_message_limit(spec: ModelSpec) -> int:
 def _float32_image_bytes(spec: ModelSpec) -> int:
     """The largest image as a float32 tensor (KServe FP32, raw or typed; our tensor), or its float32 outputs."""
     output_values = sum(math.prod(shape) for shape in spec.output_shapes.values())
+    if spec.part == DECODER_PART and spec.decoder is not None:  # its poses and an int64 class index
+        return 4 * max(math.prod(spec.decoder.pose_shape) + 2, output_values)
     return 4 * max(math.prod(spec.sizes.largest), output_values)  # a model of any size: its largest image
 
 

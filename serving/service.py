@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from capsnet.errors import CapsNetError, first_line
+from capsnet.model_description.decoder import CLASSIFIER_PART, DECODER_PART
 from capsnet.model_description.schema import ModelDescription
 from capsnet.serving.artifacts import ModelArtifacts, load_artifacts
 from capsnet.serving.backend_registry import BACKEND_KINDS
@@ -29,6 +30,8 @@ from capsnet.serving.backends import LoadedBackend, load_backend
 from capsnet.serving.backends.base import Backend
 from capsnet.serving.batcher import BatchOutput, Batcher, BatcherConfig, ImageSource, OutputSink
 from capsnet.serving.config import ServerConfig
+from capsnet.serving.decoder import CHOICE as DECODER_CHOICE
+from capsnet.serving.decoder import check_rows, decoder_spec_fields, load_decoder
 from capsnet.serving.errors import InvalidInput
 from capsnet.serving.lifecycle import Lifecycle
 from capsnet.serving.metrics import Metrics, VersionMetrics
@@ -52,6 +55,7 @@ class ModelSpec(ModelDescription):
     platform: str
     self_check: SelfCheck  # the reference images through this backend, before SERVING
     choice: str  # why this backend and precision
+    part: str = CLASSIFIER_PART  # images in, or DECODER_PART: poses and a class index in
 
 
 @dataclass
@@ -133,20 +137,26 @@ class InferenceService:
 
     @classmethod
     async def open(cls, folder: Path, name: str, version: str, config: ServerConfig, metrics: Metrics,
-                   lifecycle: Lifecycle) -> "InferenceService":
+                   lifecycle: Lifecycle, part: str = CLASSIFIER_PART) -> "InferenceService":
         """Export folder -> backend (loaded and self-checked in a worker thread) -> the version `name` `version`,
-        not yet warmed up; CapsNetError if the folder or backend is unusable.
+        not yet warmed up; CapsNetError if the folder or backend is unusable. `part`: the folder's classifier, or
+        its decoder alone.
 
         Called inside the server's event loop (the batcher's scheduler is a task of it). A backend that becomes
         unusable (errors.BackendUnusable) fails the lifecycle.
         """
-        artifacts, loaded = await asyncio.to_thread(_load, folder, config)
+        fields: dict = {"name": name, "version": version}
+        if part == DECODER_PART:
+            artifacts, decoder, check = await asyncio.to_thread(load_decoder, folder, config)
+            loaded = LoadedBackend(decoder, check, DECODER_CHOICE)
+            fields.update(decoder_spec_fields(artifacts, config.max_batch_size))
+        else:
+            artifacts, loaded = await asyncio.to_thread(_load, folder, config)
         backend = loaded.backend
         log.info("loaded %s %s from %s with %s (%s): %s", name, version, folder, backend.name, backend.precision,
                  backend.description)
         spec = ModelSpec(
-            **{**artifacts.description_fields(), "name": name, "version": version},
-            max_batch_size=config.max_batch_size,
+            **{**artifacts.description_fields(), "max_batch_size": config.max_batch_size, **fields},
             backend=backend.name,
             precision=backend.precision,
             platform=BACKEND_KINDS[backend.name].platform,
@@ -154,7 +164,7 @@ class InferenceService:
             choice=loaded.why,
         )
         series, stats = metrics.for_version(name, version), ModelStatistics(name, version)
-        batcher = Batcher(backend, BatcherConfig(config.max_batch_size, config.max_queue_delay_us / 1e6,
+        batcher = Batcher(backend, BatcherConfig(spec.max_batch_size, config.max_queue_delay_us / 1e6,
                                                  config.max_queue_size), series, stats, on_unusable=lifecycle.fail,
                           handled=lifecycle.in_flight.__len__)
         return cls(spec, backend, batcher, lifecycle, series, stats)
@@ -200,7 +210,10 @@ class InferenceService:
         if isinstance(images, np.ndarray):
             if images.dtype != np.float32:
                 raise InvalidInput(f"{field}: expected float32 values, got {images.dtype}")
-            check_values(images, field)
+            if self.spec.decoder is not None and self.spec.part == DECODER_PART:
+                check_rows(images, self.spec.decoder)
+            else:
+                check_values(images, field)
 
     def check_arrival(self, arrival: float) -> None:
         """ServerNotReady for a request that arrived (time.monotonic()) when it cannot be served."""

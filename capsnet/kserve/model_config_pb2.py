@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _POOL.AddSerializedFile(b'\n!capsnet/kserve/model_config.proto\x12\tinference\"P\n\nModelInput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\tdata_type\x18\x02 \x01(\x0e\x32\x13.inference.DataType\x12\x0c\n\x04\x64ims\x18\x04 \x03(\x03\"Q\n\x0bModelOutput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\tdata_type\x18\x02 \x01(\x0e\x32\x13.inference.DataType\x12\x0c\n\x04\x64ims\x18\x03 \x03(\x03\"<\n\x14ModelDynamicBatching\x12$\n\x1cmax_queue_delay_microseconds\x18\x02 \x01(\x04\"&\n\x0eModelParameter\x12\x14\n\x0cstring_value\x18\x01 \x01(\t\"\xef\x02\n\x0bModelConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08platform\x18\x02 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\x05\x12$\n\x05input\x18\x05 \x03(\x0b\x32\x15.inference.ModelInput\x12&\n\x06output\x18\x06 \x03(\x0b\x32\x16.inference.ModelOutput\x12;\n\x10\x64ynamic_batching\x18\x0b \x01(\x0b\x32\x1f.inference.ModelDynamicBatchingH\x00\x12:\n\nparameters\x18\x0e \x03(\x0b\x32&.inference.ModelConfig.ParametersEntry\x1aL\n\x0fParametersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.inference.ModelParameter:\x02\x38\x01\x42\x13\n\x11scheduling_choice*\xfa\x01\n\x08\x44\x61taType\x12\x10\n\x0cTYPE_INVALID\x10\x00\x12\r\n\tTYPE_BOOL\x10\x01\x12\x0e\n\nTYPE_UINT8\x10\x02\x12\x0f\n\x0bTYPE_UINT16\x10\x03\x12\x0f\n\x0bTYPE_UINT32\x10\x04\x12\x0f\n\x0bTYPE_UINT64\x10\x05\x12\r\n\tTYPE_INT8\x10\x06\x12\x0e\n\nTYPE_INT16\x10\x07\x12\x0e\n\nTYPE_INT32\x10\x08\x12\x0e\n\nTYPE_INT64\x10\t\x12\r\n\tTYPE_FP16\x10\n\x12\r\n\tTYPE_FP32\x10\x0b\x12\r\n\tTYPE_FP64\x10\x0c\x12\x0f\n\x0bTYPE_STRING\x10\r\x12\r\n\tTYPE_BF16\x10\x0e\x62\x06proto3')
+DESCRIPTOR = _POOL.AddSerializedFile(b'\n!capsnet/kserve/model_config.proto\x12\tinference\"#\n\x12ModelTensorReshape\x12\r\n\x05shape\x18\x01 \x03(\x03\"\x80\x01\n\nModelInput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\tdata_type\x18\x02 \x01(\x0e\x32\x13.inference.DataType\x12\x0c\n\x04\x64ims\x18\x04 \x03(\x03\x12.\n\x07reshape\x18\x05 \x01(\x0b\x32\x1d.inference.ModelTensorReshape\"Q\n\x0bModelOutput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\tdata_type\x18\x02 \x01(\x0e\x32\x13.inference.DataType\x12\x0c\n\x04\x64ims\x18\x03 \x03(\x03\"<\n\x14ModelDynamicBatching\x12$\n\x1cmax_queue_delay_microseconds\x18\x02 \x01(\x04\"&\n\x0eModelParameter\x12\x14\n\x0cstring_value\x18\x01 \x01(\t\"\xef\x02\n\x0bModelConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08platform\x18\x02 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\x05\x12$\n\x05input\x18\x05 \x03(\x0b\x32\x15.inference.ModelInput\x12&\n\x06output\x18\x06 \x03(\x0b\x32\x16.inference.ModelOutput\x12;\n\x10\x64ynamic_batching\x18\x0b \x01(\x0b\x32\x1f.inference.ModelDynamicBatchingH\x00\x12:\n\nparameters\x18\x0e \x03(\x0b\x32&.inference.ModelConfig.ParametersEntry\x1aL\n\x0fParametersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.inference.ModelParameter:\x02\x38\x01\x42\x13\n\x11scheduling_choice*\xfa\x01\n\x08\x44\x61taType\x12\x10\n\x0cTYPE_INVALID\x10\x00\x12\r\n\tTYPE_BOOL\x10\x01\x12\x0e\n\nTYPE_UINT8\x10\x02\x12\x0f\n\x0bTYPE_UINT16\x10\x03\x12\x0f\n\x0bTYPE_UINT32\x10\x04\x12\x0f\n\x0bTYPE_UINT64\x10\x05\x12\r\n\tTYPE_INT8\x10\x06\x12\x0e\n\nTYPE_INT16\x10\x07\x12\x0e\n\nTYPE_INT32\x10\x08\x12\x0e\n\nTYPE_INT64\x10\t\x12\r\n\tTYPE_FP16\x10\n\x12\r\n\tTYPE_FP32\x10\x0b\x12\r\n\tTYPE_FP64\x10\x0c\x12\x0f\n\x0bTYPE_STRING\x10\r\x12\r\n\tTYPE_BF16\x10\x0e\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,18 +33,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MODELCONFIG_PARAMETERSENTRY']._loaded_options = None
   _globals['_MODELCONFIG_PARAMETERSENTRY']._serialized_options = b'8\001'
-  _globals['_DATATYPE']._serialized_start=686
-  _globals['_DATATYPE']._serialized_end=936
-  _globals['_MODELINPUT']._serialized_start=48
-  _globals['_MODELINPUT']._serialized_end=128
-  _globals['_MODELOUTPUT']._serialized_start=130
-  _globals['_MODELOUTPUT']._serialized_end=211
-  _globals['_MODELDYNAMICBATCHING']._serialized_start=213
-  _globals['_MODELDYNAMICBATCHING']._serialized_end=273
-  _globals['_MODELPARAMETER']._serialized_start=275
-  _globals['_MODELPARAMETER']._serialized_end=313
-  _globals['_MODELCONFIG']._serialized_start=316
-  _globals['_MODELCONFIG']._serialized_end=683
-  _globals['_MODELCONFIG_PARAMETERSENTRY']._serialized_start=586
-  _globals['_MODELCONFIG_PARAMETERSENTRY']._serialized_end=662
+  _globals['_DATATYPE']._serialized_start=772
+  _globals['_DATATYPE']._serialized_end=1022
+  _globals['_MODELTENSORRESHAPE']._serialized_start=48
+  _globals['_MODELTENSORRESHAPE']._serialized_end=83
+  _globals['_MODELINPUT']._serialized_start=86
+  _globals['_MODELINPUT']._serialized_end=214
+  _globals['_MODELOUTPUT']._serialized_start=216
+  _globals['_MODELOUTPUT']._serialized_end=297
+  _globals['_MODELDYNAMICBATCHING']._serialized_start=299
+  _globals['_MODELDYNAMICBATCHING']._serialized_end=359
+  _globals['_MODELPARAMETER']._serialized_start=361
+  _globals['_MODELPARAMETER']._serialized_end=399
+  _globals['_MODELCONFIG']._serialized_start=402
+  _globals['_MODELCONFIG']._serialized_end=769
+  _globals['_MODELCONFIG_PARAMETERSENTRY']._serialized_start=672
+  _globals['_MODELCONFIG_PARAMETERSENTRY']._serialized_end=748
 # @@protoc_insertion_point(module_scope)

@@ -40,15 +40,23 @@ TYPE_FP64: DataType
 TYPE_STRING: DataType
 TYPE_BF16: DataType
 
+class ModelTensorReshape(_message.Message):
+    __slots__ = ("shape",)
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ModelInput(_message.Message):
-    __slots__ = ("name", "data_type", "dims")
+    __slots__ = ("name", "data_type", "dims", "reshape")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
+    RESHAPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     data_type: DataType
     dims: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
+    reshape: ModelTensorReshape
+    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ..., reshape: _Optional[_Union[ModelTensorReshape, _Mapping]] = ...) -> None: ...
 
 class ModelOutput(_message.Message):
     __slots__ = ("name", "data_type", "dims")

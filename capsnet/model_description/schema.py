@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from capsnet.errors import CapsNetError
+from capsnet.model_description.decoder import DecoderDescription
 from capsnet.model_description.files import AOTI_PRECISIONS, SIDECAR_NAME, file_sha256, read_json
 from capsnet.model_description.input_sizes import INPUT_SIZE_KEYS, InputSizes
 from capsnet.model_description.precision_gate import GATE_KEYS, GATE_VARIANTS, PrecisionGate, gate_criterion
@@ -96,6 +97,7 @@ class ModelDescription:
     # are under precision_gate); absent from older exports, which wrote nothing when one was refused
     refused: dict[str, str] = field(default_factory=dict)
     input_sizes: InputSizes | None = None  # the sizes taken; None: input_shape only (filled in by __post_init__)
+    decoder: DecoderDescription | None = None  # the decoder alone (exported with the reconstruction); absent before
 
     def __post_init__(self):
         if self.input_sizes is None:
@@ -153,6 +155,7 @@ class ModelDescription:
                                "variants": {name: gate.to_json() for name, gate in self.precision_gate.items()}},
             "aoti": [package.to_json() for package in self.aoti],
             "refused": self.refused,
+            "decoder": self.decoder.to_json() if self.decoder else None,
         }
         if not with_hashes:
             del values["sha256"]
@@ -206,7 +209,9 @@ class ModelDescription:
                 raise reader.fail(f"artifacts.{key} is not set")
         sha256 = reader.get(values, "sha256", dict)
         aoti = reader.aoti(values)
-        listed = [*(name for name in artifacts.values() if name), *(package.file for package in aoti)]
+        decoder = reader.decoder(values, output_shapes)
+        listed = [*(name for name in artifacts.values() if name), *(package.file for package in aoti),
+                  *([decoder.file] if decoder else [])]
         unhashed = [name for name in listed if not isinstance(sha256.get(name), str)]
         if unhashed:
             raise reader.fail(f"sha256 has no digest for {', '.join(unhashed)}")
@@ -231,6 +236,7 @@ class ModelDescription:
             aoti=aoti,
             refused=reader.refused(values),
             input_sizes=reader.input_sizes(model_input, input_shape),
+            decoder=decoder,
             **extra,
             **optional,
         )
@@ -355,6 +361,15 @@ class _Reader:
         if listed:
             raise self.fail(f"refused names {', '.join(listed)}, which sha256 lists as written")
         return dict(refused)
+
+    def decoder(self, values: dict, outputs: dict[str, tuple[int, ...]]) -> DecoderDescription | None:
+        """The decoder alone, of the model's own poses and reconstruction; absent or null: none."""
+        if values.get("decoder") is None:
+            return None
+        if POSES_NAME not in outputs or RECONSTRUCTION_NAME not in outputs:
+            raise self.fail("decoder is listed, but the model's outputs have no poses and reconstruction to decode")
+        (classes, pose_dim), (size,) = outputs[POSES_NAME], outputs[RECONSTRUCTION_NAME]
+        return DecoderDescription.from_json(values["decoder"], self.fail, classes, pose_dim, size)
 
     def aoti(self, values: dict) -> tuple[AotiPackage, ...]:
         packages = []

@@ -15,9 +15,10 @@ from capsnet.training.checkpoint import load_checkpoint
 CONTRACT_KEYS = {
     "format", "format_version", "name", "version", "exporter_version", "created", "opset", "input", "outputs",
     "class_names", "routing", "training_metrics", "artifacts", "sha256", "reference_set", "int8", "parity",
-    "precision_gate", "aoti", "refused",
+    "precision_gate", "aoti", "refused", "decoder",
 }
-FILES = ["model.ckpt", "model.fp16.onnx", "model.int8.onnx", "model.json", "model.onnx", "reference.npz"]
+FILES = ["decoder.onnx", "model.ckpt", "model.fp16.onnx", "model.int8.onnx", "model.json", "model.onnx",
+         "reference.npz"]
 
 
 def test_export_sidecar_describes_the_checkpoint(tiny_export):

@@ -253,8 +253,9 @@ def test_binary_data_output_answers_binary_except_outputs_asking_json(port, run_
      "model version: model 'capsnet' has no version '2'; expected '' or '1'"),
     ("POST", "/v2/models/capsnet/versions/2/infer",
      "model version: model 'capsnet' has no version '2'; expected '' or '1'"),
-    ("GET", "/v2/models/mnist", "model name: unknown model 'mnist'; this server serves 'capsnet'"),
-    ("POST", "/v2/models/mnist/infer", "model name: unknown model 'mnist'; this server serves 'capsnet'"),
+    ("GET", "/v2/models/mnist", "model name: unknown model 'mnist'; this server serves 'capsnet', 'capsnet-decoder'"),
+    ("POST", "/v2/models/mnist/infer",
+     "model name: unknown model 'mnist'; this server serves 'capsnet', 'capsnet-decoder'"),
     ("GET", "/v3/models", "GET /v3/models: Not Found"),
     ("POST", "/v2/models/capsnet/infer/now", "POST /v2/models/capsnet/infer/now: Not Found"),
 ])

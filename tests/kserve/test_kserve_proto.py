@@ -63,7 +63,7 @@ def test_model_config_is_a_field_for_field_subset_of_tritons():
     assert ours.enum_type[0] == triton_enums["DataType"]  # all values: an enum value is its wire meaning
     triton_messages = {message.name: message for message in triton.message_type}
     assert [message.name for message in ours.message_type] == [
-        "ModelInput", "ModelOutput", "ModelDynamicBatching", "ModelParameter", "ModelConfig"]
+        "ModelTensorReshape", "ModelInput", "ModelOutput", "ModelDynamicBatching", "ModelParameter", "ModelConfig"]
     for message in ours.message_type:
         assert_subset(message, triton_messages[message.name], message.name)
 

@@ -187,11 +187,13 @@ def test_a_stream_ended_by_an_error_leaves_no_unretrieved_errors(server, stub, c
 
 
 def test_reconstruction_of_a_model_exported_without_it(model_dir, tmp_path):
-    # The same graph, but model.json serves only probabilities and poses, as an export without --reconstruction.
+    # The same graph, but model.json serves only probabilities and poses, as an export without --reconstruction
+    # (which writes no decoder either).
     copy = tmp_path / "model"
     shutil.copytree(model_dir, copy)
     sidecar = json.loads((copy / "model.json").read_text())
     sidecar["outputs"] = [o for o in sidecar["outputs"] if o["name"] != "reconstruction"]
+    sidecar["decoder"] = None
     (copy / "model.json").write_text(json.dumps(sidecar))
     running = ServerThread(server_config(copy))
     try:

@@ -102,12 +102,13 @@ def infer(triton, model: str, version: str = "") -> str:
 
 
 def test_the_index_lists_each_model_and_the_state_of_its_versions(served, triton):
+    # each export has its decoder: a model of its own beside it, of the same versions
+    expected = [("capsnet", "1", "READY"), ("capsnet", "2", "READY"), ("capsnet-decoder", "1", "READY"),
+                ("capsnet-decoder", "2", "READY"), ("other", "7", "READY"), ("other-decoder", "7", "READY")]
     index = triton.get_model_repository_index(as_json=True)["models"]
-    assert [(m["name"], m["version"], m["state"]) for m in index] == [
-        ("capsnet", "1", "READY"), ("capsnet", "2", "READY"), ("other", "7", "READY")]
+    assert [(m["name"], m["version"], m["state"]) for m in index] == expected
     status, body = rest(served, "POST", "/v2/repository/index", {"ready": True})
-    assert status == 200 and [(m["name"], m["version"], m["state"]) for m in body] == [
-        ("capsnet", "1", "READY"), ("capsnet", "2", "READY"), ("other", "7", "READY")]
+    assert status == 200 and [(m["name"], m["version"], m["state"]) for m in body] == expected
 
 
 def test_a_request_names_a_version_or_gets_the_newest_and_the_answer_says_which(served, triton):
@@ -169,7 +170,8 @@ def test_statistics_count_what_each_version_served(served, triton):
     assert status == 200 and body["model_stats"][0]["inference_count"] == int(after["inference_count"])
     status, body = rest(served, "GET", "/v2/models/stats")
     assert status == 200 and [(s["name"], s["version"]) for s in body["model_stats"]] == [
-        ("capsnet", "1"), ("capsnet", "2"), ("other", "7")]
+        ("capsnet", "1"), ("capsnet", "2"), ("capsnet-decoder", "1"), ("capsnet-decoder", "2"), ("other", "7"),
+        ("other-decoder", "7")]
 
 
 def test_metrics_are_labelled_by_the_version_that_served_never_by_client_text(served, triton):
@@ -255,7 +257,7 @@ def test_model_control_is_refused_when_off(server):
         assert refused.value.status() == "StatusCode.PERMISSION_DENIED"
         assert refused.value.message().startswith("model control is off on this server (--model-control none)")
         assert [(m["name"], m["version"], m["state"]) for m in client.get_model_repository_index(as_json=True)["models"]
-                ] == [("capsnet", "1", "READY")]
+                ] == [("capsnet", "1", "READY"), ("capsnet-decoder", "1", "READY")]
         assert client.is_model_ready("capsnet")
     finally:
         client.close()
