@@ -171,6 +171,21 @@ def _routing_reduce(
         tl.store(agree_ptr + sample * OUT + outs, flat)
 
 
+def _pass_work(args: dict) -> tuple[int, int, int, int]:
+    weight = args["weight_ptr"]
+    programs = triton.cdiv(args["batch"], args["BLOCK"]) * triton.cdiv(args["capsules"], args["per_slice"])
+    per_capsule = weight[0].numel() // weight.shape[1] * args["DIM_IN"] * weight.element_size()
+    return args["BLOCK"], 1, args["per_slice"], programs * args["per_slice"] * per_capsule
+
+
+# What one program of each kernel covers, for scripts/kernel_report.py's reading of the compiled code: samples,
+# input capsules a trip of its loop covers, trips, and the bytes all its programs read again from L2
+KERNEL_WORK = {
+    "_routing_pass": _pass_work,
+    "_routing_reduce": lambda args: (1, 0, triton.cdiv(args["slices"], args["SLICE_BLOCK"]), 0),
+}
+
+
 def interpreted() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, read when triton is imported)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
