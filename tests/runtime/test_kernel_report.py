@@ -48,7 +48,7 @@ def test_every_served_plan_is_compiled_for_hopper_and_read(report):
         looped = [k for k in kernels if k["loop"] and k["per_sample_capsule"]]
         assert looped, f"no capsule loop with a product read at {precision} batch {batch}"
         for k in looped:
-            expected = "FFMA" if precision == "fp32" else ("HMMA", "HGMMA")
+            expected = ("FFMA",) if precision == "fp32" else ("HMMA", "HGMMA")
             assert k["loop"]["product"] in expected, k
             assert k["loop"]["instructions"] >= k["loop"]["products"] > 0
         assert 0 < report["routing_s"][precision][str(batch)] < 1.0
