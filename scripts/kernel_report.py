@@ -403,8 +403,10 @@ def engine_readings() -> list[KernelReading]:
                 seen.setdefault(launch.compiled.hash, launch)  # the same kernel launched again: read once
                 repeats[launch.compiled.hash] = repeats.get(launch.compiled.hash, 0) + 1
             planned += [(launch, precision, batch, repeats[key]) for key, launch in seen.items()]
+    unique = {launch.compiled.hash: launch.compiled for launch, *_ in planned}  # a kernel several plans share
     with ThreadPoolExecutor(max_workers=4) as pool:  # the tools mostly wait on their own start
-        readings = list(pool.map(lambda p: read(*p[:3]), planned))
+        list(pool.map(disassembled, unique.values()))
+    readings = [read(launch, precision, batch) for launch, precision, batch, _ in planned]
     return [dataclasses.replace(r, launches=p[3], modelled_s=r.modelled_s * p[3]) for r, p in zip(readings, planned)]
 
 
