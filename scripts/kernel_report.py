@@ -57,7 +57,6 @@ MMA_SYNC_FLOPS = 660e12  # mma.sync (HMMA) at about 2/3 of the 989 TFLOP/s dense
 WGMMA_FLOPS = 989e12
 HIDING_WARPS = 4  # eligible warps a scheduler needs to issue every cycle: fewer, and it idles in proportion
 LAUNCH_S = 1.5e-6  # a kernel's start and drain, back to back inside a CUDA graph
-FLOPS_PER_MMA = {"HMMA": 2 * 16 * 8 * 16, "HGMMA": 0}  # HGMMA's shape is in its name: counted from it
 MODEL = f"""\
 Per launch, the slowest of four bounds, plus {LAUNCH_S * 1e6:g} µs for the kernel's start and drain in a CUDA graph:
 
@@ -65,8 +64,8 @@ Per launch, the slowest of four bounds, plus {LAUNCH_S * 1e6:g} µs for the kern
   {SCHEDULERS_PER_SM} schedulers issue one warp-instruction a cycle each when each holds ≥ {HIDING_WARPS} resident
   warps (fewer: proportionally less, as nothing hides the latencies), at {CLOCK_HZ / 1e9:g} GHz; the launch takes
   each full wave, then the last partial one, on the busiest SM;
-- **tensor cores**: the loop's HMMA (m16n8k16, {FLOPS_PER_MMA['HMMA']} FLOP a warp) at {MMA_SYNC_FLOPS / 1e12:g}
-  TFLOP/s, HGMMA at {WGMMA_FLOPS / 1e12:g} TFLOP/s, over all SMs;
+- **tensor cores**: the loop's HMMA (mma.sync, its shape read from the SASS: HMMA.16816 is 4,096 FLOP a warp) at
+  {MMA_SYNC_FLOPS / 1e12:g} TFLOP/s, HGMMA (wgmma, 64×N×K a warpgroup) at {WGMMA_FLOPS / 1e12:g} TFLOP/s, over all SMs;
 - **DRAM**: every tensor argument read or written once, at {DRAM_BYTES_PER_S / 1e12:g} TB/s (an H200);
 - **L2**: what every program reads again from L2 (the packed weights, once per sample block), at
   {L2_BYTES_PER_S / 1e12:g} TB/s.
@@ -83,6 +82,7 @@ class Loop:
     barriers: int
     product: str
     products: int
+    product_flops: int  # FLOP a warp in one trip
     shared_accesses: int
     local_accesses: int
 
@@ -129,20 +129,21 @@ def installed_triton() -> str | None:
 
 
 def ensure_release() -> Path | None:
-    """None where TRITON_RELEASE is the installed Triton; else the folder it was installed into (once)."""
+    """None where TRITON_RELEASE is the installed Triton; else the folder it was installed into (once). Raises
+    RuntimeError with pip's last line where it cannot be installed."""
     if installed_triton() == TRITON_RELEASE:
         return None
     target = triton_cache_home() / f"triton-{TRITON_RELEASE}"
     if not (target / "triton" / "__init__.py").exists():
-        staging = Path(tempfile.mkdtemp(prefix="triton-", dir=target.parent if target.parent.exists() else None))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix="triton-", dir=target.parent))  # renamed into place once complete
         done = subprocess.run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q",
                                "--no-deps", "--target", str(staging), f"triton=={TRITON_RELEASE}"],
                               capture_output=True, text=True)
         if done.returncode:
             shutil.rmtree(staging, ignore_errors=True)
             last = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
-            raise SystemExit(CANNOT_INSTALL) from RuntimeError(last)
-        target.parent.mkdir(parents=True, exist_ok=True)
+            raise RuntimeError(last)
         staging.rename(target)
     return target
 
@@ -151,8 +152,8 @@ def run_in_release(argv: list[str]) -> int:
     """This script again, in a process whose Triton is TRITON_RELEASE, compiling rather than interpreting."""
     try:
         folder = ensure_release()
-    except SystemExit as stop:
-        print(f"kernel report: cannot install triton=={TRITON_RELEASE}: {stop.__cause__}", file=sys.stderr)
+    except (RuntimeError, OSError) as err:
+        print(f"kernel report: cannot install triton=={TRITON_RELEASE}: {err}", file=sys.stderr)
         return CANNOT_INSTALL
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(triton_cache_home() / f"compiled-{TRITON_RELEASE}")
@@ -283,7 +284,7 @@ def product_loop(lines: list[str]) -> Loop | None:
             continue
         best = Loop(instructions=sum(o != "NOP" for o in ops),
                     barriers=sum(o.startswith("BAR.SYNC") or o == "BAR" for o in ops),
-                    product=product, products=counts[product],
+                    product=product, products=counts[product], product_flops=sum(map(mma_flops, ops)),
                     shared_accesses=sum(o.startswith(("LDS", "STS", "LDSM", "STSM")) for o in ops),
                     local_accesses=sum(o.startswith(("LDL", "STL")) for o in ops))
     return best
@@ -341,10 +342,8 @@ def read(launch: Launch, precision: str, batch: int) -> KernelReading:
     per_sample_capsule = (loop.instructions * warps / (samples * capsules)) if loop and samples and capsules else None
 
     bounds = {"issue": issue_time(programs, ctas, warps, per_warp)}
-    if loop and loop.product in ("HMMA", "HGMMA"):
-        flops = loop.products * trips * warps * programs * FLOPS_PER_MMA.get(loop.product, 0)
-        if loop.product == "HGMMA":
-            flops = sum(hgmma_flops(x) for x in lines if opcode(x).startswith("HGMMA")) * trips * programs
+    if loop and loop.product_flops:
+        flops = loop.product_flops * warps * trips * programs
         bounds["tensor cores"] = flops / (MMA_SYNC_FLOPS if loop.product == "HMMA" else WGMMA_FLOPS)
     import torch
     dram = sum(v.numel() * v.element_size() for v in launch.arguments.values() if isinstance(v, torch.Tensor))
@@ -374,10 +373,14 @@ def issue_time(programs: int, ctas: int, warps: int, per_warp: int) -> float:
     return full * wave(ctas) + (wave(last) if last else 0.0)
 
 
-def hgmma_flops(instruction: str) -> int:
-    """A warpgroup's HGMMA.64xNxK: 2·64·N·K FLOP, issued by each of its 4 warps (counted once per warpgroup)."""
-    shape = re.search(r"HGMMA\.(\d+)x(\d+)x(\d+)", instruction)
-    return 2 * math.prod(map(int, shape.groups())) // 4 if shape else 0
+def mma_flops(operation: str) -> int:
+    """FLOP a warp of one tensor-core opcode: HMMA.MNK (HMMA.16816: m16n8k16), or its quarter of a warpgroup's
+    HGMMA.64xNxK."""
+    if shape := re.match(r"HGMMA\.(\d+)x(\d+)x(\d+)", operation):
+        return 2 * math.prod(map(int, shape.groups())) // 4
+    if shape := re.match(r"HMMA\.(16)(8)(8|16)\b", operation):
+        return 2 * math.prod(map(int, shape.groups()))
+    return 0
 
 
 def engine_readings() -> list[KernelReading]:
