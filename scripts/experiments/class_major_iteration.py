@@ -21,8 +21,10 @@ pass (217 registers, 12.5%, ~140 warp-instructions per (sample, capsule), 87 µs
     sums by reshape and tl.sum:   163-255 registers, 66-109 warp-instructions (the products are cheaper; read
                                   with an earlier version of this file)
 
-So the shape issues a fifth of today's instructions, but its (BLOCK, K) fp32 tiles (64 registers a thread at
-BLOCK 64, K 128, 4 warps) keep it at 12.5%: the next step is holding A and u·A in fp16 or splitting K per warp.
+So the shape issues a fifth of today's instructions but stays at 12.5% occupancy. The registers are not its
+(BLOCK, K) tiles' share: 8 warps leave them at 184-186, and neither u kept in fp32 alone (196), the agreement
+rounded to the input dtype (216) nor block pointers for W (194) move them; the next step is reading the TTGIR's
+layouts and conversions around the three products of each class.
 """
 
 from __future__ import annotations
