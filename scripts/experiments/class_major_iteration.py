@@ -21,10 +21,11 @@ pass (217 registers, 12.5%, ~140 warp-instructions per (sample, capsule), 87 µs
     sums by reshape and tl.sum:   163-255 registers, 66-109 warp-instructions (the products are cheaper; read
                                   with an earlier version of this file)
 
-So the shape issues a fifth of today's instructions but stays at 12.5% occupancy. The registers are not its
-(BLOCK, K) tiles' share: 8 warps leave them at 184-186, and neither u kept in fp32 alone (196), the agreement
-rounded to the input dtype (216) nor block pointers for W (194) move them; the next step is reading the TTGIR's
-layouts and conversions around the three products of each class.
+So the shape issues a fifth of today's instructions but stays at 12.5% occupancy. Its TTGIR says why: the
+agreement g_j·W_jᵀ is one wgmma of instruction shape 16×128×16 a warp, whose (64, 128) fp32 accumulator is 64
+registers a thread at 4 warps, and u·A beside it in the same layout in fp32 another 64. Neither u kept in fp32 alone
+(196), the agreement rounded to the input dtype (216) nor block pointers for W (194) moved them, and 8 warps left
+184-186; the next step is splitting K (two 64-column halves a class) so that one half's tiles are live at a time.
 """
 
 from __future__ import annotations
