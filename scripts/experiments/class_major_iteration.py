@@ -3,8 +3,9 @@ reading): a lead for the fused routing's redesign, not a served kernel, and not 
 
 One program takes BLOCK samples and one chunk of CHUNK input capsules (K = CHUNK·P product columns) and never forms
 û. For each class j, the agreement is a product, A = g_j (BLOCK, D) @ W_jᵀ (D, K), and the logits b_ij = Σ_p u_ip·A_ip
-another, against a 0/1 (K, CHUNK) matrix that sums each capsule's components; a first loop over the classes keeps the
-softmax's running maximum and denominator in registers, a second recomputes the logits and adds the weighted sum
+another, against a 0/1 (K, max(CHUNK, 16)) matrix that sums each capsule's components; a first loop over the
+classes keeps the softmax's running maximum and denominator in registers, a second recomputes the logits and adds
+the weighted sum
 (c_j·u) @ W_j (K, D), the couplings spread back over the components by the transposed 0/1 matrix, into the class's
 sums with atomics. From the repository root, with the GPU machines' Triton installed by the kernel report:
 
@@ -18,14 +19,18 @@ pass (217 registers, 12.5%, ~140 warp-instructions per (sample, capsule), 87 µs
                                   30 warp-instructions per (sample, capsule), 33 µs modelled per iteration
     the same, maxnreg=128:        25% occupancy but 416 B spilled, 41 warp-instructions, 23 µs
     BLOCK 32, CHUNK 16, 4 warps:  HMMA, 201 registers, 63 warp-instructions, 50 µs
+    BLOCK 64, CHUNK 8, 4 warps:   HGMMA, 120 registers, no spill, 4 CTAs (25%), 44 warp-instructions, 24 µs
+    BLOCK 64, CHUNK 4, 4 warps:   HGMMA, 87 registers, no spill, 5 CTAs (31%), 73 warp-instructions, 23 µs
     sums by reshape and tl.sum:   163-255 registers, 66-109 warp-instructions (the products are cheaper; read
                                   with an earlier version of this file)
 
-So the shape issues a fifth of today's instructions but stays at 12.5% occupancy. Its TTGIR says why: the
-agreement g_j·W_jᵀ is one wgmma of instruction shape 16×128×16 a warp, whose (64, 128) fp32 accumulator is 64
-registers a thread at 4 warps, and u·A beside it in the same layout in fp32 another 64. Neither u kept in fp32 alone
-(196), the agreement rounded to the input dtype (216) nor block pointers for W (194) moved them, and 8 warps left
-184-186; the next step is splitting K (two 64-column halves a class) so that one half's tiles are live at a time.
+At CHUNK 16 the TTGIR shows where the registers go: the agreement g_j·W_jᵀ is one wgmma of instruction shape
+16×128×16 a warp, whose (64, 128) fp32 accumulator is 64 registers a thread at 4 warps, and u·A beside it in the same
+layout in fp32 another 64 (neither u kept in fp32 alone, the agreement rounded to the input dtype nor block pointers
+for W moved them; 8 warps left 184-186). Halving K (CHUNK 8, the logits' columns padded to the products' 16) halves
+those tiles: the first shape here with no spill at 25% occupancy, at the price of more instructions per capsule. Two
+such iterations model at about 48 µs, over the 40 µs a whole forward pass's routing is to take: the per-class
+overhead (two loads, three small products and their layout changes a class, twice) is what is left to cut.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ def _later_iteration(primary_ptr, weight_ptr, agree_ptr, sums_ptr,
                      P: tl.constexpr, CLASSES: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                      CHUNK: tl.constexpr):
     K: tl.constexpr = CHUNK * P
+    # the logits' columns: a product's N and K are at least 16, so chunks under 16 capsules pad them with columns
+    # that no component feeds and that spread back to none
+    COLUMNS: tl.constexpr = 16 if CHUNK < 16 else CHUNK
     samples = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # (BB,)
     live = samples < batch
     chunk = tl.program_id(1)
@@ -64,15 +72,15 @@ def _later_iteration(primary_ptr, weight_ptr, agree_ptr, sums_ptr,
     u = tl.reshape(raw3 * (tl.sqrt(norm2) / (squash_constant + norm2))[:, :, None], (BLOCK, K))  # squash
     u = u.to(weight_ptr.dtype.element_ty)
     dims = tl.arange(0, D)
-    spread = ((ks[:, None] // P) == tl.arange(0, CHUNK)[None, :]).to(weight_ptr.dtype.element_ty)  # (K, CHUNK)
-    top = tl.full((BLOCK, CHUNK), float("-inf"), tl.float32)
-    total = tl.zeros((BLOCK, CHUNK), tl.float32)
+    spread = ((ks[:, None] // P) == tl.arange(0, COLUMNS)[None, :]).to(weight_ptr.dtype.element_ty)  # (K, COLUMNS)
+    top = tl.full((BLOCK, COLUMNS), float("-inf"), tl.float32)
+    total = tl.zeros((BLOCK, COLUMNS), tl.float32)
     for j in range(CLASSES):  # the softmax's maximum and denominator over the classes, online
         g = tl.load(agree_ptr + samples[:, None] * CLASSES * D + j * D + dims[None, :], mask=live[:, None],
                     other=0.0)  # (BB, D)
         wt = tl.load(weight_ptr + (j * D + dims[:, None]) * columns + chunk * K + ks[None, :])  # (D, K)
         agreement = tl.dot(g.to(wt.dtype), wt)  # (BB, K)
-        logits = tl.dot((agreement * u.to(tl.float32)).to(wt.dtype), spread)  # (BB, CHUNK)
+        logits = tl.dot((agreement * u.to(tl.float32)).to(wt.dtype), spread)  # (BB, COLUMNS)
         new_top = tl.maximum(top, logits)
         total = total * tl.exp(top - new_top) + tl.exp(logits - new_top)
         top = new_top
@@ -82,7 +90,7 @@ def _later_iteration(primary_ptr, weight_ptr, agree_ptr, sums_ptr,
         wt = tl.load(weight_ptr + (j * D + dims[:, None]) * columns + chunk * K + ks[None, :])
         agreement = tl.dot(g.to(wt.dtype), wt)
         logits = tl.dot((agreement * u.to(tl.float32)).to(wt.dtype), spread)
-        coupling = tl.exp(logits - top) / total  # (BB, CHUNK)
+        coupling = tl.exp(logits - top) / total  # (BB, COLUMNS)
         weighted = tl.dot(coupling.to(wt.dtype), tl.trans(spread)) * u.to(tl.float32)  # (BB, K)
         s = tl.dot(weighted.to(wt.dtype), tl.trans(wt))  # (BB, D)
         tl.atomic_add(sums_ptr + samples[:, None] * CLASSES * D + j * D + dims[None, :], s, mask=live[:, None],
@@ -125,7 +133,8 @@ def read(dtype: torch.dtype, batch: int, block: int, chunk: int, warps: int, max
 def main() -> None:
     kernel_report.stand_in_hopper()
     for dtype, block, chunk, warps, maxnreg in [(torch.float16, 64, 16, 4, None), (torch.float16, 64, 16, 4, 128),
-                                                (torch.float16, 32, 16, 4, None), (torch.bfloat16, 64, 16, 4, None)]:
+                                                (torch.float16, 32, 16, 4, None), (torch.float16, 64, 8, 4, None),
+                                                (torch.float16, 64, 4, 4, None), (torch.bfloat16, 64, 8, 4, None)]:
         print(read(dtype, 256, block, chunk, warps, maxnreg), flush=True)
 
 
