@@ -5,9 +5,9 @@ One program takes BLOCK samples and one chunk of CHUNK input capsules (K = CHUNK
 û. For each class j, the agreement is a product, A = g_j (BLOCK, D) @ W_jᵀ (D, K), and the logits b_ij = Σ_p u_ip·A_ip
 another, against a 0/1 (K, max(CHUNK, 16)) matrix that sums each capsule's components; a first loop over the
 classes keeps the softmax's running maximum and denominator in registers, a second recomputes the logits and adds
-the weighted sum
-(c_j·u) @ W_j (K, D), the couplings spread back over the components by the transposed 0/1 matrix, into the class's
-sums with atomics. From the repository root, with the GPU machines' Triton installed by the kernel report:
+the weighted sum (c_j·u) @ W_j (K, D), the couplings spread back over the components by the transposed 0/1 matrix,
+into the class's sums with atomics. From the repository root, with the GPU machines' Triton that the kernel report
+installs:
 
     TRITON_CACHE_DIR=~/.cache/capsnet/kernel-report/compiled-3.6.0 \\
     PYTHONPATH=~/.cache/capsnet/kernel-report/triton-3.6.0 python scripts/experiments/class_major_iteration.py
