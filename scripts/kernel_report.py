@@ -10,6 +10,8 @@ installed, that release is installed once into a cache folder of its own (pip, -
 
     python scripts/kernel_report.py --markdown docs/benchmarks/kernels.md --json /tmp/kernels.json
 
+--baseline adds each plan's figures beside those of an earlier --json (one --label names what that reading was of).
+
 Exit status 3 (and one line) where that Triton cannot be installed.
 """
 
@@ -422,7 +424,8 @@ def last_measured(repo: Path) -> dict[str, float]:
     return {precision: float(ms) for precision, ms in re.findall(r"fused (fp32|fp16|bf16) ([\d.]+) ms", choice)}
 
 
-def markdown(readings: list[KernelReading], measured: dict[str, float], command: str) -> str:
+def markdown(readings: list[KernelReading], measured: dict[str, float], command: str,
+             baseline: dict | None = None, baseline_path: str = "") -> str:
     out = [
         "# The fused routing kernels, read for Hopper",
         "",
@@ -470,26 +473,66 @@ def markdown(readings: list[KernelReading], measured: dict[str, float], command:
         "",
         "The last GPU check (an H200, `docs/benchmarks/gpu.md`, `gpu_check.json`) timed no kernel on its own: the",
         "measured column is the whole fused engine at batch 256, numpy in and out (copies, both convolutions and the",
-        "routing), from `--backend auto`'s choice. In that run `torch.compile`'s two bf16 convolutions took 0.67 ms at",
-        "batch 256 and its copies about 0.4 ms, so the fp16 routing took at most about 3 ms there, against about",
-        "0.2 ms modelled. In fp32, the fused engine's 36.69 ms against the torch backend's 19.55 ms with strict-fp32",
-        "convolutions too would put about 17 ms in the fp32 routing kernels, 40 times the model, if the fused",
-        "engine's channels-last convolutions cost what the torch backend's do; nothing in these counts explains that",
-        "much. Either the model misses a stall that dominates (a wait on every barrier with one CTA an SM), or the",
-        "time is in the convolutions: the GPU check's profile of the fused engine, which separates the kernels' own",
-        "time, is what settles it.",
+        "routing), from `--backend auto`'s choice. In that run `torch.compile`'s two bf16 convolutions took 0.67 ms",
+        "at batch 256 and its copies about 0.4 ms, so the fp16 routing took at most about 3 ms there, against about",
+        "0.2 ms modelled for the launch plans it ran (those of `kernels-baseline.json`). In fp32, the fused engine's",
+        "36.69 ms against the torch backend's 19.55 ms with strict-fp32 convolutions too would put about 17 ms in the",
+        "fp32 routing kernels, 40 times the model, if the fused engine's channels-last convolutions cost what the",
+        "torch backend's do; nothing in these counts explains that much. Either the model misses a stall that",
+        "dominates (a wait on every barrier with one CTA an SM), or the time is in the convolutions: the GPU check's",
+        "profile of the fused engine, which separates the kernels' own time, is what settles it.",
         "",
     ]
+    if baseline is not None:
+        out += against_baseline(as_json(readings), baseline, baseline_path)
     return "\n".join(out)
+
+
+def plan_summary(record: dict, precision: str, batch: int) -> dict[str, Any]:
+    """One plan's kernels in a --json record, summed up: routing time, launches, the most registers, the least
+    occupancy and the spills of any of its kernels."""
+    kernels = [k for k in record["kernels"] if k["precision"] == precision and k["batch"] == batch]
+    return {
+        "routing_s": record["routing_s"][precision][str(batch)],
+        "launches": sum(k["launches"] for k in kernels),
+        "registers": max(k["registers"] for k in kernels),
+        "occupancy": min(k["occupancy"] for k in kernels),
+        "spill_bytes": sum(k["spill_bytes"] for k in kernels),
+    }
+
+
+def against_baseline(now: dict, baseline: dict, path: str) -> list[str]:
+    label = f": {baseline['label']}" if baseline.get("label") else ""
+    out = [
+        "## Against the baseline",
+        "",
+        f"Each plan now, after the reading in `{path}`{label}.",
+        "",
+        "Registers: the most any of the plan's kernels holds a thread; occupancy: the least; spill: all its kernels'",
+        "together; routing: a forward pass's, modelled.",
+        "",
+        "| dtype | batch | routing µs | ratio | registers | occupancy | spill B | launches |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for precision in PRECISIONS:
+        for batch in BATCHES:
+            was, is_ = plan_summary(baseline, precision, batch), plan_summary(now, precision, batch)
+            out.append(
+                f"| {precision} | {batch} | {was['routing_s'] * 1e6:.1f} → {is_['routing_s'] * 1e6:.1f} "
+                f"| {was['routing_s'] / is_['routing_s']:.2f}× | {was['registers']} → {is_['registers']} "
+                f"| {was['occupancy']:.1%} → {is_['occupancy']:.1%} | {was['spill_bytes']} → {is_['spill_bytes']} "
+                f"| {was['launches']} → {is_['launches']} |")
+    return [*out, ""]
 
 
 def routing_time(readings: list[KernelReading], precision: str, batch: int) -> float:
     return sum(r.modelled_s for r in readings if r.precision == precision and r.batch == batch)
 
 
-def as_json(readings: list[KernelReading]) -> dict:
+def as_json(readings: list[KernelReading], label: str = "") -> dict:
     return {
         "triton": TRITON_RELEASE,
+        "label": label,
         "kernels": [dataclasses.asdict(r) for r in readings],
         "routing_s": {p: {str(b): routing_time(readings, p, b) for b in BATCHES} for p in PRECISIONS},
     }
@@ -500,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--markdown", type=Path, help="write the report here (docs/benchmarks/kernels.md)")
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--label", default="", help="what this reading is of, kept in --json for a later --baseline")
+    parser.add_argument("--baseline", type=Path, help="an earlier --json: each plan's figures beside its own")
     parser.add_argument("--in-release", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not args.in_release:
@@ -510,14 +555,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kernel report: triton {triton.__version__} imported, {TRITON_RELEASE} wanted", file=sys.stderr)
         return CANNOT_INSTALL
     repo = Path(__file__).resolve().parents[1]
+    try:
+        baseline = json.loads(args.baseline.read_text()) if args.baseline else None
+    except (OSError, ValueError) as err:
+        print(f"kernel report: --baseline {args.baseline}: {err}", file=sys.stderr)
+        return 2
     readings = engine_readings()
     if args.json:
-        args.json.write_text(json.dumps(as_json(readings), indent=1))
+        args.json.write_text(json.dumps(as_json(readings, args.label), indent=1))
+    command = "python scripts/kernel_report.py" + (f" --markdown {args.markdown}" if args.markdown else "") + (
+        f" --baseline {args.baseline}" if args.baseline else "")
+    text = markdown(readings, last_measured(repo), command, baseline, str(args.baseline or ""))
     if args.markdown:
-        command = "python scripts/kernel_report.py --markdown docs/benchmarks/kernels.md"
-        args.markdown.write_text(markdown(readings, last_measured(repo), command))
+        args.markdown.write_text(text)
     if not (args.json or args.markdown):
-        print(markdown(readings, last_measured(repo), "python scripts/kernel_report.py"))
+        print(text)
     return 0
 
 
