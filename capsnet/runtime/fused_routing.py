@@ -40,6 +40,9 @@ from capsnet.training.model import CapsNet
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
+WANTED_PROGRAM_WARPS = 4  # the width of the programs that `programs_wanted` counts
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     """How one batch is cut: `block` samples by `slices` capsule slices of `per_slice` capsules, one program each,
@@ -52,14 +55,28 @@ class LaunchPlan:
     stages: int = 2
 
 
-def launch_plan(batch: int, capsules: int, programs_wanted: int) -> LaunchPlan:
-    """Blocks of 16 samples up to 64 as the batch grows (larger tensor-core tiles), and as many capsule slices as
-    it takes to give the GPU `programs_wanted` programs (every block reads all of W, from L2)."""
-    block = MIN_DOT if batch <= 128 else 32 if batch <= 512 else 64
+def launch_plan(batch: int, capsules: int, programs_wanted: int, dtype: torch.dtype = torch.float32) -> LaunchPlan:
+    """Plans that scripts/kernel_report.py reads for Hopper with no spill and 16 warps an SM (25% occupancy). A later
+    pass holds (block, J'·D) fp32 sums, votes and agreement, so its registers a thread fall as more warps share them:
+    tensor-core dtypes take blocks of 16 samples on 8 warps, and past batch 128 of 64 on 16 (a wgmma tile); fp32's
+    FFMA products blocks of 16 on 8 warps, and past 16 samples of 32 on 16. The capsule loop runs unpipelined (one
+    stage): fewer instructions and registers in every plan read but fp32's 16-sample one, which needs two stages to
+    fit 128 registers.
+
+    `programs_wanted` counts programs of 4 warps (4 an SM on a GPU, 16 warps); a plan of wider programs launches
+    proportionally fewer, so that one wave of them fills the GPU, and slices round down rather than add a thin wave.
+    """
+    tensor_cores = dtype != torch.float32
+    if tensor_cores:
+        block, warps = (MIN_DOT, 8) if batch <= 128 else (64, 16)
+    else:
+        block, warps = (MIN_DOT, 8) if batch <= MIN_DOT else (32, 16)
+    stages = 1 if tensor_cores or block > MIN_DOT else 2
     blocks = -(-batch // block)
-    slices = max(1, min(capsules, -(-programs_wanted // blocks)))
+    programs = max(1, programs_wanted * WANTED_PROGRAM_WARPS // warps)
+    slices = max(1, min(capsules, programs // blocks))
     per_slice = -(-capsules // slices)
-    return LaunchPlan(block, -(-capsules // per_slice), per_slice, warps=4 if block <= 16 else 8)
+    return LaunchPlan(block, -(-capsules // per_slice), per_slice, warps=warps, stages=stages)
 
 
 @triton.jit
@@ -171,6 +188,21 @@ def _routing_reduce(
         tl.store(agree_ptr + sample * OUT + outs, flat)
 
 
+def _pass_work(args: dict) -> tuple[int, int, int, int]:
+    weight = args["weight_ptr"]
+    programs = triton.cdiv(args["batch"], args["BLOCK"]) * triton.cdiv(args["capsules"], args["per_slice"])
+    per_capsule = weight[0].numel() // weight.shape[1] * args["DIM_IN"] * weight.element_size()
+    return args["BLOCK"], 1, args["per_slice"], programs * args["per_slice"] * per_capsule
+
+
+# What one program of each kernel covers, for scripts/kernel_report.py's reading of the compiled code: samples,
+# input capsules a trip of its loop covers, trips, and the bytes all its programs read again from L2
+KERNEL_WORK = {
+    "_routing_pass": _pass_work,
+    "_routing_reduce": lambda args: (1, 0, triton.cdiv(args["slices"], args["SLICE_BLOCK"]), 0),
+}
+
+
 def interpreted() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, read when triton is imported)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -211,7 +243,7 @@ class FusedDigitCaps:
         capsules = cfg.primary_caps_channels * grid_h * grid_w
         if capsules != cfg.num_primary_caps:
             raise ValueError(f"{capsules} primary capsules, the weights are for {cfg.num_primary_caps}")
-        plan = launch_plan(batch, capsules, self.programs_wanted)
+        plan = launch_plan(batch, capsules, self.programs_wanted, self.dtype)
         device = primary.device
         partial = torch.empty((plan.slices, batch, self.out), dtype=torch.float32, device=device)  # (S, B, J'·D)
         agree = torch.empty((batch, self.out), dtype=torch.float32, device=device)  # (B, J'·D)
@@ -242,8 +274,9 @@ class FusedDigitCaps:
 
 
 def default_programs(device: torch.device) -> int:
-    """Programs per routing pass: four per streaming multiprocessor on a GPU (a block's products and softmax
-    then overlap another's loads); any number runs under the interpreter, which is sequential."""
+    """Programs of 4 warps per routing pass: four per streaming multiprocessor on a GPU (16 warps, as many as the
+    routing passes' registers let an SM hold: launch_plan); any number runs under the interpreter, which is
+    sequential."""
     if device.type == "cuda":
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count
     return 8

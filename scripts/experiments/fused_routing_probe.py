@@ -115,11 +115,11 @@ with torch.inference_mode():
     best = {}
     for batch in (1, 256, 1024):
         rows = []
-        for block, warps, stages, per_sm in itertools.product((16, 32, 64), (4, 8), (1, 2, 3), (2, 4, 8)):
+        for block, warps, stages, per_sm in itertools.product((16, 32, 64), (4, 8, 16), (1, 2, 3), (2, 4, 8)):
             if batch == 1 and block > 16:
                 continue
 
-            def plan(b, caps, programs, block=block, warps=warps, stages=stages, per_sm=per_sm):
+            def plan(b, caps, programs, dtype, block=block, warps=warps, stages=stages, per_sm=per_sm):
                 blocks = -(-b // block)
                 slices = max(1, min(caps, -(-(per_sm * sms) // blocks)))
                 per = -(-caps // slices)

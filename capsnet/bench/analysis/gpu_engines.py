@@ -10,7 +10,8 @@
 Each at every batch size (torch.compile at 1 and 256: each size is a compile of its own), two ways: device-resident
 (images already on the GPU, outputs left there: the engine's own time, from CUDA events) and numpy in and out (the
 host copies included: what a server pays). p50 of a fixed number of calls after warm-up calls. Then where each
-engine's time goes: a torch.profiler table of its kernels at batches 1 and 256. Every ratio the report gives comes
+engine's time goes: a torch.profiler table of its kernels at batches 1 and 256, and its device time split into the
+fused routing kernels', the convolutions', the copies' and the rest. Every ratio the report gives comes
 from this one process on this one GPU.
 """
 
@@ -183,8 +184,14 @@ def _start_the_profiler(device) -> None:
         _synchronize(device)
 
 
-def _profile(engine: Engine, images: np.ndarray, device, batch: int) -> str:
-    """torch.profiler's kernel table for 5 device-resident calls at `batch`, by each kernel's own device time."""
+PROFILED_CALLS = 5
+# cuDNN's and CUTLASS's convolution kernels by their names, with the layout changes cuDNN makes around them
+CONVOLUTION_NAMES = ("conv", "cudnn", "fprop", "implicit_gemm", "xmma", "cutlass", "nhwc", "nchw")
+
+
+def _profile(engine: Engine, images: np.ndarray, device, batch: int) -> tuple[str, dict[str, float]]:
+    """torch.profiler's kernel table for PROFILED_CALLS device-resident calls at `batch`, by each kernel's own
+    device time, and that time split by what the kernels do (device_time_split)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -193,11 +200,41 @@ def _profile(engine: Engine, images: np.ndarray, device, batch: int) -> str:
     _synchronize(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        for _ in range(5):
+        for _ in range(PROFILED_CALLS):
             engine.on_device(resident)
         _synchronize(device)
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=sort_by, row_limit=12, max_name_column_width=60)
+    averages = prof.key_averages()
+    kernels = [(event.key, getattr(event, "self_device_time_total", 0.0)) for event in averages
+               if event.device_type == torch.autograd.DeviceType.CUDA]
+    table = averages.table(sort_by=sort_by, row_limit=12, max_name_column_width=60)
+    return table, device_time_split(kernels, _fused_kernel_names(), PROFILED_CALLS)
+
+
+def _fused_kernel_names() -> tuple[str, ...]:
+    try:
+        from capsnet.runtime.fused_routing import KERNEL_WORK
+    except ImportError:  # no triton: no fused kernels to find
+        return ()
+    return tuple(KERNEL_WORK)
+
+
+def device_time_split(kernels: list[tuple[str, float]], fused: tuple[str, ...], calls: int) -> dict[str, float]:
+    """Milliseconds a call on the device, from (kernel name, µs over all calls): the fused routing kernels' own time
+    apart from the convolutions', the copies and fills, and the rest."""
+    split = dict.fromkeys(("fused_routing_ms", "convolutions_ms", "copies_ms", "other_ms"), 0.0)
+    for name, microseconds in kernels:
+        lowered = name.lower()
+        if fused and name.startswith(fused):
+            kind = "fused_routing_ms"
+        elif lowered.startswith(("memcpy", "memset")):
+            kind = "copies_ms"
+        elif any(word in lowered for word in CONVOLUTION_NAMES):
+            kind = "convolutions_ms"
+        else:
+            kind = "other_ms"
+        split[kind] += microseconds / 1e3 / calls
+    return split
 
 
 def engines(args, device, save: Callable[[dict], None]) -> dict:
@@ -222,10 +259,11 @@ def engines(args, device, save: Callable[[dict], None]) -> dict:
             failed[spec] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
     results: list[dict] = []
     profiles: dict[str, dict[str, str]] = {}
+    splits: dict[str, dict[str, dict[str, float]]] = {}
     part = {"device": str(device), "threads": args.threads, "failed": failed,
             "engines": {engine.spec: {"description": engine.description, "self_check": engine.self_check}
                         for engine in loaded},
-            "results": results, "profiles": profiles}
+            "results": results, "profiles": profiles, "device_time_split": splits}
     for engine in loaded:
         try:
             results += _time_cells(engine, images, device, batches, args.cpu_dry_run)
@@ -235,8 +273,11 @@ def engines(args, device, save: Callable[[dict], None]) -> dict:
     save(part)
     for engine in loaded if args.profile else ():
         try:
-            profiles[engine.spec] = {str(batch): _profile(engine, images, device, batch)
-                                     for batch in PROFILED_BATCHES if batch <= max(batches)}
+            for batch in (b for b in PROFILED_BATCHES if b <= max(batches)):
+                table, split = _profile(engine, images, device, batch)
+                profiles.setdefault(engine.spec, {})[str(batch)] = table
+                if any(split.values()):
+                    splits.setdefault(engine.spec, {})[str(batch)] = split
         except Exception as err:
             failed[f"{engine.spec} profile"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
     with contextlib.suppress(Exception):
@@ -299,6 +340,15 @@ def markdown(part: dict) -> str:
         text += f"- {key.replace('_', ' ')}: {entry['best']} {entry['best_p50_ms']:.3f} ms ({versus})\n"
     for spec, failure in part.get("failed", {}).items():
         text += f"- {spec}: did not run: {failure}\n"
+    splits = part.get("device_time_split", {})
+    if splits:
+        text += ("\n### Device time a call, by what the kernels do (from the profiles)\n\n"
+                 "| engine | batch | fused routing kernels | convolutions | copies and fills | other |\n"
+                 "|---|---|---|---|---|---|\n")
+        for spec, by_batch in splits.items():
+            for batch, split in by_batch.items():
+                text += (f"| {spec} | {batch} | {split['fused_routing_ms']:.3f} ms | {split['convolutions_ms']:.3f} ms "
+                         f"| {split['copies_ms']:.3f} ms | {split['other_ms']:.3f} ms |\n")
     for spec, tables in part.get("profiles", {}).items():
         for batch, table in tables.items():
             text += f"\n### Where {spec}'s time goes at batch {batch}\n\n```\n{table}\n```\n"
