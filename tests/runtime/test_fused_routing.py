@@ -98,12 +98,14 @@ def test_each_image_is_routed_on_its_own():
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_reduced_precision_routing_is_its_inputs_rounded_with_fp32_sums(precision):
+@pytest.mark.parametrize("batch", [12, 130])  # above 128 the reduced-precision plans take blocks of 64 samples
+def test_reduced_precision_routing_is_its_inputs_rounded_with_fp32_sums(precision, batch):
     """On the same primary output, the fp16/bf16 kernels compute the model's routing of inputs rounded to that
     precision, up to the order of the fp32 sums."""
     dtype = DTYPES[precision]
     model = small_model(seed=5)
-    primary = primary_output(model, 12).to(dtype)
+    primary = primary_output(model, batch).to(dtype)
+    assert launch_plan(batch, SMALL.num_primary_caps, 4, dtype).block == (64 if batch > 128 else 16)
     poses, _ = FusedDigitCaps(model.config, model.digit_caps.weight, dtype, programs_wanted=4)(primary)
     routing_inputs_in(model, precision)
     expected, _ = unfused(model, primary.float())
