@@ -72,8 +72,8 @@ from capsnet.model_description.schema import MODEL_NAME, AotiPackage, ModelDescr
 from capsnet.runtime.tensorrt_runner import unavailable_reason
 from capsnet.runtime.torch_runner import cuda_unavailable_reason
 from capsnet.runtime.fused_support import fused_unsupported_reason
-from capsnet.training.checkpoint import Checkpoint, load_checkpoint
-from capsnet.training.config import CAPSULE_ARCHITECTURES
+from capsnet.models.checkpoint import Checkpoint, load_checkpoint
+from capsnet.models.config import CAPSULE_ARCHITECTURES
 from capsnet.training.data import Dataset
 from capsnet.training.evaluate import load_checkpoint_data
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from capsnet.training.checkpoint import Checkpoint, create_model, load_checkpoint, save_checkpoint
-from capsnet.training.config import preset
+from capsnet.models.checkpoint import Checkpoint, create_model, load_checkpoint, save_checkpoint
+from capsnet.models.config import preset
 from capsnet.training.data import DIGIT_NAMES
 
 # Without a CUDA GPU the fused routing kernels run in Triton's CPU interpreter, which Triton chooses when a kernel is

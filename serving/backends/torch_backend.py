@@ -21,7 +21,7 @@ from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import DeviceBackend, DeviceFailure
 from capsnet.serving.config import ServerConfig
 from capsnet.runtime.torch_runner import BucketRunner, cuda_unavailable_reason, gpu_facts, is_device_error
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 

@@ -43,7 +43,7 @@ def test_the_fused_backend_serves_as_onnxruntime_does(tiny_model_dir, precision)
 
 
 def test_models_outside_the_kernels_are_refused_with_the_reason(random_checkpoint, tmp_path):
-    from capsnet.training.config import preset
+    from capsnet.models.config import preset
 
     out = tmp_path / "em"
     assert main(["export", str(random_checkpoint(preset("em-tiny"))), "--out", str(out)]) == 0

@@ -17,7 +17,7 @@ from capsnet.export.precision import convolutions_in
 from capsnet.model_description.precision_gate import GATE_MAX_DIFF
 from capsnet.serving.backends.torch_backend import bf16_unavailable_reason
 from capsnet.serving.config import ServerConfig
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset, to_float
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from capsnet.errors import CapsNetError
-from capsnet.training.checkpoint import FORMAT_VERSION, load_checkpoint, remove_leftover_temporaries, save_checkpoint
+from capsnet.models.checkpoint import FORMAT_VERSION, load_checkpoint, remove_leftover_temporaries, save_checkpoint
 from capsnet.training.distributed import DistributedContext
 from capsnet.training.train import prepare_output
 from capsnet.training.data import load_embedded, to_float
@@ -93,11 +93,11 @@ def test_a_save_killed_midway_leaves_a_temporary_that_the_next_run_removes(rando
     out = tmp_path / "model.ckpt"
     # a real save, SIGKILLed while torch.save writes (the payload's first bytes are out, then it stalls)
     script = ("import sys, time, torch\n"
-              "from capsnet.training import checkpoint\n"
+              "from capsnet.models.checkpoint import load_checkpoint, save_checkpoint\n"
               "def stalled_save(payload, f):\n"
               "    f.write(b'PK'); f.flush(); print('saving', flush=True); time.sleep(60)\n"
               "torch.save = stalled_save\n"
-              "checkpoint.save_checkpoint(checkpoint.load_checkpoint(sys.argv[1]), sys.argv[2])\n")
+              "save_checkpoint(load_checkpoint(sys.argv[1]), sys.argv[2])\n")
     saver = subprocess.Popen([sys.executable, "-c", script, str(random_tiny_checkpoint), str(out)],
                              stdout=subprocess.PIPE, text=True)
     try:

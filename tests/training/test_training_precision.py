@@ -9,7 +9,7 @@ import pytest
 
 from capsnet.cli import main
 from capsnet.runtime.cpu import CpuKind, bf16_autocast_pays
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 
 AVX2 = CpuKind("AMD EPYC", frozenset({"avx2", "fma"}))
 ZEN4 = CpuKind("AMD EPYC 9R14", frozenset({"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16"}))

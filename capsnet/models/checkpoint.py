@@ -22,11 +22,11 @@ import torch
 
 from capsnet import __version__
 from capsnet.errors import CapsNetError
-from capsnet.training.anysize_model import GapCnn, SharedCapsNet
-from capsnet.training.cnn_baseline import CnnBaseline
-from capsnet.training.config import CapsNetConfig
-from capsnet.training.em_model import EMCapsNet
-from capsnet.training.model import CapsNet
+from capsnet.models.any_size import GapCnn, SharedCapsNet
+from capsnet.models.cnn_baseline import CnnBaseline
+from capsnet.models.config import CapsNetConfig
+from capsnet.models.em import EMCapsNet
+from capsnet.models.capsnet import CapsNet
 
 FORMAT_NAME = "capsnet-checkpoint"
 FORMAT_VERSION = 1
