@@ -45,7 +45,8 @@ READY_LINE = re.compile(r"ready: .* grpcs?://[^:]+:(\d+) metrics http://[^:]+:(\
 # Run in each tree's own environment: a seeded, untrained checkpoint of a preset (the API both trees share).
 CHECKPOINT = """
 import sys, torch
-from capsnet.models.checkpoint import Checkpoint, create_model, save_checkpoint
+from capsnet.models.checkpoint import Checkpoint, create_model
+from capsnet.training.checkpoint import save_checkpoint
 from capsnet.models.config import preset
 from capsnet.training.data import DIGIT_NAMES
 torch.manual_seed(0)

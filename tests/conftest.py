@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from capsnet.models.checkpoint import Checkpoint, create_model, load_checkpoint, save_checkpoint
+from capsnet.models.checkpoint import Checkpoint, create_model, load_checkpoint
+from capsnet.training.checkpoint import save_checkpoint
 from capsnet.models.config import preset
 from capsnet.training.data import DIGIT_NAMES
 

@@ -34,8 +34,8 @@ from tqdm import tqdm
 from capsnet.runtime.cpu import MAX_THREADS, CpuKind, bf16_autocast_pays
 from capsnet.errors import CapsNetError
 from capsnet.training import distributed
-from capsnet.models.checkpoint import (Checkpoint, Model, create_model, load_checkpoint, remove_leftover_temporaries,
-                                         save_checkpoint)
+from capsnet.models.checkpoint import Checkpoint, Model, create_model, load_checkpoint
+from capsnet.training.checkpoint import remove_leftover_temporaries, save_checkpoint
 from capsnet.models.config import PRESETS, CapsNetConfig, preset
 from capsnet.training.data import (Augmentation, Dataset, Split, channel_mean_std, data_location, load_dataset,
                                    to_float)

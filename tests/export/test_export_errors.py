@@ -15,7 +15,8 @@ from capsnet.cli import main
 from capsnet.export import exporter
 from capsnet.export.parity import onnxruntime_session
 from capsnet.model_description.files import file_sha256
-from capsnet.models.checkpoint import load_checkpoint, save_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
+from capsnet.training.checkpoint import save_checkpoint
 
 
 def _export_error(argv, capsys) -> str:

@@ -13,7 +13,8 @@ import pytest
 
 from capsnet.cli import main
 from capsnet.training import visualize
-from capsnet.models.checkpoint import load_checkpoint, save_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
+from capsnet.training.checkpoint import save_checkpoint
 from capsnet.models.config import preset
 from capsnet.training.data import load_embedded
 

@@ -11,7 +11,8 @@ from PIL import Image
 
 from capsnet.cli import main
 from capsnet.training import visualize
-from capsnet.models.checkpoint import load_checkpoint, save_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
+from capsnet.training.checkpoint import save_checkpoint
 from capsnet.models.cnn_baseline import CnnBaseline
 from capsnet.models.config import preset
 from capsnet.training.data import Dataset, Split, load_embedded, to_float, with_validation

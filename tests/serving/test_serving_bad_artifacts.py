@@ -20,7 +20,8 @@ import torch
 from capsnet.runtime import tensorrt_runner
 from capsnet.cli import main
 from capsnet.model_description.files import file_sha256
-from capsnet.models.checkpoint import Checkpoint, create_model, save_checkpoint
+from capsnet.models.checkpoint import Checkpoint, create_model
+from capsnet.training.checkpoint import save_checkpoint
 from capsnet.models.config import preset
 from fake_tensorrt import FakeCudaRuntime, fake_tensorrt
 from serving_helpers import READY_LINE

@@ -182,7 +182,7 @@ def test_eval_refuses_data_of_other_classes(capsys, random_tiny_checkpoint, idx_
 
 
 def test_commands_that_read_a_checkpoint_default_to_its_training_data(capsys, random_tiny_checkpoint, idx_dataset):
-    from capsnet.models.checkpoint import save_checkpoint
+    from capsnet.training.checkpoint import save_checkpoint
     from capsnet.training.data import FASHION_MNIST_NAMES
 
     images, labels = torch.zeros(20, 28, 28, dtype=torch.uint8).numpy(), (torch.arange(20) % 10).numpy()
