@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from capsnet.models.config import preset
 from capsnet.models.capsnet import CapsNet
 from capsnet.runtime import fused_routing as fr
-from capsnet.export.precision import convolutions_in, routing_inputs_in
+from capsnet.runtime.reduced_precision import convolutions_in, routing_inputs_in
 from capsnet.runtime.torch_runner import strict_fp32
 
 dev = torch.device("cuda", 0)

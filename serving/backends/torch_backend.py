@@ -16,7 +16,7 @@ from torch import nn
 
 from capsnet.runtime.cpu import CpuKind, bf16_autocast_pays
 from capsnet.errors import CapsNetError
-from capsnet.export.precision import convolutions_in
+from capsnet.runtime.reduced_precision import convolutions_in
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import DeviceBackend, DeviceFailure
 from capsnet.serving.config import ServerConfig

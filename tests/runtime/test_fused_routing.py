@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from capsnet.export.precision import convolutions_in, routing_inputs_in
+from capsnet.runtime.reduced_precision import convolutions_in, routing_inputs_in
 from capsnet.model_description.precision_gate import GATE_DIFF_FACTOR, GATE_DIFF_SLACK
 from capsnet.runtime.fused_support import fused_unsupported_reason, gpu_engine
 from capsnet.models.config import preset

@@ -13,7 +13,7 @@ from torch import nn
 from capsnet.cli import main
 from capsnet.errors import CapsNetError
 from capsnet.serving.client import image_message
-from capsnet.export.precision import convolutions_in
+from capsnet.runtime.reduced_precision import convolutions_in
 from capsnet.model_description.precision_gate import GATE_MAX_DIFF
 from capsnet.serving.backends.torch_backend import bf16_unavailable_reason
 from capsnet.serving.config import ServerConfig
