@@ -2,7 +2,10 @@
 
 Each stage owns its subcommands in its own `cli` module, which registers them with
 `register(subparsers)` and keeps heavy imports (torch, onnxruntime, grpc) inside the
-handlers, so `capsnet --help` and `capsnet predict` stay fast.
+handlers, so `capsnet --help` and `capsnet predict` stay fast. A command names its own
+module only: `capsnet serve` imports serving, never training or export (whose code a
+serving image need not carry, and which pyproject.toml's import-linter contracts keep
+serving from importing).
 """
 
 from __future__ import annotations
@@ -16,15 +19,18 @@ import sys
 from capsnet import __version__
 from capsnet.errors import CapsNetError
 
-# Modules that register subcommands, in pipeline order.
-_COMMAND_MODULES = (
-    "capsnet.training.cli",  # train, eval
-    "capsnet.training.visualize",  # visualize
-    "capsnet.training.robustness",  # robustness
-    "capsnet.export.cli",  # export
-    "capsnet.serving.cli",  # serve, predict, health
-    "capsnet.bench.cli",  # bench
-)
+# Each subcommand and the module that registers it, in pipeline order.
+_COMMANDS = {
+    "train": "capsnet.training.cli",
+    "eval": "capsnet.training.cli",
+    "visualize": "capsnet.training.visualize",
+    "robustness": "capsnet.training.robustness",
+    "export": "capsnet.export.cli",
+    "serve": "capsnet.serving.cli",
+    "predict": "capsnet.serving.cli",
+    "health": "capsnet.serving.cli",
+    "bench": "capsnet.bench.cli",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,7 +40,35 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _CommandNotFound(Exception):
+    pass
+
+
+class _CommandFinder(argparse.ArgumentParser):
+    """Reads the subcommand out of a command line by the top-level options' own rules (`--log-level X`,
+    `--log-level=X`, `--log X`), ignoring everything after it."""
+
+    def __init__(self):
+        super().__init__(add_help=False)
+        self.add_argument("--log-level")
+        self.add_argument("command", nargs="?")
+
+    def error(self, message: str):
+        raise _CommandNotFound(message)
+
+
+def command_in(argv: list[str]) -> str | None:
+    """The subcommand that `argv` (the arguments after `capsnet`) names, or None: help, --version, a mistake."""
+    try:
+        known, _ = _CommandFinder().parse_known_args(argv)
+    except _CommandNotFound:
+        return None
+    return known.command if known.command in _COMMANDS else None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of `command` (and the other subcommands of its module) alone, or of every subcommand: for
+    help, usage mistakes and None."""
     parser = _Parser(
         prog="capsnet",
         description="Capsule Networks: train, export to ONNX/TensorRT, serve over gRPC.",
@@ -44,13 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging verbosity"
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module_name in _COMMAND_MODULES:
+    modules = [_COMMANDS[command]] if command in _COMMANDS else dict.fromkeys(_COMMANDS.values())
+    for module_name in modules:
         importlib.import_module(module_name).register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(command_in(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

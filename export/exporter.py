@@ -45,7 +45,7 @@ from capsnet.export.parity import (
     tiled,
     torch_outputs,
 )
-from capsnet.export.precision import convolutions_in, measure_gate, torch_gates
+from capsnet.export.precision import measure_gate, torch_gates
 from capsnet.export.quantize import SCHEME, quantize_int8
 from capsnet.export.tensorrt_build import (
     MIN_ARGMAX_AGREEMENT,
@@ -74,8 +74,9 @@ from capsnet.model_description.schema import MODEL_NAME, AotiPackage, ModelDescr
 from capsnet.runtime.tensorrt_runner import unavailable_reason
 from capsnet.runtime.torch_runner import cuda_unavailable_reason
 from capsnet.runtime.fused_support import fused_unsupported_reason
-from capsnet.training.checkpoint import Checkpoint, load_checkpoint
-from capsnet.training.config import CAPSULE_ARCHITECTURES
+from capsnet.runtime.reduced_precision import convolutions_in
+from capsnet.models.checkpoint import Checkpoint, load_checkpoint
+from capsnet.models.config import CAPSULE_ARCHITECTURES
 from capsnet.training.data import Dataset
 from capsnet.training.evaluate import load_checkpoint_data
 

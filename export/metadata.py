@@ -16,7 +16,7 @@ import onnx
 from capsnet.runtime.fused_support import gpu_engine
 from capsnet import __version__
 from capsnet.model_description.schema import POSES_NAME, PROBABILITIES_NAME, RECONSTRUCTION_NAME, ModelDescription
-from capsnet.training.checkpoint import Checkpoint
+from capsnet.models.checkpoint import Checkpoint
 
 
 def output_shapes(config, reconstruction: bool) -> dict[str, tuple[int, ...]]:

@@ -1,5 +1,5 @@
 """PyTorch → ONNX: the CapsNet as one straight-line graph with a dynamic batch axis, and for a model of any
-size (training/anysize_model.py) a free height and width over the sizes it takes.
+size (capsnet/models/any_size.py) a free height and width over the sizes it takes.
 
 The model's routing is already a fixed number of plain tensor ops, so the exported graph has no
 Loop/If/Scan; `check_graph` proves that, and that every other dimension is static.

@@ -45,8 +45,9 @@ READY_LINE = re.compile(r"ready: .* grpcs?://[^:]+:(\d+) metrics http://[^:]+:(\
 # Run in each tree's own environment: a seeded, untrained checkpoint of a preset (the API both trees share).
 CHECKPOINT = """
 import sys, torch
-from capsnet.training.checkpoint import Checkpoint, create_model, save_checkpoint
-from capsnet.training.config import preset
+from capsnet.models.checkpoint import Checkpoint, create_model
+from capsnet.training.checkpoint import save_checkpoint
+from capsnet.models.config import preset
 from capsnet.training.data import DIGIT_NAMES
 torch.manual_seed(0)
 config = preset(sys.argv[2])

@@ -1,5 +1,6 @@
 """Every backend the server can run, in one table: the name `--backend` takes, where its class lives, the platform
-Triton's model configuration names it by, the precisions it serves, and the precision-gate entries those answer to.
+Triton's model configuration names it by, the precisions it serves, the precision-gate entries those answer to,
+and whether it takes Triton's CUDA shared memory when it serves on a GPU.
 
 The classes are imported only when a backend is made, so a CPU server never imports torch or TensorRT.
 """
@@ -22,7 +23,10 @@ class BackendKind:
     platform: str  # Triton's model configuration `platform`
     precisions: tuple[str, ...]
     gate_family: str  # its fp16/bf16/int8 answer to the gate entry "<gate_family>_<precision>" of model.json
-    gpu_only: bool = False
+    # Serving on a GPU (Backend.on_gpu), it takes images from CUDA regions: the server then offers Triton's
+    # cuda_shared_memory extension. Not ONNX Runtime's GPU providers: a server of them need not hold torch's CUDA,
+    # which opens the regions (serving/cuda_ipc.py).
+    cuda_shared_memory: bool = True
 
     def backend_class(self) -> type[Backend]:
         return getattr(importlib.import_module(self.module), self.class_name)
@@ -30,9 +34,9 @@ class BackendKind:
 
 BACKEND_KINDS: dict[str, BackendKind] = {kind.name: kind for kind in (
     BackendKind("onnxruntime", "capsnet.serving.backends.onnxruntime_backend", "OnnxRuntimeBackend",
-                "onnxruntime_onnx", ("fp32", "fp16", "int8"), "onnx"),
+                "onnxruntime_onnx", ("fp32", "fp16", "int8"), "onnx", cuda_shared_memory=False),
     BackendKind("tensorrt", "capsnet.serving.backends.tensorrt_backend", "TensorRTBackend", "tensorrt_plan",
-                ("fp32", "fp16", "int8"), "onnx", gpu_only=True),
+                ("fp32", "fp16", "int8"), "onnx"),
     # eager PyTorch with a CUDA graph per batch bucket: "pytorch", not TorchScript ("pytorch_libtorch")
     BackendKind("torch", "capsnet.serving.backends.torch_backend", "TorchBackend", "pytorch",
                 ("fp32", "fp16", "bf16"), "torch"),
@@ -40,9 +44,14 @@ BACKEND_KINDS: dict[str, BackendKind] = {kind.name: kind for kind in (
                 ("fp32", "fp16", "bf16"), "torch"),
     # cuDNN convolutions and the fused routing kernels (capsnet/runtime/fused_routing.py), CUDA graphs per bucket
     BackendKind("fused", "capsnet.serving.backends.fused_backend", "FusedBackend", "pytorch",
-                ("fp32", "fp16", "bf16"), "fused", gpu_only=True),
+                ("fp32", "fp16", "bf16"), "fused"),
 )}
 BACKENDS = ("auto", *BACKEND_KINDS)
+
+
+def takes_cuda_shared_memory(backend: Backend) -> bool:
+    """Whether `backend` serves on a GPU and takes images from CUDA shared-memory regions there."""
+    return backend.on_gpu and BACKEND_KINDS[backend.name].cuda_shared_memory
 
 
 def gate_variant(backend: str, precision: str) -> str | None:

@@ -38,6 +38,7 @@ from capsnet.errors import CapsNetError
 from capsnet.kserve import reflection_pool
 from capsnet.model_description.decoder import DECODER_PART
 from capsnet.serving import capsnet_api, kserve, kserve_grpc, kserve_http
+from capsnet.serving.backend_registry import takes_cuda_shared_memory
 from capsnet.serving.config import GRPC_INT_MAX, ServerConfig
 from capsnet.serving.images import largest_encoded, max_encoded_bytes
 from capsnet.serving.interceptor import RequestInterceptor
@@ -337,11 +338,9 @@ class CapsNetServer:
             await self._health.enter_graceful_shutdown()  # NOT_SERVING, for good
 
     def _on_gpu(self) -> bool:
-        """Whether a model version serves on a CUDA device (the torch and aoti backends' `device`, TensorRT's)."""
+        """Whether a model version serves on a CUDA device with a backend that takes CUDA shared memory there."""
         return self.models is not None and any(
-            service.backend.name == "tensorrt"
-            or getattr(getattr(service.backend, "device", None), "type", "") == "cuda"
-            for service in self.models.services())
+            takes_cuda_shared_memory(service.backend) for service in self.models.services())
 
     async def stop(self) -> None:
         """Drain (see the module's docstring); requests still running after the grace period are cancelled.

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from capsnet.models.checkpoint import Checkpoint, create_model, load_checkpoint
+from capsnet.models.config import preset
 from capsnet.runtime.cpu import CPU_FLAGS_ENV, CpuKind
-from capsnet.training.checkpoint import Checkpoint, create_model, load_checkpoint, save_checkpoint
-from capsnet.training.config import preset
+from capsnet.training.checkpoint import save_checkpoint
 from capsnet.training.data import DIGIT_NAMES
 from cpu_kinds import CPU_KINDS
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from capsnet.cli import build_parser
-from capsnet.training.config import PRESETS, ROUTING_VARIANTS
+from capsnet.models.config import PRESETS, ROUTING_VARIANTS
 
 REPO = Path(__file__).resolve().parents[1]
 DOC_GLOBS = ("README.md", "docs/*.md", "docs/benchmarks/*.md", "docs/experiments/README.md", "deploy/**/*.md")

@@ -14,7 +14,7 @@ DEVICE_HELP = "auto (CUDA if present, else CPU), cpu, cuda or cuda:N"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from capsnet.training.config import ARCHITECTURES
+    from capsnet.models.config import ARCHITECTURES
     from capsnet.training.resume import LR_SCHEDULES, default, default_help
     from capsnet.training.pairs import PAIR_LAYOUTS
     from capsnet.training.robustness import MAX_PAIRS
@@ -153,7 +153,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 def run_eval(args: argparse.Namespace) -> int:
     from capsnet.errors import CapsNetError
-    from capsnet.training.checkpoint import load_checkpoint
+    from capsnet.models.checkpoint import load_checkpoint
     from capsnet.training.distributed import DistributedContext, resolve_device
     from capsnet.training.evaluate import evaluate, load_checkpoint_data
     from capsnet.training.pairs import build_pairs, score_pairs

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from capsnet.errors import CapsNetError
-from capsnet.training.checkpoint import Checkpoint, Model
-from capsnet.training.config import CapsNetConfig
+from capsnet.models.checkpoint import Checkpoint, Model
+from capsnet.models.config import CapsNetConfig
 from capsnet.training.data import Dataset, Split, brief_list, load_dataset, to_float
 from capsnet.training.distributed import DistributedContext, all_reduce_sum
 from capsnet.training.loss import capsnet_loss

@@ -8,8 +8,8 @@ from typing import NamedTuple
 import torch.nn.functional as F
 from torch import Tensor
 
-from capsnet.training.config import CapsNetConfig
-from capsnet.training.model import CapsNetOutput, at_least_float32
+from capsnet.models.config import CapsNetConfig
+from capsnet.models.capsnet import CapsNetOutput, at_least_float32
 
 
 class LossParts(NamedTuple):

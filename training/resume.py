@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 from capsnet.errors import CapsNetError
 
 if TYPE_CHECKING:
-    from capsnet.training.checkpoint import Checkpoint
-    from capsnet.training.config import CapsNetConfig
+    from capsnet.models.checkpoint import Checkpoint
+    from capsnet.models.config import CapsNetConfig
     from capsnet.training.train import RunOptions, TrainOptions
 
 

@@ -70,7 +70,7 @@ def overlap_scores(probabilities, labels) -> dict[str, float]:
 
 def run_robustness(args: argparse.Namespace) -> int:
     from capsnet.errors import CapsNetError
-    from capsnet.training.checkpoint import load_checkpoint
+    from capsnet.models.checkpoint import load_checkpoint
     from capsnet.training.distributed import DistributedContext, resolve_device
     from capsnet.training.evaluate import evaluate, load_checkpoint_data
     from capsnet.training.train import SEED_LIMIT

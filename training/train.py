@@ -34,15 +34,15 @@ from tqdm import tqdm
 from capsnet.runtime.cpu import MAX_THREADS, bf16_on_this_cpu
 from capsnet.errors import CapsNetError
 from capsnet.training import distributed
-from capsnet.training.checkpoint import (Checkpoint, Model, create_model, load_checkpoint, remove_leftover_temporaries,
-                                         save_checkpoint)
-from capsnet.training.config import PRESETS, CapsNetConfig, preset
+from capsnet.models.checkpoint import Checkpoint, Model, create_model, load_checkpoint
+from capsnet.training.checkpoint import remove_leftover_temporaries, save_checkpoint
+from capsnet.models.config import PRESETS, CapsNetConfig, preset
 from capsnet.training.data import (Augmentation, Dataset, Split, channel_mean_std, data_location, load_dataset,
                                    to_float)
 from capsnet.training.distributed import DistributedContext
 from capsnet.training.evaluate import Evaluation, check_dataset_fits, evaluate
 from capsnet.training.loss import capsnet_loss
-from capsnet.training.model import count_parameters
+from capsnet.models.capsnet import count_parameters
 from capsnet.training.resume import (LR_SCHEDULES, MODEL_FLAGS, EpochProgress, batch_plan, check_linear_schedule_steps,
                                      check_resumable, default, learning_rate_options, run_options)
 

@@ -107,8 +107,8 @@ def visualize(checkpoint_path: Path, data: str | None, out: Path, images: int, e
     import torch
 
     from capsnet.errors import CapsNetError
-    from capsnet.training.checkpoint import load_checkpoint
-    from capsnet.training.config import ANY_SIZE_ARCHITECTURES, CAPSULE_ARCHITECTURES
+    from capsnet.models.checkpoint import load_checkpoint
+    from capsnet.models.config import ANY_SIZE_ARCHITECTURES, CAPSULE_ARCHITECTURES
     from capsnet.training.data import Split, to_float
     from capsnet.training.distributed import DistributedContext, resolve_device
     from capsnet.training.evaluate import evaluate, load_checkpoint_data

@@ -79,7 +79,7 @@ class Analysis:
 def _check_dynamic_routing(model: Path, checkpoint: Path) -> None:
     """The targets compare with the public dynamic-routing CapsNet and its convolution peak: EM and CNN
     models have neither, so they are refused before anything is exported or timed."""
-    from capsnet.training.checkpoint import load_checkpoint
+    from capsnet.models.checkpoint import load_checkpoint
 
     arch = load_checkpoint(checkpoint).config.arch
     if arch != "capsnet":
@@ -95,7 +95,7 @@ def run_bench(options: BenchOptions, analysis: Analysis) -> dict:
                 skipped[name] = reason
                 del model_dirs[name]
         from capsnet.serving.artifacts import load_artifacts
-        from capsnet.training.checkpoint import load_checkpoint
+        from capsnet.models.checkpoint import load_checkpoint
         from capsnet.training.data import load_dataset
 
         artifacts = load_artifacts(model_dir)

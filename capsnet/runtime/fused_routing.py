@@ -21,7 +21,7 @@ the paper's model six, whatever the batch.
 
 Inputs are fp32, fp16 or bf16 (the compute dtype of the convolutions that produce them); every product
 accumulates in fp32, and softmax, squash and the sums run in fp32. In fp32 the products run in IEEE fp32 (no TF32),
-so the result matches `capsnet.training.model.route` to rounding.
+so the result matches `capsnet.models.capsnet.route` to rounding.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from capsnet.runtime.fused_support import MIN_DOT, fused_unsupported_reason
-from capsnet.training.config import CapsNetConfig
-from capsnet.training.model import CapsNet
+from capsnet.models.config import CapsNetConfig
+from capsnet.models.capsnet import CapsNet
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

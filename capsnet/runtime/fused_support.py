@@ -4,7 +4,7 @@ engine in model.json and measures its precision gate on machines where triton is
 
 from __future__ import annotations
 
-from capsnet.training.config import CapsNetConfig
+from capsnet.models.config import CapsNetConfig
 
 # tl.dot takes operands of at least 16 along every dimension: the 8 components of a primary capsule are padded
 # with zeros to 16, and so are the samples of a block

@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset
 from capsnet.training.robustness import PRESENT_THRESHOLD, class_probabilities
 

@@ -23,8 +23,8 @@ import json
 import numpy as np
 import torch
 
-from capsnet.training import em_model
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models import em as em_model
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset, to_float
 
 

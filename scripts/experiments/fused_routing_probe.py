@@ -13,10 +13,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from capsnet.training.config import preset
-from capsnet.training.model import CapsNet
+from capsnet.models.config import preset
+from capsnet.models.capsnet import CapsNet
 from capsnet.runtime import fused_routing as fr
-from capsnet.export.precision import convolutions_in, routing_inputs_in
+from capsnet.runtime.reduced_precision import convolutions_in, routing_inputs_in
 from capsnet.runtime.torch_runner import strict_fp32
 
 dev = torch.device("cuda", 0)

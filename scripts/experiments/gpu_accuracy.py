@@ -180,7 +180,8 @@ def split_into_parts(source: Path, destination: Path) -> list[str]:
 
 
 def summarise(runs: list[Run], out: Path, work: Path) -> dict:
-    from capsnet.training.checkpoint import load_checkpoint, save_checkpoint
+    from capsnet.models.checkpoint import load_checkpoint
+    from capsnet.training.checkpoint import save_checkpoint
 
     results = {"validation_fraction": float(VAL_FRACTION), "runs": {}, "chosen": {}}
     for run in runs:

@@ -23,7 +23,7 @@ import numpy as np
 from capsnet.runtime.cpu import CpuKind
 from capsnet.export.parity import onnxruntime_probabilities, onnxruntime_session
 from capsnet.export.quantize import Calibration, quantize_int8
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.evaluate import load_checkpoint_data
 
 CHOICES = (Calibration("minmax"), Calibration("percentile", 99.999), Calibration("percentile", 99.99),

@@ -106,7 +106,7 @@ def main() -> int:
 
     from capsnet.export.quantize import Calibration, quantize_int8
     from capsnet.runtime.cpu import CpuKind
-    from capsnet.training.checkpoint import load_checkpoint
+    from capsnet.models.checkpoint import load_checkpoint
     from capsnet.training.data import to_float
     from capsnet.training.evaluate import load_checkpoint_data
 

@@ -15,7 +15,7 @@ mkdir -p "$out"
 train() {  # train PRESET SEED: from the start, or on to EPOCHS from a run that trained fewer (its scores redone)
   local run="$out/$1-seed$2"
   if [[ -f "$run.last.ckpt" ]]; then
-    (( $(python -c 'import sys; from capsnet.training.checkpoint import load_checkpoint as load
+    (( $(python -c 'import sys; from capsnet.models.checkpoint import load_checkpoint as load
 print(load(sys.argv[1]).epoch)' "$run.last.ckpt") < epochs )) || return 0
     rm -f "$run.pairs.json"
     nice -n 10 capsnet train --resume "$run.last.ckpt" --data "$data" --epochs "$epochs" --threads 1 --no-progress \

@@ -16,7 +16,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 
 RUN_NAME = re.compile(r"(?P<preset>.+)-seed(?P<seed>\d+)\.pairs\.json$")
 EPOCHS_FILE = "pairs-mnist-{epochs}-epochs-per-epoch-cpu.jsonl"

@@ -15,7 +15,7 @@ import json
 import numpy as np
 import torch
 
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset, to_float
 from capsnet.training.visualize import coupling_maps, pose_perturbations
 

@@ -24,7 +24,7 @@ import torch
 import tritonclient.grpc as grpcclient
 
 from capsnet.export.parity import onnxruntime_session
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset, to_float
 
 MODEL = "capsnet"

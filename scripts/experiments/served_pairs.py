@@ -29,7 +29,7 @@ from PIL import Image
 
 from capsnet.cli import main as capsnet
 from capsnet.serving.client import CapsNetClient
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset
 from capsnet.training.pairs import build_pairs
 from capsnet.training.robustness import overlap_scores

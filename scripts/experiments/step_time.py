@@ -22,8 +22,8 @@ import time
 import torch
 
 from capsnet.errors import CapsNetError
-from capsnet.training.checkpoint import create_model
-from capsnet.training.config import CapsNetConfig, preset
+from capsnet.models.checkpoint import create_model
+from capsnet.models.config import CapsNetConfig, preset
 from capsnet.training.loss import capsnet_loss
 from capsnet.training.train import use_transparent_huge_pages
 

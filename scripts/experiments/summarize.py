@@ -18,7 +18,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from capsnet.training.checkpoint import Checkpoint, load_checkpoint
+from capsnet.models.checkpoint import Checkpoint, load_checkpoint
 
 RUN_NAME = re.compile(r"(?P<configuration>.+)-seed(?P<seed>\d+)(\.last)?\.ckpt$")
 

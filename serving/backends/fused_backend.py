@@ -16,8 +16,8 @@ from torch import nn
 
 from capsnet.errors import CapsNetError
 from capsnet.serving.backends.torch_backend import TorchBackend
-from capsnet.training.config import CapsNetConfig
-from capsnet.training.model import CapsNet
+from capsnet.models.config import CapsNetConfig
+from capsnet.models.capsnet import CapsNet
 
 
 class FusedBackend(TorchBackend):

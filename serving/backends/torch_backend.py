@@ -16,12 +16,12 @@ from torch import nn
 
 from capsnet.runtime.cpu import bf16_on_this_cpu
 from capsnet.errors import CapsNetError
-from capsnet.export.precision import convolutions_in
+from capsnet.runtime.reduced_precision import convolutions_in
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backends.base import DeviceBackend, DeviceFailure
 from capsnet.serving.config import ServerConfig
 from capsnet.runtime.torch_runner import BucketRunner, cuda_unavailable_reason, gpu_facts, is_device_error
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 

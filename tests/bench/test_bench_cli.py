@@ -77,7 +77,7 @@ def test_bench_unwritable_out_is_refused_before_measuring(tmp_path, capsys, no_m
 
 
 def test_bench_refuses_an_em_model_before_exporting_it(tmp_path, capsys, random_checkpoint):
-    from capsnet.training.config import preset
+    from capsnet.models.config import preset
 
     path = random_checkpoint(preset("em-tiny"), "em.ckpt")
     assert main(["bench", str(path), "--out", str(tmp_path / "out"), "--quick"]) == 2

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from capsnet.bench.analysis.flops import count_flops
 from capsnet.errors import CapsNetError
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 
 
 def test_bench_flops_of_exported_capsnet_match_its_config(tiny_export):

@@ -7,8 +7,8 @@ import torch
 
 from capsnet.bench.analysis.public_reference import PublicCapsNet
 from capsnet.errors import CapsNetError
-from capsnet.training.config import preset
-from capsnet.training.model import CapsNet
+from capsnet.models.config import preset
+from capsnet.models.capsnet import CapsNet
 
 
 def test_bench_public_reference_matches_our_model_with_our_weights():

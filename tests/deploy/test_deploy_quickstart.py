@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_embedded
 from deploy_support import REPO, free_port, local_stack, log_tail, requests_total, running, scrape, wait_for
 

@@ -14,7 +14,7 @@ from capsnet.cli import main
 from capsnet.export.onnx_export import CONTROL_FLOW_OPS
 from capsnet.model_description.input_sizes import InputSizes
 from capsnet.model_description.schema import ModelDescription
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset
 
 SIZES = [(28, 28), (28, 56), (56, 56), (40, 100), (29, 45)]

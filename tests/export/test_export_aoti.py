@@ -20,7 +20,7 @@ from capsnet.export.config import ExportConfig
 from capsnet.model_description.files import file_sha256
 from capsnet.model_description.schema import ModelDescription
 from capsnet.runtime.torch_runner import AotiRunner
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 
 AOTI_MAX_BATCH = 16  # the aoti_model_dir fixture's --max-batch
 

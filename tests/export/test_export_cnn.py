@@ -17,8 +17,8 @@ from capsnet.errors import CapsNetError
 from capsnet.export.metadata import output_shapes, read_metadata
 from capsnet.model_description.input_sizes import InputSizes
 from capsnet.model_description.schema import ModelDescription
-from capsnet.training.checkpoint import load_checkpoint
-from capsnet.training.config import preset
+from capsnet.models.checkpoint import load_checkpoint
+from capsnet.models.config import preset
 from capsnet.training.data import load_dataset
 
 GRAPHS = ["model.onnx", "model.int8.onnx", "model.fp16.onnx"]

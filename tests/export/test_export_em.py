@@ -14,7 +14,7 @@ from capsnet.cli import main
 from capsnet.export.onnx_export import CONTROL_FLOW_OPS, op_counts
 from capsnet.export.parity import onnxruntime_session
 from capsnet.export.tensorrt_ops import tensorrt_problems
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import to_float
 
 

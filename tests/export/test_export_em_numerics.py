@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from capsnet.export.parity import compare
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import to_float
 
 

@@ -15,7 +15,8 @@ from capsnet.cli import main
 from capsnet.export import exporter
 from capsnet.export.parity import onnxruntime_session
 from capsnet.model_description.files import file_sha256
-from capsnet.training.checkpoint import load_checkpoint, save_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
+from capsnet.training.checkpoint import save_checkpoint
 
 
 def _export_error(argv, capsys) -> str:
@@ -77,7 +78,7 @@ def test_export_error_from_the_command_line(tmp_path):
 
 
 def test_export_refuses_a_reconstruction_of_a_model_without_a_decoder(tmp_path, capsys, random_checkpoint):
-    from capsnet.training.config import preset
+    from capsnet.models.config import preset
 
     baseline = random_checkpoint(preset("tiny", arch="cnn-baseline", reconstruction_weight=0.0), "baseline.ckpt")
     line = _export_error([str(baseline), "--out", str(tmp_path / "out"), "--reconstruction"], capsys)
@@ -200,7 +201,7 @@ def test_export_holds_one_model_when_training_replaces_the_checkpoint(random_tin
 
 def test_export_refuses_a_checkpoint_replaced_by_another_configuration(random_tiny_checkpoint, random_checkpoint,
                                                                       copy_of, tmp_path, monkeypatch, capsys):
-    from capsnet.training.config import preset
+    from capsnet.models.config import preset
 
     live = copy_of(random_tiny_checkpoint)
     other = random_checkpoint(preset("tiny", routing_iterations=2), "other.ckpt")

@@ -9,8 +9,8 @@ import torch
 
 from capsnet.export.onnx_export import CONTROL_FLOW_OPS, export_onnx, export_program, graph_opset, op_counts
 from capsnet.export.parity import onnxruntime_session
-from capsnet.training.config import preset
-from capsnet.training.model import CapsNet
+from capsnet.models.config import preset
+from capsnet.models.capsnet import CapsNet
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_no_architecture_mixes_an_int_scalar_into_float_arithmetic(config):
     tensor and re-dispatches the op, which failed for EM routing's `16 * beta_u` ("Expected same OpOverload packet,
     got prim.device != aten.mul"); torch 2.13's has no such pass. So no exported graph may hold one, on any torch."""
     from capsnet.export.metadata import output_shapes
-    from capsnet.training.checkpoint import create_model
+    from capsnet.models.checkpoint import create_model
 
     program = export_program(create_model(config).eval(), tuple(output_shapes(config, False))).run_decompositions()
     mixed = [f"{node.target}{tuple(map(str, node.args))} at "

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from capsnet.export.parity import onnxruntime_session
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import to_float
 
 TOLERANCE = 1e-4

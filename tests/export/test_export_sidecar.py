@@ -10,7 +10,7 @@ from capsnet.export.metadata import read_metadata
 from capsnet.export.parity import onnxruntime_session
 from capsnet.model_description.files import file_sha256
 from capsnet.model_description.schema import ModelDescription
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 
 CONTRACT_KEYS = {
     "format", "format_version", "name", "version", "exporter_version", "created", "opset", "input", "outputs",

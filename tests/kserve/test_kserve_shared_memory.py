@@ -7,6 +7,7 @@ import base64
 import itertools
 import os
 import time
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -18,6 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from capsnet.kserve import grpc_service_pb2 as pb
 from capsnet.kserve import grpc_service_pb2_grpc as pb_grpc
+from capsnet.serving.backend_registry import BACKEND_KINDS, takes_cuda_shared_memory
 from kserve_messages import CPU_EXTENSIONS, MAX_BATCH_SIZE, images, infer_request
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
@@ -139,6 +141,15 @@ def test_server_metadata_lists_the_extensions_served(rest_and_grpc):
     assert http.get_server_metadata()["extensions"] == CPU_EXTENSIONS
     assert rpc.get_server_metadata(as_json=True)["extensions"] == CPU_EXTENSIONS
     assert "cuda_shared_memory" not in CPU_EXTENSIONS  # no GPU engine serves on this host's test server
+
+
+@pytest.mark.parametrize("name", BACKEND_KINDS)
+@pytest.mark.parametrize("on_gpu", [True, False], ids=["gpu", "cpu"])
+def test_cuda_shared_memory_is_taken_by_the_gpu_engines_on_a_gpu(name, on_gpu):
+    """What the registry's rows say decides the cuda_shared_memory extension: the torch, AOTInductor, fused and
+    TensorRT engines on a GPU; never a backend on the CPU, nor ONNX Runtime's GPU providers."""
+    backend = SimpleNamespace(name=name, on_gpu=on_gpu)
+    assert takes_cuda_shared_memory(backend) is (on_gpu and name != "onnxruntime")  # type: ignore[arg-type]
 
 
 def _code(call) -> tuple[str, str]:

@@ -13,8 +13,9 @@ import pytest
 
 from capsnet.cli import main
 from capsnet.training import visualize
-from capsnet.training.checkpoint import load_checkpoint, save_checkpoint
-from capsnet.training.config import preset
+from capsnet.models.checkpoint import load_checkpoint
+from capsnet.training.checkpoint import save_checkpoint
+from capsnet.models.config import preset
 from capsnet.training.data import load_embedded
 
 PICTURES = ["confusion.png", "pose-perturbation-0.png", "pose-perturbation-1.png", "pose-perturbation-2.png",

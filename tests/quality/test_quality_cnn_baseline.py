@@ -11,12 +11,13 @@ from PIL import Image
 
 from capsnet.cli import main
 from capsnet.training import visualize
-from capsnet.training.checkpoint import load_checkpoint, save_checkpoint
-from capsnet.training.cnn_baseline import CnnBaseline
-from capsnet.training.config import preset
+from capsnet.models.checkpoint import load_checkpoint
+from capsnet.training.checkpoint import save_checkpoint
+from capsnet.models.cnn_baseline import CnnBaseline
+from capsnet.models.config import preset
 from capsnet.training.data import Dataset, Split, load_embedded, to_float, with_validation
 from capsnet.training.loss import capsnet_loss
-from capsnet.training.model import CapsNet, count_parameters
+from capsnet.models.capsnet import CapsNet, count_parameters
 
 CONFIG = preset("paper", arch="cnn-baseline", reconstruction_weight=0.0)
 

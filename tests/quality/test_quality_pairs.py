@@ -15,7 +15,7 @@ from PIL import Image
 
 from capsnet.cli import main
 from capsnet.training import visualize
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import Split, load_embedded, to_float
 from capsnet.training.evaluate import evaluate
 from capsnet.training.pairs import PairScores

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from capsnet.training import robustness
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_embedded, to_float
 from capsnet.training.evaluate import evaluate
 from capsnet.training.transforms import affine_split, overlay_pairs

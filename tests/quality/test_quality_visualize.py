@@ -8,7 +8,7 @@ from PIL import Image
 
 from capsnet.errors import CapsNetError
 from capsnet.training import visualize
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_embedded, to_float
 
 PICTURES = ["confusion.png", "pose-perturbation-0.png", "pose-perturbation-1.png", "pose-perturbation-2.png",

@@ -65,7 +65,7 @@ def test_bf16_on_a_cpu_with_native_bf16_is_offered(tiny_model_dir, cpu_kind):
 
 
 def test_models_outside_the_kernels_are_refused_with_the_reason(random_checkpoint, tmp_path):
-    from capsnet.training.config import preset
+    from capsnet.models.config import preset
 
     out = tmp_path / "em"
     assert main(["export", str(random_checkpoint(preset("em-tiny"))), "--out", str(out)]) == 0

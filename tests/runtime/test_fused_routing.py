@@ -1,4 +1,4 @@
-"""The fused routing kernels against `capsnet.training.model`'s own routing, in Triton's interpreter on the CPU
+"""The fused routing kernels against `capsnet.models.capsnet`'s own routing, in Triton's interpreter on the CPU
 (on a GPU where there is one): every routing variant and squash constant, batches across several sample blocks,
 capsule slices of every size, both memory layouts of the primary convolution's output, and the whole forward pass.
 fp32 is held to 1e-4; fp16 and bf16 to the emulation that export's precision gate measures them by."""
@@ -10,11 +10,11 @@ import dataclasses
 import pytest
 import torch
 
-from capsnet.export.precision import convolutions_in, routing_inputs_in
+from capsnet.runtime.reduced_precision import convolutions_in, routing_inputs_in
 from capsnet.model_description.precision_gate import GATE_DIFF_FACTOR, GATE_DIFF_SLACK
 from capsnet.runtime.fused_support import fused_unsupported_reason, gpu_engine
-from capsnet.training.config import preset
-from capsnet.training.model import CapsNet, squash
+from capsnet.models.config import preset
+from capsnet.models.capsnet import CapsNet, squash
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton, in the dev extra)")
 from capsnet.runtime.fused_routing import DTYPES, FusedCapsNet, FusedDigitCaps, launch_plan

@@ -20,8 +20,9 @@ import torch
 from capsnet.runtime import tensorrt_runner
 from capsnet.cli import main
 from capsnet.model_description.files import file_sha256
-from capsnet.training.checkpoint import Checkpoint, create_model, save_checkpoint
-from capsnet.training.config import preset
+from capsnet.models.checkpoint import Checkpoint, create_model
+from capsnet.training.checkpoint import save_checkpoint
+from capsnet.models.config import preset
 from fake_tensorrt import FakeCudaRuntime, fake_tensorrt
 from serving_helpers import READY_LINE
 
@@ -83,7 +84,7 @@ def _random_checkpoint(path: Path, **overrides) -> Path:
 def other_models(tmp_path_factory) -> dict[str, Path]:
     """Checkpoints and ONNX files (with reconstruction, as model_dir) of two other models: 5 classes, 32x32 images."""
     from capsnet.export.onnx_export import export_onnx, export_program
-    from capsnet.training.checkpoint import load_checkpoint
+    from capsnet.models.checkpoint import load_checkpoint
 
     out = tmp_path_factory.mktemp("other-models")
     files = {}

@@ -13,10 +13,10 @@ from torch import nn
 from capsnet.cli import main
 from capsnet.errors import CapsNetError
 from capsnet.serving.client import image_message
-from capsnet.export.precision import convolutions_in
+from capsnet.runtime.reduced_precision import convolutions_in
 from capsnet.model_description.precision_gate import GATE_MAX_DIFF
 from capsnet.serving.config import ServerConfig
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset, to_float
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc

@@ -17,7 +17,7 @@ from capsnet.cli import main
 from capsnet.serving.artifacts import load_artifacts
 from capsnet.serving.backends import load_backend
 from capsnet.serving.client import CapsNetClient
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset
 from serving_helpers import ServerThread, pairs, png, rest, rest_infer, server_config
 

@@ -11,7 +11,7 @@ import torch
 from capsnet.kserve import grpc_service_pb2 as kserve_pb
 from capsnet.kserve import grpc_service_pb2_grpc as kserve_grpc
 from capsnet.serving.client import CapsNetClient
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_embedded, to_float
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from capsnet.errors import CapsNetError
-from capsnet.training.anysize_model import GapCnn, SharedCapsNet
-from capsnet.training.checkpoint import create_model, load_checkpoint
-from capsnet.training.config import ANY_SIZE_ARCHITECTURES, PRESETS, CapsNetConfig, InputSizes, preset
+from capsnet.models.any_size import GapCnn, SharedCapsNet
+from capsnet.models.checkpoint import create_model, load_checkpoint
+from capsnet.models.config import ANY_SIZE_ARCHITECTURES, PRESETS, CapsNetConfig, InputSizes, preset
 from capsnet.training.data import load_embedded, to_float
-from capsnet.training.model import count_parameters
+from capsnet.models.capsnet import count_parameters
 
 SIZES = [(14, 14), (28, 28), (28, 56), (56, 28), (40, 100), (31, 17)]
 

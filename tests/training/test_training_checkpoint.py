@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import pickletools
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from capsnet.errors import CapsNetError
-from capsnet.training.checkpoint import FORMAT_VERSION, load_checkpoint, remove_leftover_temporaries, save_checkpoint
+from capsnet.models.checkpoint import FORMAT_VERSION, load_checkpoint
+from capsnet.training.checkpoint import remove_leftover_temporaries, save_checkpoint
 from capsnet.training.distributed import DistributedContext
 from capsnet.training.train import prepare_output
 from capsnet.training.data import load_embedded, to_float
+
+# Checkpoints that an earlier capsnet-serve wrote, when the models lived in capsnet.training (their README.md)
+FORMAT_1_CHECKPOINTS = Path(__file__).parent / "fixtures" / "checkpoint-format-1"
 
 
 def test_round_trip_is_bit_identical(trained_tiny_checkpoint, tmp_path):
@@ -93,11 +100,12 @@ def test_a_save_killed_midway_leaves_a_temporary_that_the_next_run_removes(rando
     out = tmp_path / "model.ckpt"
     # a real save, SIGKILLed while torch.save writes (the payload's first bytes are out, then it stalls)
     script = ("import sys, time, torch\n"
-              "from capsnet.training import checkpoint\n"
+              "from capsnet.models.checkpoint import load_checkpoint\n"
+              "from capsnet.training.checkpoint import save_checkpoint\n"
               "def stalled_save(payload, f):\n"
               "    f.write(b'PK'); f.flush(); print('saving', flush=True); time.sleep(60)\n"
               "torch.save = stalled_save\n"
-              "checkpoint.save_checkpoint(checkpoint.load_checkpoint(sys.argv[1]), sys.argv[2])\n")
+              "save_checkpoint(load_checkpoint(sys.argv[1]), sys.argv[2])\n")
     saver = subprocess.Popen([sys.executable, "-c", script, str(random_tiny_checkpoint), str(out)],
                              stdout=subprocess.PIPE, text=True)
     try:
@@ -119,3 +127,50 @@ def test_a_save_killed_midway_leaves_a_temporary_that_the_next_run_removes(rando
     ]
     assert sorted(tmp_path.iterdir()) == sorted(others)
     assert remove_leftover_temporaries(out) == []
+
+
+@pytest.mark.parametrize("arch", ["capsnet", "em", "shared-capsnet", "gap-cnn"])
+def test_a_checkpoint_an_earlier_version_wrote_still_loads(arch, tmp_path):
+    checkpoint = load_checkpoint(FORMAT_1_CHECKPOINTS / f"{arch}.ckpt")
+    assert checkpoint.config.arch == arch and checkpoint.epoch == 1 and checkpoint.dataset == "embedded-mnist-5k"
+    model = checkpoint.build_model()
+    assert all(torch.equal(value, checkpoint.state_dict[name]) for name, value in model.state_dict().items())
+    sizes = checkpoint.config.input_sizes
+    with torch.no_grad():
+        probabilities = model(torch.rand(2, sizes.channels, sizes.min_height, sizes.min_width)).probabilities
+    assert probabilities.shape == (2, 10) and torch.isfinite(probabilities).all()
+    if checkpoint.optimizer_state is not None:  # what --resume hands back to the optimiser
+        torch.optim.Adam(model.parameters()).load_state_dict(checkpoint.optimizer_state)
+    # and today's writer keeps the format: a copy loads to the same
+    save_checkpoint(checkpoint, tmp_path / "copy.ckpt")
+    copy = load_checkpoint(tmp_path / "copy.ckpt")
+    assert copy.config == checkpoint.config and copy.history == checkpoint.history
+    assert copy.optimizer_state is None or copy.optimizer_state["param_groups"] == checkpoint.optimizer_state[
+        "param_groups"]
+
+
+def _pickled_globals(path: Path) -> set[str]:
+    """The module-level names (classes, functions) that a checkpoint's pickle refers to."""
+    with zipfile.ZipFile(path) as archive:
+        (pickle_name,) = [name for name in archive.namelist() if name.endswith("/data.pkl")]
+        data = archive.read(pickle_name)
+    names, strings = set(), []
+    for opcode, argument, _ in pickletools.genops(data):
+        if opcode.name == "GLOBAL":  # protocol 2, torch.save's: "module name"
+            names.add(argument.replace(" ", "."))
+        elif opcode.name == "STACK_GLOBAL":  # protocol 4 and up: module and name pushed as strings before it
+            names.add(".".join(strings[-2:]))
+        elif isinstance(argument, str):
+            strings.append(argument)
+    return names
+
+
+def test_a_checkpoint_refers_to_no_module_of_capsnet(tmp_path):
+    """Moving or renaming the code cannot break loading: the pickle names torch's tensor rebuilders and the
+    standard library's containers only, never a class of capsnet (weights_only loading would refuse one anyway)."""
+    checkpoint = load_checkpoint(FORMAT_1_CHECKPOINTS / "capsnet.ckpt")
+    save_checkpoint(checkpoint, tmp_path / "today.ckpt")
+    for path in (FORMAT_1_CHECKPOINTS / "capsnet.ckpt", tmp_path / "today.ckpt"):
+        names = _pickled_globals(path)
+        assert any(name.startswith("torch._utils._rebuild_tensor") for name in names), names
+        assert not [name for name in names if name.split(".")[0] not in ("torch", "collections", "builtins")], names

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from capsnet.cli import main
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 
 # Every run that gets past validation would train tiny for one epoch: the errors below must come first.
 TRAIN = ["train", "--preset", "tiny", "--epochs", "1", "--no-progress"]

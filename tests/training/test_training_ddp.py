@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 from group_threads import group_threads
 
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.train import TrainOptions, train
 
 

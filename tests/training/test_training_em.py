@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from capsnet.cli import main
 from capsnet.errors import CapsNetError
-from capsnet.training.checkpoint import create_model, load_checkpoint
-from capsnet.training.config import preset
+from capsnet.models.checkpoint import create_model, load_checkpoint
+from capsnet.models.config import preset
 from capsnet.training.data import load_embedded, to_float
-from capsnet.training.em_model import EPSILON, ClassCaps, em_route, inverse_temperatures, patches, votes_from
+from capsnet.models.em import EPSILON, ClassCaps, em_route, inverse_temperatures, patches, votes_from
 from capsnet.training.loss import capsnet_loss, spread_loss
 
 

@@ -12,7 +12,7 @@ import pytest
 from capsnet.cli import main
 from capsnet.errors import CapsNetError
 from capsnet.training import train as train_module
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset
 
 # 200 random training images make an epoch of 7 steps at batch 32 and 4 at batch 64, in well under a second

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from capsnet.training.checkpoint import load_checkpoint
-from capsnet.training.config import preset
+from capsnet.models.checkpoint import load_checkpoint
+from capsnet.models.config import preset
 from capsnet.training.data import load_embedded, to_float
 from capsnet.training.loss import capsnet_loss, margin_loss, reconstruction_error
-from capsnet.training.model import CapsNetOutput, Decoder
+from capsnet.models.capsnet import CapsNetOutput, Decoder
 
 # lengths, label, by hand with m+ = 0.9, m− = 0.1, λ = 0.5
 HAND_COMPUTED = [

@@ -6,10 +6,10 @@ import numpy as np
 import torch
 
 from capsnet.cli import main
-from capsnet.training.checkpoint import load_checkpoint
-from capsnet.training.config import preset
+from capsnet.models.checkpoint import load_checkpoint
+from capsnet.models.config import preset
 from capsnet.training.data import load_embedded, to_float
-from capsnet.training.model import CapsNet, count_parameters
+from capsnet.models.capsnet import CapsNet, count_parameters
 
 
 def test_paper_preset_has_the_papers_size():

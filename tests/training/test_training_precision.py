@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from capsnet.cli import main
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.runtime.cpu import CPU_FLAGS_ENV, CpuKind, bf16_autocast_pays, bf16_on_this_cpu
-from capsnet.training.checkpoint import load_checkpoint
 
 AVX2 = CpuKind("AMD EPYC", frozenset({"avx2", "fma"}))
 ZEN4 = CpuKind("AMD EPYC 9R14", frozenset({"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16"}))

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from capsnet.training.config import ROUTING_VARIANTS, preset
-from capsnet.training.model import DigitCaps, route
+from capsnet.models.config import ROUTING_VARIANTS, preset
+from capsnet.models.capsnet import DigitCaps, route
 
 
 def naive_route(u_hat, iterations, variant, squash_constant, detach_agreement):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from capsnet.training.model import squash
+from capsnet.models.capsnet import squash
 
 
 @pytest.mark.parametrize("constant", [1.0, 0.5])

@@ -10,7 +10,7 @@ import torch
 
 from capsnet.cli import main
 from capsnet.training import train as train_module
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_embedded, to_float
 
 # Measured with the conftest command (tiny, 2 epochs, batch 64, seed 0, all 4,000 training digits): 73.5% test

@@ -178,7 +178,7 @@ def _public_reference(artifacts, dry_run: bool):
     import torch
 
     from capsnet.bench.analysis.public_reference import DESCRIBED_IN, SOURCE, PublicCapsNet
-    from capsnet.training.checkpoint import load_checkpoint
+    from capsnet.models.checkpoint import load_checkpoint
 
     device = device_of(dry_run)
     model = PublicCapsNet(load_checkpoint(artifacts.checkpoint).build_model()).to(device)

@@ -1,7 +1,7 @@
 """The GPU check's `engines` step: every way of running the model on one GPU, timed side by side in one process.
 
     the public formulation      XifengGuo/CapsNet-Pytorch's forward pass, eager, at torch's defaults
-    the model, eager            training/model.py's CapsNet, eager, at torch's defaults
+    the model, eager            capsnet/models/capsnet.py's CapsNet, eager, at torch's defaults
     the model, torch.compile    the same under torch.compile(mode="reduce-overhead") with bf16 autocast throughout:
                                 what a PyTorch user would deploy
     every served engine         the server's backends (torch and fused, each in fp32, fp16 and bf16), as served:
@@ -61,7 +61,7 @@ def _reference_engine(spec: str, model_dir: Path, device, batches: tuple[int, ..
 
     from capsnet.bench.analysis.public_reference import DESCRIBED_IN, SOURCE, PublicCapsNet
     from capsnet.serving.artifacts import load_artifacts
-    from capsnet.training.checkpoint import load_checkpoint
+    from capsnet.models.checkpoint import load_checkpoint
 
     model = load_checkpoint(load_artifacts(model_dir).checkpoint).build_model().to(device).eval()
     if spec == "public":
@@ -78,7 +78,7 @@ def _reference_engine(spec: str, model_dir: Path, device, batches: tuple[int, ..
             return {"probabilities": output.probabilities, "poses": output.poses,
                     "reconstruction": output.reconstruction}
 
-        description = "training/model.py's CapsNet, eager, torch's defaults"
+        description = "capsnet/models/capsnet.py's CapsNet, eager, torch's defaults"
     else:
         compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(batches))
@@ -92,7 +92,7 @@ def _reference_engine(spec: str, model_dir: Path, device, batches: tuple[int, ..
             return {"probabilities": output.probabilities.clone(), "poses": output.poses.clone(),
                     "reconstruction": output.reconstruction.clone()}
 
-        description = ("training/model.py's CapsNet under torch.compile(mode='reduce-overhead')"
+        description = ("capsnet/models/capsnet.py's CapsNet under torch.compile(mode='reduce-overhead')"
                        + (", bf16 autocast throughout" if autocast else ""))
 
     def on_device(images):

@@ -15,7 +15,7 @@ from capsnet.bench.analysis.peak import measure_peak, median_peak
 from capsnet.bench.analysis.targets import evaluate
 from capsnet.bench.inprocess import tile
 from capsnet.bench.run import Analysis, BenchOptions
-from capsnet.training.config import CapsNetConfig
+from capsnet.models.config import CapsNetConfig
 
 log = logging.getLogger(__name__)
 

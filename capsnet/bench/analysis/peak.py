@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 
 from capsnet.bench.timing import time_calls
-from capsnet.training.config import CapsNetConfig
+from capsnet.models.config import CapsNetConfig
 
 MATMUL_SIZE = 2048
 

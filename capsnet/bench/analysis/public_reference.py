@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from capsnet.errors import CapsNetError
-from capsnet.training.model import CapsNet
+from capsnet.models.capsnet import CapsNet
 
 SOURCE = "XifengGuo/CapsNet-Pytorch"
 DESCRIBED_IN = "capsnet/bench/analysis/public_reference.py"
@@ -101,7 +101,7 @@ def _squash(s: Tensor) -> Tensor:
 def load_reference_backend(checkpoint_path: Path, threads: int) -> tuple[Callable[[np.ndarray], np.ndarray], str]:
     """The `pytorch-public` backend of `capsnet bench` (capsnet.bench.backends): images -> probabilities on the CPU
     with the checkpoint's weights, and what runs; CapsNetError for a model the public code cannot compute."""
-    from capsnet.training.checkpoint import load_checkpoint
+    from capsnet.models.checkpoint import load_checkpoint
 
     torch.set_num_threads(threads)
     model = PublicCapsNet(load_checkpoint(checkpoint_path).build_model())

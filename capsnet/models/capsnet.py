@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from capsnet.training.config import CapsNetConfig
+from capsnet.models.config import CapsNetConfig
 
 
 def squash(s: Tensor, constant: float = 1.0, dim: int = -1) -> Tensor:

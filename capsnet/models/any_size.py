@@ -14,7 +14,8 @@ nothing; with the article's biases every blank position votes, and the votes add
 
 Export-friendly with free H and W: every reshape takes its sizes from the config (classes, capsule size) or
 from flatten/unflatten, never a Python int read off a tensor's spatial shape; routing is the same fixed number
-of tensor ops as `model.route`; each image is computed on its own, so its output does not depend on its batch.
+of tensor ops as CapsNet's (`capsnet.route`); each image is computed on its own, so its output does not depend on
+its batch.
 torch.onnx.export(dynamo=True) traces it with symbolic H and W into one graph without Loop/If that answers every
 valid size (tested down to the smallest). A bare torch.export keeps a guard that the number of input capsules is
 not 1 (a reshape decides between a view and a copy on it), which the ONNX exporter's size-oblivious tracing does
@@ -26,8 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from capsnet.training.config import CapsNetConfig
-from capsnet.training.model import CapsNetOutput, InputNormalisation, RoutingResult, capsule_lengths, route
+from capsnet.models.config import CapsNetConfig
+from capsnet.models.capsnet import CapsNetOutput, InputNormalisation, RoutingResult, capsule_lengths, route
 
 
 class Backbone(nn.Module):

@@ -9,8 +9,8 @@ from capsnet.errors import CapsNetError
 from capsnet.model_description.input_sizes import InputSizes
 
 ROUTING_VARIANTS = ("sabour", "leaky", "su")
-# em: training/em_model.py; cnn-baseline: training/cnn_baseline.py; shared-capsnet and gap-cnn:
-# training/anysize_model.py
+# em: capsnet/models/em.py; cnn-baseline: capsnet/models/cnn_baseline.py; shared-capsnet and gap-cnn:
+# capsnet/models/any_size.py
 ARCHITECTURES = ("capsnet", "em", "cnn-baseline", "shared-capsnet", "gap-cnn")
 # Those with capsule poses, a decoder and a fixed capsule grid to export, serve and draw; the CNN baselines have
 # no capsules, and shared-capsnet no decoder nor a fixed number of capsules.

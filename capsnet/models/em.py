@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from capsnet.training.config import CapsNetConfig
-from capsnet.training.model import CapsNetOutput, Decoder, InputNormalisation, at_least_float32
+from capsnet.models.config import CapsNetConfig
+from capsnet.models.capsnet import CapsNetOutput, Decoder, InputNormalisation, at_least_float32
 
 POSE = 4  # poses are POSE×POSE matrices
 EPSILON = 1e-6  # keeps σ² and the normalisations away from 0 when inputs are inactive

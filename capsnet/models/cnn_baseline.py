@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from capsnet.training.config import CapsNetConfig
-from capsnet.training.model import CapsNetOutput, InputNormalisation
+from capsnet.models.config import CapsNetConfig
+from capsnet.models.capsnet import CapsNetOutput, InputNormalisation
 
 CONV_CHANNELS = (64, 128)
 HIDDEN = 1280  # sized so the parameter count matches the paper CapsNet's
