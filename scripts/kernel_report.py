@@ -390,7 +390,7 @@ def engine_readings() -> list[KernelReading]:
 
     stand_in_hopper()
     from capsnet.runtime.fused_routing import DTYPES, FusedDigitCaps
-    from capsnet.training.config import preset
+    from capsnet.models.config import preset
 
     config = preset("paper")
     weight = torch.zeros(config.num_primary_caps * config.primary_caps_dim,

@@ -45,7 +45,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernel_report  # scripts/, beside this folder
-from capsnet.training.config import preset
+from capsnet.models.config import preset
 
 
 @triton.jit

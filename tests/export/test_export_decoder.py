@@ -14,7 +14,7 @@ from tritonclient.grpc import model_config_pb2
 from capsnet.errors import CapsNetError
 from capsnet.model_description.files import file_sha256
 from capsnet.model_description.schema import ModelDescription
-from capsnet.training.checkpoint import load_checkpoint
+from capsnet.models.checkpoint import load_checkpoint
 
 
 def test_model_json_describes_the_decoder_and_its_parity(tiny_export):
