@@ -42,7 +42,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -53,7 +52,6 @@ sys.path.insert(0, str(REPO / "scripts"))  # serving_ab: the same checkpoint, re
 # where used, as the floor and PyTriton run in Pythons without the project's dependencies
 
 MODEL = "capsnet"
-STARTUP_TIMEOUT_S = 600.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 BATCH_SIZES = (1, 4, 16, 64)
 CPU_PARTS = ("total", "main thread", "gRPC threads")  # the engine's CPU time per image is measured at these
@@ -71,23 +69,12 @@ class Served:
     """A server process, ready once it prints `ready` (the floor, PyTriton) or capsnet's ready line."""
 
     def __init__(self, name: str, command: list[str], port: int | None = None):
-        from serving_ab import READY_LINE
+        from serving_ab import wait_until_ready
 
         self.name, self.command = name, command
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                         start_new_session=True)
-        lines: list[str] = []
-        threading.Thread(target=lambda: lines.extend(self.process.stdout), daemon=True).start()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline and self.process.poll() is None:
-            if match := next(filter(None, map(READY_LINE.search, lines)), None):
-                self.target = f"127.0.0.1:{match[1]}"
-                return
-            if port is not None and any(line.startswith("ready") for line in lines):
-                self.target = f"127.0.0.1:{port}"
-                return
-            time.sleep(0.1)
-        raise SystemExit(f"{name} did not become ready (exit {self.process.poll()})")
+        self.target, _ = wait_until_ready(self.process, name, port)
 
     def cpu_seconds(self) -> dict[str, float]:
         """User + system time of every process of the server's tree (its children: front ends, engine, Triton): in

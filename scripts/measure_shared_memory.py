@@ -43,9 +43,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from serving_ab import CHECKPOINT, READY_LINE, cpu_kind  # noqa: E402 (the same checkpoint and machine facts)
+from serving_ab import CHECKPOINT, cpu_kind, wait_until_ready  # noqa: E402 (the same checkpoint and machine facts)
 
-STARTUP_TIMEOUT_S = 600.0
 
 
 def export(preset: str, scratch: Path) -> Path:
@@ -69,15 +68,7 @@ class Server:
                    "--http-port", "0", "--metrics-port", "0", "--max-batch-size", str(max_batch_size)]
         self.command = command
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        lines: list[str] = []
-        threading.Thread(target=lambda: lines.extend(self.process.stdout), daemon=True).start()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline and self.process.poll() is None:
-            if match := next(filter(None, map(READY_LINE.search, lines)), None):
-                self.target = f"127.0.0.1:{match[1]}"
-                return
-            time.sleep(0.1)
-        raise SystemExit(f"capsnet serve did not become ready (exit {self.process.poll()})")
+        self.target, _ = wait_until_ready(self.process, "capsnet serve")
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)

@@ -59,6 +59,22 @@ HISTOGRAMS = ("capsnet_compute_seconds", "capsnet_queue_wait_seconds")
 STARTUP_TIMEOUT_S = 600.0
 
 
+def wait_until_ready(process: subprocess.Popen, name: str, plain_port: int | None = None) -> tuple[str, str | None]:
+    """Read `process`'s stdout until capsnet's ready line: its gRPC target and metrics URL. A server given
+    `plain_port` (the bare floor, PyTriton) may print a line starting "ready" instead: that port, no metrics URL.
+    SystemExit naming `name` if the process exits or STARTUP_TIMEOUT_S passes first."""
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(process.stdout or ()), daemon=True).start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline and process.poll() is None:
+        if match := next(filter(None, map(READY_LINE.search, lines)), None):
+            return f"127.0.0.1:{match[1]}", f"http://127.0.0.1:{match[2]}/metrics"
+        if plain_port is not None and any(line.startswith("ready") for line in lines):
+            return f"127.0.0.1:{plain_port}", None
+        time.sleep(0.1)
+    raise SystemExit(f"{name} did not become ready (exit {process.poll()})")
+
+
 @dataclass
 class Server:
     label: str
@@ -69,7 +85,6 @@ class Server:
     metrics_url: str = ""
     model: dict = field(default_factory=dict)  # model.json of its export
     commit: str = ""
-    lines: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # set for its server only
 
     def run(self, *args: str, timeout: float = 900) -> None:
@@ -94,15 +109,7 @@ class Server:
             serve += ["--http-port", "0"]
         self.process = subprocess.Popen(serve, cwd=self.tree, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                         text=True, env={**os.environ, **self.env})
-        threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True).start()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline and self.process.poll() is None:
-            if match := next(filter(None, map(READY_LINE.search, self.lines)), None):
-                self.target = f"127.0.0.1:{match[1]}"
-                self.metrics_url = f"http://127.0.0.1:{match[2]}/metrics"
-                return
-            time.sleep(0.1)
-        raise SystemExit(f"{self.label}: capsnet serve did not become ready (exit {self.process.poll()})")
+        self.target, self.metrics_url = wait_until_ready(self.process, f"{self.label}: capsnet serve")
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
