@@ -163,6 +163,7 @@ class RemoteModels(ModelManager):
         self.link = link
 
     async def start(self) -> None:
+        self.source.check()  # the names it lists (a model and its decoder) are read from model.json
         config = self.config
         batching = BatcherConfig(config.max_batch_size, config.max_queue_delay_us / 1e6, config.max_queue_size)
         for spec in self.link.specs:

@@ -100,6 +100,13 @@ def test_front_ends_answer_count_and_restart(served, model_dir):
     with grpc.insecure_channel(served.target) as channel:
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+    # the model's decoder is served beside it through the front ends too
+    assert [model.name for model in connections[1].get_model_repository_index().models] == ["capsnet",
+                                                                                            "capsnet-decoder"]
+    poses, classes = triton.InferInput("poses", [2, 10, 16], "FP32"), triton.InferInput("class_index", [2], "INT64")
+    poses.set_data_from_numpy(np.full((2, 10, 16), 0.05, np.float32))
+    classes.set_data_from_numpy(np.array([3, 7], np.int64))
+    assert connections[1].infer("capsnet-decoder", [poses, classes]).as_numpy("reconstruction").shape == (2, 784)
 
     # Requests held in the (stopped) engine: one past its deadline ends DEADLINE_EXCEEDED; those whose front ends
     # die end UNAVAILABLE, not in a hang.
