@@ -34,6 +34,15 @@ def _gpu_skip_reason() -> str | None:
     return None
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """torch's thread count as each test found it: a backend sets it for the whole process, and a model trained by a
+    later session fixture would otherwise depend on which tests ran before (its float sums' order does)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cpu_kind" in getattr(item, "fixturenames", ()):

@@ -174,7 +174,9 @@ def test_an_unreadable_model_file_or_directory_is_one_line(model_dir, tmp_path, 
     # model.json edited so that it no longer describes the graph
     (lambda d, other: _edit(d, lambda s: s["input"].__setitem__("name", "pixels")), (),
      "model.onnx takes inputs ['images'], model.json says ['pixels']"),
+    # the description of another model, 32x32 and without the reconstruction (so without a decoder)
     (lambda d, other: _edit(d, lambda s: (s["input"].__setitem__("shape", [1, 32, 32]), s["outputs"].pop(),
+                                          s.pop("decoder", None),
                                           s["input"]["sizes"].update(min_height=32, max_height=32, min_width=32,
                                                                      max_width=32))), (),
      "model.onnx takes tensor(float) ['batch', 1, 28, 28], model.json says float32 [N, 1, 32, 32]"),
