@@ -18,6 +18,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -131,6 +132,10 @@ class InferenceService:
         self.lifecycle = lifecycle
         self.metrics = metrics
         self.stats = stats
+        # what its requests' headers were checked to be, by what they declare (serving/kserve.py): the check of a
+        # header against this version does not change while it serves
+        self.accepted_inputs: dict[tuple, Any] = {}  # kserve.InputTensor
+        self.accepted_outputs: dict[tuple, Any] = {}  # [kserve.OutputPlan]
         self._users = 0  # requests holding this version (use())
         self._unused = asyncio.Event()  # set while none does
         self._unused.set()
@@ -178,17 +183,20 @@ class InferenceService:
             await asyncio.to_thread(self.backend.warmup, sizes, self.spec.input_shape)
         log.info("warmed up batch sizes %s in %.2f s", sizes, time.monotonic() - started)
 
-    @contextlib.contextmanager
-    def use(self):
-        """Held by a request from when it is given this version until it is answered; close() waits for it."""
+    def use(self) -> "InferenceService":
+        """Held by a request (`with version.use():`) from when it is given this version until it is answered; close()
+        waits for it."""
+        return self
+
+    def __enter__(self) -> "InferenceService":
         self._users += 1
         self._unused.clear()
-        try:
-            yield self
-        finally:
-            self._users -= 1
-            if not self._users:
-                self._unused.set()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._users -= 1
+        if not self._users:
+            self._unused.set()
 
     async def close(self) -> None:
         """Once no request holds this version and its queue is empty, free the backend."""
@@ -258,8 +266,9 @@ class InferenceService:
         images_count = sum(len(images) for images in groups)
         runs = [run for output in outputs for run in output.runs]
         queue_wait = max(output.queue_wait for output in outputs)  # the sizes waited side by side
-        self.stats.record_request(True, time.monotonic() - arrival, images_count, queue_wait,
-                                  {name: sum(run.phases()[name] for run in runs) for name in PHASES})
+        phases = runs[0].phases() if len(runs) == 1 else {name: sum(run.phases()[name] for run in runs)
+                                                           for name in PHASES}
+        self.stats.record_request(True, time.monotonic() - arrival, images_count, queue_wait, phases)
         if (record := CURRENT.get()) is not None:
             record.answered(images_count, outputs[0] if len(outputs) == 1 else BatchOutput(
                 {}, queue_wait, sorted(runs, key=lambda run: run.cut), min(output.submitted for output in outputs)))
