@@ -181,6 +181,11 @@ class Batcher:
             self._drop(request, "deadline" if past else "cancelled")
             raise
 
+    async def submit_sizes(self, groups: list[Images], deadline: float | None = None,
+                           sinks: dict[str, OutputSink] | None = None) -> list[BatchOutput]:
+        """One request's images of several sizes, each queued as submit() queues it, waited for side by side."""
+        return list(await asyncio.gather(*(self.submit(images, deadline, sinks) for images in groups)))
+
     async def drain(self) -> None:
         """Wait until every queued request has been computed, then stop."""
         while self._queue or not self._idle.is_set():

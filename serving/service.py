@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from capsnet.serving.artifacts import ModelArtifacts, load_artifacts
 from capsnet.serving.backend_registry import BACKEND_KINDS
 from capsnet.serving.backends import LoadedBackend, load_backend
 from capsnet.serving.backends.base import Backend
-from capsnet.serving.batcher import BatchOutput, Batcher, BatcherConfig, ImageSource, OutputSink
+from capsnet.serving.batcher import BatchOutput, Batcher, BatcherConfig, BatchRun, ImageSource, OutputSink
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.decoder import CHOICE as DECODER_CHOICE
 from capsnet.serving.decoder import check_rows, decoder_spec_fields, load_decoder
@@ -66,6 +67,7 @@ class InferenceResult:
     outputs: dict[str, np.ndarray]
     queue_seconds: float  # waiting for a batch
     compute_seconds: float  # backend runs that included these images
+    runs: list[BatchRun] = dataclasses.field(default_factory=list)  # those runs
 
 
 @contextlib.contextmanager
@@ -111,6 +113,12 @@ def check_values(images: np.ndarray, field: str, first: int = 0) -> None:
         raise InvalidInput(f"{field}: image {first + index} has values in [{rows[index].min():g}, "
                            f"{rows[index].max():g}]; expected [0, 1] (divide 8-bit pixels by 255, or send them as "
                            "uint8)")
+
+
+def batcher_config(spec: ModelSpec, config: ServerConfig) -> BatcherConfig:
+    """A version's batching as the server's settings ask, wherever its batcher runs (this process, or an engine
+    process beside front ends): batches of up to its spec's max_batch_size (a decoder's may exceed the server's)."""
+    return BatcherConfig(spec.max_batch_size, config.max_queue_delay_us / 1e6, config.max_queue_size)
 
 
 def _load(folder: Path, config: ServerConfig) -> tuple[ModelArtifacts, LoadedBackend]:
@@ -169,8 +177,7 @@ class InferenceService:
             choice=loaded.why,
         )
         series, stats = metrics.for_version(name, version), ModelStatistics(name, version)
-        batcher = Batcher(backend, BatcherConfig(spec.max_batch_size, config.max_queue_delay_us / 1e6,
-                                                 config.max_queue_size), series, stats, on_unusable=lifecycle.fail,
+        batcher = Batcher(backend, batcher_config(spec, config), series, stats, on_unusable=lifecycle.fail,
                           handled=lifecycle.in_flight.__len__)
         return cls(spec, backend, batcher, lifecycle, series, stats)
 
@@ -258,8 +265,7 @@ class InferenceService:
             if len(groups) == 1:  # the common case, without a gather's tasks
                 outputs = [await self.batcher.submit(groups[0], deadline, sinks)]
             else:
-                outputs = list(await asyncio.gather(*(self.batcher.submit(images, deadline, sinks)
-                                                      for images in groups)))
+                outputs = await self.batcher.submit_sizes(groups, deadline, sinks)
         except BaseException:  # queue full, past its deadline, a backend failure, cancelled: failed at the model
             self.stats.record_request(False, time.monotonic() - arrival)
             raise
@@ -274,5 +280,5 @@ class InferenceService:
                 {}, queue_wait, sorted(runs, key=lambda run: run.cut), min(output.submitted for output in outputs)))
         return [InferenceResult({name: array for name, array in output.outputs.items()
                                  if reconstruction or name != "reconstruction"},
-                                queue_seconds=output.queue_wait, compute_seconds=output.compute)
+                                queue_seconds=output.queue_wait, compute_seconds=output.compute, runs=output.runs)
                 for output in outputs]
