@@ -158,15 +158,7 @@ class Batcher:
         if len(self._queue) >= self.config.max_queue_size:
             raise QueueFull(f"queue full: {len(self._queue)} requests are waiting (--max-queue-size "
                             f"{self.config.max_queue_size}); retry later or on another replica")
-        loop = asyncio.get_running_loop()
-        request = _Request(images, deadline, loop.create_future(), sinks=sinks or {})
-        if (not self._queue and self._idle.is_set() and self.config.max_queue_delay_s <= 0
-                and (deadline is None or deadline > request.arrival) and self._runs_inline(len(images), 1)):
-            # Nothing waits or runs, and the scheduler would cut this request alone and run it on the loop at once:
-            # the same batch, run here, without waking the scheduler and waking this task back.
-            request.taken = len(images)
-            await self._run(loop, [(request, 0, len(images))])
-            return request.future.result()
+        request = _Request(images, deadline, asyncio.get_running_loop().create_future(), sinks=sinks or {})
         self._queue.append(request)
         self._queued_images += len(images)
         self._changed()
@@ -276,7 +268,10 @@ class Batcher:
         size = sum(stop - start for _, start, stop in parts)
         try:
             estimate = self._run_estimate_s.get(size)
-            if self._runs_inline(size, len(parts)):
+            # Alone, the request has nothing to overlap its run with; with others being decoded, the thread lets
+            # them queue meanwhile, and they form the next batch.
+            alone = self._handled is not None and self._handled() <= len(parts)
+            if alone and estimate is not None and estimate < INLINE_RUN_S:
                 outputs, failed, started, ended = self._gather_and_run(parts)
             else:
                 outputs, failed, started, ended = await loop.run_in_executor(self._executor, self._gather_and_run,
@@ -313,14 +308,6 @@ class Batcher:
         self.metrics.batch_size.observe(size)
         self.metrics.images.inc(size)
         self.stats.record_batch(size, run.phases())
-
-    def _runs_inline(self, size: int, requests: int) -> bool:
-        """Whether a batch of `size` images from `requests` requests runs on the event loop: alone, the requests have
-        nothing to overlap its run with (with others being decoded, the thread lets them queue meanwhile, and they
-        form the next batch), and a run of that size is known to be short."""
-        estimate = self._run_estimate_s.get(size)
-        return (estimate is not None and estimate < INLINE_RUN_S and self._handled is not None
-                and self._handled() <= requests)
 
     def _gather_and_run(self, parts: list[tuple[_Request, int, int]]):
         """In the worker thread: the batch's images in one array, read from memory or from their regions, the
