@@ -419,8 +419,9 @@ def targets(report: dict) -> list[str]:
         if report["device"]:  # on a GPU host (a 16-core one in the targets): the fused engine's request rates
             c64 = server["cells"].get("64", server["cells"].get(64, {}))
             if "requests_per_s" in c64:
-                lines.append(f"| ≥ 20,000 requests/s at c64 ({report['cores']} cores) | {name} | "
-                             f"{c64['requests_per_s']:,.0f} | {'yes' if c64['requests_per_s'] >= 20000 else '**no**'} |")
+                rate = c64["requests_per_s"]
+                lines.append(f"| ≥ 20,000 requests/s at c64 ({report['cores']} cores) | {name} | {rate:,.0f} | "
+                             f"{'yes' if rate >= 20000 else '**no**'} |")
             if "p50_ms" in c1:
                 lines.append(f"| c1 p50 ≤ 0.8 ms | {name} | {c1['p50_ms']:.3f} ms | "
                              f"{'yes' if c1['p50_ms'] <= 0.8 else '**no**'} |")

@@ -26,8 +26,8 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from collections.abc import Mapping, Sequence
-from typing import NamedTuple, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -506,13 +506,7 @@ def _checked_input(model: InferenceService, inputs: list[InferInput]) -> InputTe
     if len(inputs) != 1:
         return check_input(model.spec, inputs)
     name, datatype, shape, _ = inputs[0]
-    key = (name, datatype, *shape)
-    tensor = model.accepted_inputs.get(key)
-    if tensor is None:
-        tensor = check_input(model.spec, inputs)
-        if len(model.accepted_inputs) < ACCEPTED_HEADERS:
-            model.accepted_inputs[key] = tensor
-    return tensor
+    return _remembered(model.accepted_inputs, (name, datatype, *shape), lambda: check_input(model.spec, inputs))
 
 
 def _planned_outputs(model: InferenceService, outputs: list[RequestedOutput]) -> list[OutputPlan]:
@@ -520,13 +514,19 @@ def _planned_outputs(model: InferenceService, outputs: list[RequestedOutput]) ->
     clients name the same outputs in every request, or none)."""
     if any(parameters for _, parameters in outputs):
         return requested_outputs(model.spec, outputs)
-    key = tuple(name for name, _ in outputs)
-    plans = model.accepted_outputs.get(key)
-    if plans is None:
-        plans = requested_outputs(model.spec, outputs)
-        if len(model.accepted_outputs) < ACCEPTED_HEADERS:
-            model.accepted_outputs[key] = plans
-    return plans
+    return _remembered(model.accepted_outputs, tuple(name for name, _ in outputs),
+                       lambda: requested_outputs(model.spec, outputs))
+
+
+def _remembered(accepted: dict, key: tuple, check: Callable[[], Any]) -> Any:
+    """What check() answers for `key`, remembered in `accepted` (up to ACCEPTED_HEADERS keys) once it has passed; a
+    refusal raises and is not remembered."""
+    found = accepted.get(key)
+    if found is None:
+        found = check()
+        if len(accepted) < ACCEPTED_HEADERS:
+            accepted[key] = found
+    return found
 
 
 class RegionOutput:
