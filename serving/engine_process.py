@@ -30,7 +30,6 @@ from capsnet.serving.errors import ServingError
 from capsnet.serving.lifecycle import Lifecycle, Phase, Tracked
 from capsnet.serving.metrics import Metrics
 from capsnet.serving.model_manager import ModelManager, ModelRef
-from capsnet.serving.observe import CURRENT, RequestRecord
 from capsnet.serving.repository import OneModel, RepositoryDir, VersionPolicy
 
 log = logging.getLogger(__name__)
@@ -125,25 +124,27 @@ class Engine:
 
     async def _infer(self, message: tuple, slots: TensorSlots, outbox: engine_link.Outbox,
                      requests: dict[int, asyncio.Task]) -> None:
-        _, request_id, name, version, slot, shape, deadline, arrival = message
+        _, request_id, name, version, parts, deadline, arrival = message  # parts: (slot, image shape) per size
         assert self.models is not None
-        record = RequestRecord("engine", "infer", arrival)  # what the batcher says of the request: its batches
-        CURRENT.set(record)
         handled = Tracked(arrival)  # what the batchers read as the engine's load
         self.lifecycle.in_flight.add(handled)
         reply: tuple  # (request id, None or the error, None or the answer)
         try:
             with self.models.use(ModelRef(name, version)) as service:
-                # every output the model has: the front end answers those its request asked for
-                result = await service.infer(slots.images(slot, shape), field="inputs[0]",
-                                             reconstruction="reconstruction" in service.spec.output_names,
-                                             deadline=deadline, arrival=arrival)
-            names = list(result.outputs)
-            shapes = [result.outputs[output].shape for output in names]
-            for output, offset in zip(names, slots.output_offsets(shape, shapes)):
-                slots.array(slot, offset, result.outputs[output].shape)[...] = result.outputs[output]
-            runs: list[tuple] = [tuple(run) for run in record.output.runs] if record.output is not None else []
-            reply = (request_id, None, (names, shapes, result.queue_seconds, runs))
+                # every output the model has: the front end answers those its request asked for; images of several
+                # sizes side by side, counted as one request (as in a single-process server)
+                results = await service.infer_sizes([slots.images(slot, shape) for slot, shape in parts],
+                                                    field="inputs[0]",
+                                                    reconstruction="reconstruction" in service.spec.output_names,
+                                                    deadline=deadline, arrival=arrival)
+            answers = []
+            for (slot, shape), result in zip(parts, results):
+                names = list(result.outputs)
+                shapes = [result.outputs[output].shape for output in names]
+                for output, offset in zip(names, slots.output_offsets(shape, shapes)):
+                    slots.array(slot, offset, result.outputs[output].shape)[...] = result.outputs[output]
+                answers.append((names, shapes, result.queue_seconds, [tuple(run) for run in result.runs]))
+            reply = (request_id, None, answers)
         except asyncio.CancelledError:
             reply = (request_id, ("RequestTimeout", "cancelled"), None)
         except Exception as err:  # a request's error goes back to its front end, which answers it

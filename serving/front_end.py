@@ -32,7 +32,7 @@ from capsnet.serving.metrics import Metrics
 from capsnet.serving.model_manager import ModelManager, ModelRef, ServedModel, VersionState, VersionStatus
 from capsnet.serving.observe import CURRENT
 from capsnet.serving.server import CapsNetServer
-from capsnet.serving.service import InferenceService, ModelSpec
+from capsnet.serving.service import InferenceService, ModelSpec, batcher_config
 from capsnet.serving.statistics import ModelStatistics
 
 log = logging.getLogger(__name__)
@@ -52,9 +52,12 @@ class EngineLink:
         self._reader, self._writer = reader, writer
         self._outbox = engine_link.Outbox(writer)
         self._ids = itertools.count()
-        self._pending: dict[int, tuple[asyncio.Future, int | None]] = {}  # id -> (its reply, its slot)
+        self._pending: dict[int, tuple[asyncio.Future, list[int]]] = {}  # id -> (its reply, its slots)
         self._free = list(range(slots.count))
         self._available = asyncio.Semaphore(slots.count)
+        # one request taking several slots (images of several sizes) at a time: two taking them one by one could
+        # each hold some and wait for the other's
+        self._taking_several = asyncio.Lock()
         self.lost = asyncio.Event()  # set once the engine has gone
         self._reading = asyncio.get_running_loop().create_task(self._read(), name="capsnet-engine-link")
 
@@ -72,9 +75,9 @@ class EngineLink:
         try:
             while True:
                 request_id, error, payload = await engine_link.receive(self._reader)
-                reply, slot = self._pending.pop(request_id)
-                if reply.cancelled():  # its caller has gone: the slot is free once the engine is done with it
-                    self._release(slot)
+                reply, slots = self._pending.pop(request_id)
+                if reply.cancelled():  # its caller has gone: the slots are free once the engine is done with them
+                    self._release(slots)
                 elif error is not None:
                     reply.set_exception(engine_link.error_from(error))
                 else:
@@ -88,47 +91,68 @@ class EngineLink:
                     reply.set_exception(ServerNotReady(ENGINE_GONE))
             self._pending.clear()
 
-    def _release(self, slot: int | None) -> None:
-        if slot is not None:
+    def _release(self, slots: list[int]) -> None:
+        for slot in slots:
             self._free.append(slot)
             self._available.release()
 
-    def _call(self, message: tuple, slot: int | None) -> tuple[int, asyncio.Future]:
+    async def _take(self, count: int) -> list[int]:
+        if count == 1:
+            await self._available.acquire()
+            return [self._free.pop()]
+        async with self._taking_several:
+            taken: list[int] = []
+            try:
+                for _ in range(count):
+                    await self._available.acquire()
+                    taken.append(self._free.pop())
+            except BaseException:
+                self._release(taken)
+                raise
+            return taken
+
+    def _call(self, message: tuple, slots: list[int]) -> tuple[int, asyncio.Future]:
         if self.lost.is_set():
             raise ServerNotReady(ENGINE_GONE)
         request_id = next(self._ids)
         reply = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = (reply, slot)
+        self._pending[request_id] = (reply, slots)
         self._outbox.send((message[0], request_id, *message[1:]))
         return request_id, reply
 
-    async def infer(self, spec: ModelSpec, images: np.ndarray, deadline: float | None,
-                    arrival: float) -> BatchOutput:
-        """`images` (N, C, H, W) float32, checked, through the engine's batcher for `spec`'s version."""
-        await self._available.acquire()
-        slot = self._free.pop()
-        owned = True  # the slot is released here, unless the engine still holds it
+    async def infer(self, spec: ModelSpec, groups: list[np.ndarray], deadline: float | None,
+                    arrival: float) -> list[BatchOutput]:
+        """One request's images, (N, C, H, W) float32 and checked, of one size or several (a group each), through
+        the engine's batcher for `spec`'s version: one slot per group, one request to the engine (which counts it
+        once)."""
+        slots = await self._take(len(groups))
+        owned = True  # the slots are released here, unless the engine still holds them
         try:
-            self.slots.images(slot, images.shape)[...] = images
-            request_id, reply = self._call((INFER, spec.name, spec.version, slot, images.shape, deadline, arrival),
-                                           slot)
+            for slot, images in zip(slots, groups):
+                self.slots.images(slot, images.shape)[...] = images
+            request_id, reply = self._call((INFER, spec.name, spec.version,
+                                            [(slot, images.shape) for slot, images in zip(slots, groups)], deadline,
+                                            arrival), slots)
             try:
-                names, shapes, queue_wait, runs = await reply
+                answers = await reply
             except asyncio.CancelledError:
-                if reply.cancelled() and not self.lost.is_set():  # the engine is told; its reply frees the slot
+                if reply.cancelled() and not self.lost.is_set():  # the engine is told; its reply frees the slots
                     owned = False
                     self._outbox.send((CANCEL, request_id))
                 raise
-            offsets = self.slots.output_offsets(images.shape, shapes)
-            outputs = {name: self.slots.array(slot, offset, shape).copy()
-                       for name, shape, offset in zip(names, shapes, offsets)}
-            return BatchOutput(outputs, queue_wait, [BatchRun(*run) for run in runs], arrival)
+            outputs = []
+            for slot, images, (names, shapes, queue_wait, runs) in zip(slots, groups, answers):
+                offsets = self.slots.output_offsets(images.shape, shapes)
+                outputs.append(BatchOutput({name: self.slots.array(slot, offset, shape).copy()
+                                            for name, shape, offset in zip(names, shapes, offsets)},
+                                           queue_wait, [BatchRun(*run) for run in runs], arrival))
+            return outputs
         finally:
             if owned:
-                self._release(slot)
+                self._release(slots)
 
     async def statistics(self, ref: ModelRef) -> list[dict]:
-        _, reply = self._call((STATISTICS, ref.name, ref.version), None)
+        _, reply = self._call((STATISTICS, ref.name, ref.version), [])
         return await reply
 
     async def close(self) -> None:
@@ -148,10 +172,15 @@ class EngineQueue:
 
     async def submit(self, images: np.ndarray, deadline: float | None = None,
                      sinks: dict[str, OutputSink] | None = None) -> BatchOutput:
+        (output,) = await self.submit_sizes([images], deadline, sinks)
+        return output
+
+    async def submit_sizes(self, groups: list[np.ndarray], deadline: float | None = None,
+                           sinks: dict[str, OutputSink] | None = None) -> list[BatchOutput]:
         assert not sinks, "client shared memory is not served by front-end processes (serving/workers.py)"
         record = CURRENT.get()
         arrival = record.started if record is not None else time.monotonic()
-        return await self.link.infer(self.spec, images, deadline, arrival)
+        return await self.link.infer(self.spec, groups, deadline, arrival)
 
 
 class RemoteModels(ModelManager):
@@ -164,12 +193,10 @@ class RemoteModels(ModelManager):
 
     async def start(self) -> None:
         self.source.check()  # the names it lists (a model and its decoder) are read from model.json
-        config = self.config
-        batching = BatcherConfig(config.max_batch_size, config.max_queue_delay_us / 1e6, config.max_queue_size)
         for spec in self.link.specs:
             self.check_spec(spec)
             model = self.models.setdefault(spec.name, ServedModel(spec.name))
-            queue = cast(Batcher, EngineQueue(self.link, spec, batching))
+            queue = cast(Batcher, EngineQueue(self.link, spec, batcher_config(spec, self.config)))
             # no backend here: the engine's runs it; the statistics this process would keep are the engine's
             service = InferenceService(spec, cast(Backend, None), queue, self.lifecycle,
                                        self.metrics.for_version(spec.name, spec.version),

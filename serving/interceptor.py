@@ -19,11 +19,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Iterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -56,14 +54,16 @@ class _Unparseable:
 
 
 class _Call(Tracked):
-    """One RPC's bookkeeping; counted when its handler ends."""
+    """One RPC's bookkeeping, and the context manager its handler runs in: counted once when the handler ends, by how
+    it ended (a ServingError answered as its status, a server fault as UNKNOWN, which gRPC answers and logs after we
+    count it, a cancellation as the client's or the shutdown's)."""
 
-    __slots__ = ("interceptor", "api", "method", "task", "code", "streaming", "received", "answered",
+    __slots__ = ("interceptor", "api", "method", "context", "task", "code", "streaming", "received", "answered",
                  "ended_by_server", "record")
 
-    def __init__(self, interceptor: "RequestInterceptor", api: str, method: str, streaming: bool):
+    def __init__(self, interceptor: "RequestInterceptor", api: str, method: str, streaming: bool, context):
         super().__init__(0.0)
-        self.interceptor, self.api, self.method = interceptor, api, method
+        self.interceptor, self.api, self.method, self.context = interceptor, api, method, context
         self.task: asyncio.Task | None = None  # the task running the handler, once it runs
         self.code: grpc.StatusCode | None = None  # set by our handling; None: read it from the context
         self.streaming = streaming  # requests arrive on a stream, each answered in turn (ClassifyStream)
@@ -71,10 +71,11 @@ class _Call(Tracked):
         self.ended_by_server = False  # an open stream the shutdown ended
         self.record: RequestRecord | None = None
 
-    def begin(self, context) -> None:
+    def __enter__(self) -> "_Call":
         self.started = time.monotonic()
         self.task = asyncio.current_task()
-        if self.interceptor.observer.wants_details:
+        interceptor, context = self.interceptor, self.context
+        if interceptor.observer.wants_details:
             traceparent = next((value for key, value in context.invocation_metadata() or () if key == TRACEPARENT),
                                None)
             self.record = RequestRecord(self.api, self.method, self.started, grpc_peer(context.peer()), traceparent)
@@ -82,35 +83,65 @@ class _Call(Tracked):
             self.record = RequestRecord(self.api, self.method, self.started)
         CURRENT.set(self.record)  # in the call's own task: the handler's context
         if self.api in _NOT_IN_FLIGHT:
-            self.interceptor.open_streams.add(self)
+            interceptor.open_streams.add(self)
         else:
-            self.interceptor.in_flight.add(self)
+            interceptor.in_flight.add(self)
+        return self
 
-    def end(self, context) -> None:
-        code = self.code or context.code() or grpc.StatusCode.OK
+    def __exit__(self, kind, error, traceback) -> bool:
+        """True where the error is answered here (its status set) and goes no further."""
+        handled = False
+        if kind is None:
+            pass
+        elif issubclass(kind, ServingError):
+            self.refuse(error)
+            handled = True
+        elif issubclass(kind, asyncio.CancelledError):
+            handled = self._ended_by_shutdown()
+            if not handled:
+                self.gave_up()
+        elif issubclass(kind, GeneratorExit):  # a stream cancelled while at `yield`
+            self.gave_up()
+        elif issubclass(kind, Exception):
+            self.code = grpc.StatusCode.UNKNOWN
+        self._end()
+        return handled
+
+    def _end(self) -> None:
+        code = self.code or self.context.code() or grpc.StatusCode.OK
         if self.api in _NOT_IN_FLIGHT:
             self.interceptor.open_streams.discard(self)
         else:
             self.interceptor.in_flight.remove(self)
-        assert self.record is not None  # begin() made it
+        assert self.record is not None  # __enter__ made it
         self.interceptor.observer.end(self.record, code.name)
 
-    def refuse(self, context, err: ServingError) -> None:
+    def refuse(self, err: ServingError) -> None:
         """Answer with the error's code and message (the handler returns right after)."""
         self.code = grpc.StatusCode[err.grpc_code]
-        context.set_code(self.code)
-        context.set_details(bounded_message(err.message))
+        self.context.set_code(self.code)
+        self.context.set_details(bounded_message(err.message))
 
     def requests_in_flight(self) -> int:
         """A unary call is one request; a stream counts its requests from arrival to answer, so that an idle stream
         is no load."""
         return max(0, self.received - self.answered) if self.streaming else 1
 
-    def gave_up(self, context) -> None:
+    def gave_up(self) -> None:
         """The client cancelled, or its deadline passed (gRPC cancels the handler either way; the client's own
         cancellation at its deadline can come a little before the server's, see DEADLINE_SLACK_S)."""
-        past = past_deadline(context.time_remaining())
+        past = past_deadline(self.context.time_remaining())
         self.code = grpc.StatusCode.DEADLINE_EXCEEDED if past else grpc.StatusCode.CANCELLED
+
+    def _ended_by_shutdown(self) -> bool:
+        """Whether end_open_streams() cancelled this call; if so the call ends UNAVAILABLE, and its task goes on."""
+        if not self.ended_by_server:
+            return False
+        task = asyncio.current_task()
+        if task is not None and hasattr(task, "uncancel"):  # Python 3.11+ counts cancellations; 3.10 needs nothing
+            task.uncancel()
+        self.refuse(ServerNotReady("the server is shutting down"))
+        return True
 
 
 class RequestInterceptor(grpc.aio.ServerInterceptor):
@@ -119,11 +150,14 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         self.max_message_bytes = max_message_bytes
         self.in_flight = in_flight  # RPCs (but health checks and reflection) whose handler is running
         self.open_streams: set[_Call] = set()  # health checks and reflection streams whose handler is running
+        # method path -> its handler, wrapped: built once per method the server has (a handler is the same object
+        # for every call of its method), not once per call
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     async def end_open_streams(self, timeout: float) -> None:
         """Shutdown: end the health Watch and reflection streams (which last as long as their client wants) with
         UNAVAILABLE, so that gRPC's stop does not cancel them (it logs an ERROR traceback for each)."""
-        tasks = {call.task for call in self.open_streams if call.task is not None}  # begin() set each one
+        tasks = {call.task for call in self.open_streams if call.task is not None}  # __enter__ set each one
         for call in self.open_streams:
             call.ended_by_server = True
         for task in tasks:
@@ -132,95 +166,66 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             await asyncio.wait(tasks, timeout=timeout)
 
     async def intercept_service(self, continuation, handler_call_details):
+        path = handler_call_details.method
+        wrapped = self._wrapped.get(path)
+        if wrapped is not None:
+            return wrapped
         handler = await continuation(handler_call_details)
-        service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED; any name, so no name in the labels
             self.observer.metrics.requests.labels("unknown", "unknown", grpc.StatusCode.UNIMPLEMENTED.name, "",
                                                   "").inc()
             return None
-        call = _Call(self, API_NAMES.get(service, "unknown"), method,
-                     handler.request_streaming and handler.response_streaming)
+        service, _, method = path.lstrip("/").rpartition("/")
         kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
-        wrapped = self._wrap(getattr(handler, kind), call, handler.request_streaming)
-        return handler._replace(request_deserializer=_guarded(handler.request_deserializer), **{kind: wrapped})
+        behavior = self._wrap(getattr(handler, kind), API_NAMES.get(service, "unknown"), method,
+                              handler.request_streaming, handler.response_streaming)
+        wrapped = self._wrapped[path] = handler._replace(request_deserializer=_guarded(handler.request_deserializer),
+                                                         **{kind: behavior})
+        return wrapped
 
-    def _wrap(self, behavior, call: _Call, request_streaming: bool):
+    def _wrap(self, behavior, api: str, method: str, request_streaming: bool, response_streaming: bool):
         # gRPC tells handler kinds apart by their function type, so each wrapper keeps it.
         limit = self.max_message_bytes
+        streaming = request_streaming and response_streaming
 
-        def prepare(request, context):
+        def prepare(request, call: _Call):
             """The request as the handler takes it; None (and the status set) when it did not parse."""
             if request_streaming:
                 return _parsed_stream(request, call)
             if isinstance(request, _Unparseable):
                 log.warning("unparseable %s request (%d bytes) from %s: answered INVALID_ARGUMENT",
-                            call.method, request.size, context.peer())
-                call.refuse(context, InvalidInput(f"the request ({request.size} bytes) is not a valid {call.method} "
-                                                  "message"))
+                            method, request.size, call.context.peer())
+                call.refuse(InvalidInput(f"the request ({request.size} bytes) is not a valid {method} message"))
                 return None
             return request
 
-        def too_large(response, context) -> bool:
+        def too_large(response, call: _Call) -> bool:
             size = response.ByteSize()
             if size <= limit:
                 return False
-            call.refuse(context, TooLarge(f"the response ({size} bytes) exceeds the server's limit of {limit} bytes "
-                                          "(--max-message-bytes); ask for fewer images or outputs per request"))
+            call.refuse(TooLarge(f"the response ({size} bytes) exceeds the server's limit of {limit} bytes "
+                                 "(--max-message-bytes); ask for fewer images or outputs per request"))
             return True
 
         if inspect.isasyncgenfunction(behavior):
             async def wrapped(request, context):
-                with self._outcome(call, context):
-                    if (request := prepare(request, context)) is not None:
+                with _Call(self, api, method, streaming, context) as call:
+                    if (request := prepare(request, call)) is not None:
                         async for response in behavior(request, context):
-                            if too_large(response, context):
+                            if too_large(response, call):
                                 return
                             call.answered += 1
                             yield response
             return wrapped
         else:
             async def unary(request, context):
-                with self._outcome(call, context):
-                    if (request := prepare(request, context)) is None:
+                with _Call(self, api, method, streaming, context) as call:
+                    if (request := prepare(request, call)) is None:
                         return None
                     response = await behavior(request, context)
-                    return None if response is not None and too_large(response, context) else response
+                    return None if response is not None and too_large(response, call) else response
                 return None  # refused, or ended by the shutdown: the status is set
             return unary
-
-    @contextlib.contextmanager
-    def _outcome(self, call: _Call, context) -> Iterator[None]:
-        """The call counted once, by how it ended: a ServingError answered as its status, a server fault as
-        UNKNOWN (gRPC answers it and logs it, after we count it), a cancellation as the client's or the
-        shutdown's."""
-        call.begin(context)
-        try:
-            yield
-        except ServingError as err:
-            call.refuse(context, err)
-        except Exception:
-            call.code = grpc.StatusCode.UNKNOWN
-            raise
-        except asyncio.CancelledError:
-            if not self._ended_by_shutdown(call, context):
-                call.gave_up(context)
-                raise
-        except GeneratorExit:  # a stream cancelled while at `yield`
-            call.gave_up(context)
-            raise
-        finally:
-            call.end(context)
-
-    @staticmethod
-    def _ended_by_shutdown(call: _Call, context) -> bool:
-        """Whether end_open_streams() cancelled this call; if so the call ends UNAVAILABLE, and its task goes on."""
-        if not call.ended_by_server:
-            return False
-        task = asyncio.current_task()
-        if task is not None and hasattr(task, "uncancel"):  # Python 3.11+ counts cancellations; 3.10 needs nothing
-            task.uncancel()
-        call.refuse(context, ServerNotReady("the server is shutting down"))
-        return True
 
 
 def _guarded(deserializer):

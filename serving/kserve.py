@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -54,6 +54,8 @@ IMAGE_DATATYPES = ("FP32", "UINT8")
 MAX_POSE_LENGTH_PARAMETER = "max_pose_length"  # a decoder's model config parameter
 CLASSIFICATION_PARAMETER = "classification"  # on a requested output: its top k classes instead of the tensor
 CLASSIFIED_OUTPUT = "probabilities"  # the output classification ranks: one score per class
+# Accepted input headers and output lists remembered per version (a bound, against clients that vary them endlessly)
+ACCEPTED_HEADERS = 256
 
 
 # Triton's names of the protocol extensions served (ServerMetadata) on both transports; the shared-memory ones are
@@ -117,8 +119,7 @@ def model_config(service: InferenceService) -> dict:
     }
 
 
-@dataclass(frozen=True)
-class InferInput:
+class InferInput(NamedTuple):
     """An input tensor's header as a request declares it (its data stays with the Decoder)."""
     name: str
     datatype: str
@@ -139,8 +140,7 @@ class OutputPlan(NamedTuple):
     region: RegionRef | None
 
 
-@dataclass(frozen=True)
-class Output:
+class Output(NamedTuple):
     """An answered output: its data, or None where it was written into the region the request named."""
     name: str
     datatype: str  # FP32, or BYTES for classification
@@ -148,8 +148,7 @@ class Output:
     data: np.ndarray | None  # float32, or an object array of bytes for BYTES
 
 
-@dataclass(frozen=True)
-class InferHeader:
+class InferHeader(NamedTuple):
     """What a request declares besides its data."""
     inputs: list[InferInput]
     outputs: list[RequestedOutput]
@@ -173,8 +172,7 @@ class Decoder(Protocol):
         """Input `index`'s flat values, of the tensor's dtype and count."""
 
 
-@dataclass(frozen=True)
-class InferRequest:
+class InferRequest(NamedTuple):
     """An inference request, whatever carried it."""
     model: ModelRef
     decoder: Decoder
@@ -182,8 +180,7 @@ class InferRequest:
     deadline: float | None = None  # time.monotonic() its caller gives up at
 
 
-@dataclass(frozen=True)
-class InferResponse:
+class InferResponse(NamedTuple):
     model_name: str
     model_version: str
     id: str | None
@@ -449,11 +446,11 @@ class DataPlane:
                 decoder.check_data(part, False, index)
             first, tensor = pose_inputs[0]
         else:
-            tensor = check_input(spec, header.inputs)
+            tensor = _checked_input(model, header.inputs)
             shared = region_ref(header.inputs[0].parameters, "inputs[0]")
             decoder.check_data(tensor, shared is not None)
         model.check_batch_size(tensor.shape[0], f"inputs[{first}].shape[0]")
-        plans = requested_outputs(spec, header.outputs)
+        plans = _planned_outputs(model, header.outputs)
         with contextlib.ExitStack() as held:  # the regions named, held until answered
             images: np.ndarray | RegionImages
             if pose_inputs is not None:
@@ -501,6 +498,35 @@ class DataPlane:
         _check_room(plan.region, raw.nbytes, data.shape, field)
         region.write(raw, plan.region.offset, field)
         return Output(plan.name, datatype, data.shape, None)
+
+
+def _checked_input(model: InferenceService, inputs: list[InferInput]) -> InputTensor:
+    """check_input, remembered per version for the headers it accepted (the check is of the header and the version
+    alone; a version takes a few shapes: batch sizes, and sizes of a model of any size)."""
+    if len(inputs) != 1:
+        return check_input(model.spec, inputs)
+    name, datatype, shape, _ = inputs[0]
+    return _remembered(model.accepted_inputs, (name, datatype, *shape), lambda: check_input(model.spec, inputs))
+
+
+def _planned_outputs(model: InferenceService, outputs: list[RequestedOutput]) -> list[OutputPlan]:
+    """requested_outputs, remembered per version for the lists of names it accepted without parameters (most
+    clients name the same outputs in every request, or none)."""
+    if any(parameters for _, parameters in outputs):
+        return requested_outputs(model.spec, outputs)
+    return _remembered(model.accepted_outputs, tuple(name for name, _ in outputs),
+                       lambda: requested_outputs(model.spec, outputs))
+
+
+def _remembered(accepted: dict, key: tuple, check: Callable[[], Any]) -> Any:
+    """What check() answers for `key`, remembered in `accepted` (up to ACCEPTED_HEADERS keys) once it has passed; a
+    refusal raises and is not remembered."""
+    found = accepted.get(key)
+    if found is None:
+        found = check()
+        if len(accepted) < ACCEPTED_HEADERS:
+            accepted[key] = found
+    return found
 
 
 class RegionOutput:

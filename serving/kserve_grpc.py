@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import grpc
 import numpy as np
@@ -33,6 +35,7 @@ SERVICE_NAME = "inference.GRPCInferenceService"
 # Typed contents with more values than this are converted in a worker thread: a Python list of them
 # costs about 30 ns a value, which would stall every other call on the event loop.
 INLINE_TYPED_VALUES = 4096
+NO_PARAMETERS: Mapping = MappingProxyType({})
 
 
 def add_to_server(server: grpc.aio.Server, plane: kserve.DataPlane) -> None:
@@ -126,8 +129,10 @@ def _regions(regions: list[dict], response):
     return response
 
 
-def _parameters(parameters) -> dict:
-    """A tensor's InferParameter map as plain values."""
+def _parameters(parameters) -> Mapping:
+    """A tensor's InferParameter map as plain values (most tensors have none: one shared empty map then)."""
+    if not parameters:
+        return NO_PARAMETERS
     return {key: getattr(value, value.WhichOneof("parameter_choice") or "string_param")
             for key, value in parameters.items()}
 

@@ -27,11 +27,11 @@ server serves on one device (--gpu), which every model on it shares, so the orch
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from capsnet.errors import CapsNetError, first_line
 from capsnet.model_description.decoder import DECODER_PART
@@ -66,8 +66,7 @@ class VersionState(str, enum.Enum):
 UNLOADED = "unloaded"
 
 
-@dataclass(frozen=True)
-class ModelRef:
+class ModelRef(NamedTuple):
     """The model a request is for, and the fields its transport took the name and version from (for messages)."""
     name: str
     version: str = ""  # "": the model's default version
@@ -86,15 +85,30 @@ class ServedModel:
 
     def __init__(self, name: str):
         self.name = name
-        self.serving: dict[str, InferenceService] = {}  # replaced whole at each switch, never changed in place
+        self._serving: dict[str, InferenceService] = {}
+        self._default: InferenceService | None = None
+        self.decoder_alone = False  # it serves a decoder alone: it takes poses, not images
         self.fingerprints: dict[str, str] = {}  # serving version -> its files' fingerprint
         self.status: dict[str, VersionStatus] = {}
         self.refused: dict[str, str] = {}  # version -> fingerprint of the files that were refused
         self.lock = asyncio.Lock()  # one load or unload of the model at a time
 
     @property
+    def serving(self) -> dict[str, InferenceService]:
+        """Its serving versions: replaced whole at each switch, never changed in place."""
+        return self._serving
+
+    @serving.setter
+    def serving(self, versions: dict[str, InferenceService]) -> None:
+        self._serving = versions
+        # what requests read of it, worked out once per switch rather than once per request
+        self._default = versions[max(versions, key=version_order)] if versions else None
+        self.decoder_alone = any(service.spec.part == DECODER_PART for service in versions.values())
+
+    @property
     def default(self) -> InferenceService | None:
-        return self.serving[max(self.serving, key=version_order)] if self.serving else None
+        """The newest serving version, which a request that names none gets."""
+        return self._default
 
     def expected_versions(self) -> str:
         versions = sorted(self.serving, key=version_order)
@@ -168,9 +182,9 @@ class ModelManager:
     # -- requests
 
     def model(self, name: str, field: str) -> ServedModel:
-        check_name(name, field)
         model = self.models.get(name)
-        if model is None:
+        if model is None:  # a name the server has is a valid one
+            check_name(name, field)
             raise ModelNotFound(f"{field}: unknown model {name!r}; this server serves "
                                 f"{', '.join(map(repr, self.models))}")
         return model
@@ -178,26 +192,20 @@ class ModelManager:
     def default_model(self, field: str) -> str:
         """The model a request that names none is for: the server's one model that takes images (a decoder beside
         it takes poses)."""
-        decoders = self.decoders()
-        names = [name for name in self.models if name not in decoders]
+        names = [name for name, model in self.models.items() if not model.decoder_alone]
         if len(names) != 1:
             raise InvalidInput(f"{field}: this server serves several models ({', '.join(map(repr, names))}); "
                                "name one")
         return names[0]
-
-    def decoders(self) -> set[str]:
-        """The models that are a decoder alone."""
-        return {name for name, model in self.models.items()
-                if any(service.spec.part == DECODER_PART for service in model.serving.values())}
 
     def resolve(self, ref: ModelRef) -> InferenceService:
         """The serving version `ref` names (the default when it names none); ModelNotFound for a model or version the
         server does not have, ModelNotReady for one it has but not serving now."""
         model = self.model(ref.name, ref.name_field)
         if ref.version:
-            check_name(ref.version, ref.version_field, "model version")
             service = model.serving.get(ref.version)
             if service is None:
+                check_name(ref.version, ref.version_field, "model version")
                 status = model.status.get(ref.version)
                 if status is None or status.state == VersionState.READY:
                     raise ModelNotFound(f"{ref.version_field}: model {model.name!r} has no version {ref.version!r}; "
@@ -214,11 +222,9 @@ class ModelManager:
             record.served_by(service.spec.name, service.spec.version)
         return service
 
-    @contextlib.contextmanager
-    def use(self, ref: ModelRef):
-        """The version `ref` names, held until the request is answered."""
-        with self.resolve(ref).use() as service:
-            yield service
+    def use(self, ref: ModelRef) -> InferenceService:
+        """The version `ref` names, held until the request is answered (`with models.use(ref) as version:`)."""
+        return self.resolve(ref).use()
 
     def ready(self, ref: ModelRef) -> bool:
         """A model's (or one version's) readiness: serving, while the server is. An unknown model or version is

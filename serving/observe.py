@@ -70,12 +70,20 @@ class Observer:
         self.access_log = access_log
         self.tracing = tracing  # serving.tracing.Tracing, or None: off
         self.wants_details = access_log or tracing is not None  # read the peer and traceparent of each call
+        # (api, method, code, model, version) -> its request counter and duration histogram: prometheus-client's
+        # labels() checks and locks at each call; the values are few (APIs' methods, codes, the repository's names)
+        self._series: dict[tuple[str, ...], tuple] = {}
 
     def end(self, record: RequestRecord, code: str, http_status: int | None = None) -> None:
         ended = time.monotonic()
-        labels = (record.api, record.method, record.model, record.version)
-        self.metrics.requests.labels(record.api, record.method, code, record.model, record.version).inc()
-        self.metrics.request_duration.labels(*labels).observe(ended - record.started)
+        key = (record.api, record.method, code, record.model, record.version)
+        series = self._series.get(key)
+        if series is None:
+            metrics = self.metrics
+            series = self._series[key] = (metrics.requests.labels(*key), metrics.request_duration.labels(
+                record.api, record.method, record.model, record.version))
+        series[0].inc()
+        series[1].observe(ended - record.started)
         if not self.wants_details or record.api in NOT_LOGGED:
             return
         trace_id = (self.tracing.record(record, code, ended) if self.tracing is not None

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +30,7 @@ from capsnet.serving.artifacts import ModelArtifacts, load_artifacts
 from capsnet.serving.backend_registry import BACKEND_KINDS
 from capsnet.serving.backends import LoadedBackend, load_backend
 from capsnet.serving.backends.base import Backend
-from capsnet.serving.batcher import BatchOutput, Batcher, BatcherConfig, ImageSource, OutputSink
+from capsnet.serving.batcher import BatchOutput, Batcher, BatcherConfig, BatchRun, ImageSource, OutputSink
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.decoder import CHOICE as DECODER_CHOICE
 from capsnet.serving.decoder import check_rows, decoder_spec_fields, load_decoder
@@ -65,6 +67,7 @@ class InferenceResult:
     outputs: dict[str, np.ndarray]
     queue_seconds: float  # waiting for a batch
     compute_seconds: float  # backend runs that included these images
+    runs: list[BatchRun] = dataclasses.field(default_factory=list)  # those runs
 
 
 @contextlib.contextmanager
@@ -112,6 +115,12 @@ def check_values(images: np.ndarray, field: str, first: int = 0) -> None:
                            "uint8)")
 
 
+def batcher_config(spec: ModelSpec, config: ServerConfig) -> BatcherConfig:
+    """A version's batching as the server's settings ask, wherever its batcher runs (this process, or an engine
+    process beside front ends): batches of up to its spec's max_batch_size (a decoder's may exceed the server's)."""
+    return BatcherConfig(spec.max_batch_size, config.max_queue_delay_us / 1e6, config.max_queue_size)
+
+
 def _load(folder: Path, config: ServerConfig) -> tuple[ModelArtifacts, LoadedBackend]:
     """An export folder's files, checked, and its backend, self-checked (blocking: run in a worker thread)."""
     artifacts = load_artifacts(folder)
@@ -131,6 +140,10 @@ class InferenceService:
         self.lifecycle = lifecycle
         self.metrics = metrics
         self.stats = stats
+        # what its requests' headers were checked to be, by what they declare (serving/kserve.py): the check of a
+        # header against this version does not change while it serves
+        self.accepted_inputs: dict[tuple, Any] = {}  # kserve.InputTensor
+        self.accepted_outputs: dict[tuple, Any] = {}  # [kserve.OutputPlan]
         self._users = 0  # requests holding this version (use())
         self._unused = asyncio.Event()  # set while none does
         self._unused.set()
@@ -164,8 +177,7 @@ class InferenceService:
             choice=loaded.why,
         )
         series, stats = metrics.for_version(name, version), ModelStatistics(name, version)
-        batcher = Batcher(backend, BatcherConfig(spec.max_batch_size, config.max_queue_delay_us / 1e6,
-                                                 config.max_queue_size), series, stats, on_unusable=lifecycle.fail,
+        batcher = Batcher(backend, batcher_config(spec, config), series, stats, on_unusable=lifecycle.fail,
                           handled=lifecycle.in_flight.__len__)
         return cls(spec, backend, batcher, lifecycle, series, stats)
 
@@ -178,17 +190,20 @@ class InferenceService:
             await asyncio.to_thread(self.backend.warmup, sizes, self.spec.input_shape)
         log.info("warmed up batch sizes %s in %.2f s", sizes, time.monotonic() - started)
 
-    @contextlib.contextmanager
-    def use(self):
-        """Held by a request from when it is given this version until it is answered; close() waits for it."""
+    def use(self) -> "InferenceService":
+        """Held by a request (`with version.use():`) from when it is given this version until it is answered; close()
+        waits for it."""
+        return self
+
+    def __enter__(self) -> "InferenceService":
         self._users += 1
         self._unused.clear()
-        try:
-            yield self
-        finally:
-            self._users -= 1
-            if not self._users:
-                self._unused.set()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._users -= 1
+        if not self._users:
+            self._unused.set()
 
     async def close(self) -> None:
         """Once no request holds this version and its queue is empty, free the backend."""
@@ -250,20 +265,20 @@ class InferenceService:
             if len(groups) == 1:  # the common case, without a gather's tasks
                 outputs = [await self.batcher.submit(groups[0], deadline, sinks)]
             else:
-                outputs = list(await asyncio.gather(*(self.batcher.submit(images, deadline, sinks)
-                                                      for images in groups)))
+                outputs = await self.batcher.submit_sizes(groups, deadline, sinks)
         except BaseException:  # queue full, past its deadline, a backend failure, cancelled: failed at the model
             self.stats.record_request(False, time.monotonic() - arrival)
             raise
         images_count = sum(len(images) for images in groups)
         runs = [run for output in outputs for run in output.runs]
         queue_wait = max(output.queue_wait for output in outputs)  # the sizes waited side by side
-        self.stats.record_request(True, time.monotonic() - arrival, images_count, queue_wait,
-                                  {name: sum(run.phases()[name] for run in runs) for name in PHASES})
+        phases = runs[0].phases() if len(runs) == 1 else {name: sum(run.phases()[name] for run in runs)
+                                                           for name in PHASES}
+        self.stats.record_request(True, time.monotonic() - arrival, images_count, queue_wait, phases)
         if (record := CURRENT.get()) is not None:
             record.answered(images_count, outputs[0] if len(outputs) == 1 else BatchOutput(
                 {}, queue_wait, sorted(runs, key=lambda run: run.cut), min(output.submitted for output in outputs)))
         return [InferenceResult({name: array for name, array in output.outputs.items()
                                  if reconstruction or name != "reconstruction"},
-                                queue_seconds=output.queue_wait, compute_seconds=output.compute)
+                                queue_seconds=output.queue_wait, compute_seconds=output.compute, runs=output.runs)
                 for output in outputs]

@@ -19,9 +19,10 @@ import tritonclient.grpc as triton
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from capsnet.serving.client import CapsNetClient
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.workers import front_ends
-from serving_helpers import ServeProcess, graph_probabilities, metric, scrape, wait_until
+from serving_helpers import ServeProcess, graph_probabilities, metric, pairs, png, scrape, wait_until
 
 IMAGES = np.random.default_rng(11).random((8, 1, 28, 28), dtype=np.float32)  # (8, 1, 28, 28)
 WORKERS = ("--workers", "2", "--no-allow-client-shm", "--drain-window", "0.3", "--grace-period", "5")
@@ -138,6 +139,26 @@ def test_front_ends_answer_count_and_restart(served, model_dir):
     assert np.abs(infer(retry[1], IMAGES[:1]) - expected[:1]).max() < 1e-4
     for client in connections + retry:
         client.close()
+
+
+def test_a_request_of_several_sizes_is_counted_once_by_the_engine(shared_tiny_export, tmp_path):
+    # a model of any size: the front end sends both sizes to the engine as one request, as one process counts it
+    server = ServeProcess("--model", str(shared_tiny_export), "--precision", "fp32", *WORKERS,
+                          stderr=tmp_path / "serve.log")
+    try:
+        wide, _ = pairs(2)  # (2, 1, 28, 56)
+        square = IMAGES[:3]  # (3, 1, 28, 28)
+        with CapsNetClient(server.target) as client:
+            predictions = client.classify([png(image) for image in wide] + [png(image) for image in square], top_k=1,
+                                          poses=False)
+        assert len(predictions) == 5
+        with triton.InferenceServerClient(server.target) as client:
+            stats = client.get_inference_statistics("capsnet", as_json=True)["model_stats"][0]
+        assert int(stats["inference_stats"]["success"]["count"]) == 1
+        assert int(stats["inference_count"]) == 5
+        assert int(stats["execution_count"]) == 2  # a batch of each size
+    finally:
+        server.stop()
 
 
 def _answers(client) -> bool:
