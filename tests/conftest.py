@@ -138,6 +138,17 @@ def int8_tiny_export(trained_tiny_checkpoint, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def em_tiny_export(trained_em_tiny_checkpoint, tmp_path_factory) -> Path:
+    """The trained `em-tiny` model through `capsnet export --reconstruction`: one export (its parity check runs EM's
+    iterations in PyTorch and ONNX Runtime), shared by the export and serving tests, which only read it."""
+    from capsnet.cli import main
+
+    out = tmp_path_factory.mktemp("em-tiny-export") / "model"
+    assert main(["export", str(trained_em_tiny_checkpoint), "--out", str(out), "--reconstruction"]) == 0
+    return out
+
+
 def train_any_size_tiny(path: Path, preset_name: str) -> Path:
     """`preset_name` (shared-tiny or gap-cnn-tiny) trained for 2 epochs on the embedded digits through the real CLI,
     at a higher rate than the default so that so small a model becomes decisive (shared-tiny: 85% test accuracy)."""
