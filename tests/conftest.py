@@ -80,6 +80,17 @@ def random_tiny_checkpoint(tmp_path_factory) -> Path:
     return save_random_checkpoint(preset("tiny"), tmp_path_factory.mktemp("random-tiny") / "model.ckpt")
 
 
+@pytest.fixture(scope="session")
+def random_tiny_export(random_tiny_checkpoint, tmp_path_factory) -> Path:
+    """The untrained `tiny` checkpoint exported with its reconstruction output: the model the serving and KServe
+    servers load, exported once for both (tests read it; those that damage a model work on a copy)."""
+    from capsnet.export.exporter import export_model
+
+    out = tmp_path_factory.mktemp("random-tiny-export") / "model"
+    export_model(random_tiny_checkpoint, out, reconstruction=True)
+    return out
+
+
 @pytest.fixture()
 def random_checkpoint(tmp_path):
     """random_checkpoint(config, name) -> an untrained checkpoint of `config` in this test's tmp dir."""
@@ -113,6 +124,29 @@ def trained_em_tiny_checkpoint(tmp_path_factory) -> Path:
                  "--batch-size", "64", "--seed", "0", "--out", str(path), "--no-progress"])
     assert code == 0 and path.is_file()
     return path
+
+
+@pytest.fixture(scope="session")
+def int8_tiny_export(trained_tiny_checkpoint, tmp_path_factory) -> Path:
+    """The trained `tiny` model exported with INT8, its gate opened wide: how many points INT8 loses depends on the
+    host's int8 kernels, and the tests that use it are the server's and the benchmark's, not the gate's. An INT8
+    export calibrates and measures both precisions on every test digit: it is made once for them all."""
+    from capsnet.export.exporter import export_model
+
+    out = tmp_path_factory.mktemp("int8-tiny-export") / "model"
+    export_model(trained_tiny_checkpoint, out, int8=True, max_accuracy_drop=100.0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def em_tiny_export(trained_em_tiny_checkpoint, tmp_path_factory) -> Path:
+    """The trained `em-tiny` model through `capsnet export --reconstruction`: one export (its parity check runs EM's
+    iterations in PyTorch and ONNX Runtime), shared by the export and serving tests, which only read it."""
+    from capsnet.cli import main
+
+    out = tmp_path_factory.mktemp("em-tiny-export") / "model"
+    assert main(["export", str(trained_em_tiny_checkpoint), "--out", str(out), "--reconstruction"]) == 0
+    return out
 
 
 def train_any_size_tiny(path: Path, preset_name: str) -> Path:

@@ -1,4 +1,4 @@
-"""Bench test fixtures: the tiny model exported once (FP32 + INT8) for the whole session."""
+"""Bench test fixtures: the trained tiny model exported with INT8 (FP32 + INT8), the export the serving tests use."""
 
 from __future__ import annotations
 
@@ -8,10 +8,5 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def tiny_export(random_tiny_checkpoint, tmp_path_factory) -> Path:
-    from capsnet.export.exporter import export_model
-
-    out = tmp_path_factory.mktemp("bench-export") / "model"
-    # Untrained weights: the INT8 accuracy change is noise, so the exporter must not refuse it.
-    export_model(random_tiny_checkpoint, out, int8=True, max_accuracy_drop=100.0)
-    return out
+def tiny_export(int8_tiny_export) -> Path:
+    return int8_tiny_export

@@ -10,7 +10,6 @@ import onnx
 import pytest
 import torch
 
-from capsnet.cli import main
 from capsnet.export.onnx_export import CONTROL_FLOW_OPS, op_counts
 from capsnet.export.parity import onnxruntime_session
 from capsnet.export.tensorrt_ops import tensorrt_problems
@@ -18,15 +17,8 @@ from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import to_float
 
 
-@pytest.fixture(scope="module")
-def em_export(trained_em_tiny_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("em-export") / "model"
-    assert main(["export", str(trained_em_tiny_checkpoint), "--out", str(out), "--reconstruction"]) == 0
-    return out
-
-
-def test_em_export_sidecar_describes_em_routing(em_export, trained_em_tiny_checkpoint):
-    sidecar = json.loads((em_export / "model.json").read_text())
+def test_em_export_sidecar_describes_em_routing(em_tiny_export, trained_em_tiny_checkpoint):
+    sidecar = json.loads((em_tiny_export / "model.json").read_text())
     assert sidecar["routing"] == {"variant": "em", "iterations": 2, "inverse_temperature": 0.01,  # em-tiny
                                   "gpu_engine": "unfused: arch em has no dynamic routing over a fixed grid of primary "
                                                 "capsules"}
@@ -35,8 +27,8 @@ def test_em_export_sidecar_describes_em_routing(em_export, trained_em_tiny_check
     assert sidecar["parity"]["onnxruntime"]["argmax_agreement"] == 1.0
 
 
-def test_em_export_is_unrolled_and_tensorrt_compatible(em_export):
-    graph = onnx.load(str(em_export / "model.onnx"))
+def test_em_export_is_unrolled_and_tensorrt_compatible(em_tiny_export):
+    graph = onnx.load(str(em_tiny_export / "model.onnx"))
     counts = op_counts(graph)
     assert not CONTROL_FLOW_OPS & set(counts)
     # em-tiny's 2 EM iterations in each of 3 capsule layers: a logistic per M-step, a softmax per E-step but the last
@@ -45,10 +37,10 @@ def test_em_export_is_unrolled_and_tensorrt_compatible(em_export):
 
 
 @pytest.mark.parametrize("batch_size", [1, 65])
-def test_em_export_onnxruntime_matches_pytorch_on_real_images(em_export, trained_em_tiny_checkpoint, embedded,
+def test_em_export_onnxruntime_matches_pytorch_on_real_images(em_tiny_export, trained_em_tiny_checkpoint, embedded,
                                                              batch_size):
     model = load_checkpoint(trained_em_tiny_checkpoint).build_model()
-    session = onnxruntime_session(str(em_export / "model.onnx"))
+    session = onnxruntime_session(str(em_tiny_export / "model.onnx"))
     # images from every class (the split is sorted by class)
     stride = len(embedded.test) // batch_size
     images = to_float(embedded.test.images[stride * np.arange(batch_size)]).numpy()  # (N, 1, 28, 28)

@@ -12,7 +12,6 @@ import numpy as np
 import onnxruntime
 import pytest
 
-from capsnet.export.exporter import export_model
 from capsnet.kserve import grpc_service_pb2_grpc as pb_grpc
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.server import CapsNetServer
@@ -24,11 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
 
 
 @pytest.fixture(scope="session")
-def kserve_model_dir(random_tiny_checkpoint, tmp_path_factory):
+def kserve_model_dir(random_tiny_export):
     """The tiny preset exported with the reconstruction output, so every output can be asked for."""
-    out = tmp_path_factory.mktemp("kserve") / "model"
-    export_model(random_tiny_checkpoint, out, reconstruction=True)
-    return out
+    return random_tiny_export
 
 
 @contextlib.contextmanager

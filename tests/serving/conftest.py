@@ -12,24 +12,15 @@ from serving_helpers import ServerThread, server_config
 
 
 @pytest.fixture(scope="session")
-def model_dir(random_tiny_checkpoint, tmp_path_factory) -> Path:
+def model_dir(random_tiny_export) -> Path:
     """The tiny model exported with its reconstruction output, shared by every serving test."""
-    from capsnet.export.exporter import export_model
-
-    out = tmp_path_factory.mktemp("served") / "model"
-    export_model(random_tiny_checkpoint, out, reconstruction=True)
-    return out
+    return random_tiny_export
 
 
 @pytest.fixture(scope="session")
-def int8_model_dir(trained_tiny_checkpoint, tmp_path_factory) -> Path:
-    """The trained tiny model exported with INT8, for the self-check and precision-gate tests. Its export gate is
-    opened wide: how many points INT8 loses depends on the host's int8 kernels, and these tests are the server's."""
-    from capsnet.export.exporter import export_model
-
-    out = tmp_path_factory.mktemp("self-check") / "model"
-    export_model(trained_tiny_checkpoint, out, int8=True, max_accuracy_drop=100.0)
-    return out
+def int8_model_dir(int8_tiny_export) -> Path:
+    """The trained tiny model exported with INT8, for the self-check and precision-gate tests."""
+    return int8_tiny_export
 
 
 @pytest.fixture(scope="session")

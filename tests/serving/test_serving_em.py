@@ -19,26 +19,17 @@ from serving_helpers import ServerThread, server_config
 
 
 @pytest.fixture(scope="module")
-def em_model_dir(trained_em_tiny_checkpoint, tmp_path_factory):
-    from capsnet.export.exporter import export_model
-
-    out = tmp_path_factory.mktemp("served-em") / "model"
-    export_model(trained_em_tiny_checkpoint, out, reconstruction=True)
-    return out
-
-
-@pytest.fixture(scope="module")
 def digits() -> np.ndarray:
     test = load_embedded().test
     return to_float(test.images[np.arange(0, len(test), 100)]).numpy()  # (10, 1, 28, 28): every class
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
-def test_em_model_served_equals_its_checkpoint(em_model_dir, trained_em_tiny_checkpoint, digits, backend):
+def test_em_model_served_equals_its_checkpoint(em_tiny_export, trained_em_tiny_checkpoint, digits, backend):
     model = load_checkpoint(trained_em_tiny_checkpoint).build_model()
     with torch.inference_mode():
         expected = model(torch.from_numpy(digits))
-    server = ServerThread(server_config(em_model_dir, backend=backend, max_batch_size=16))
+    server = ServerThread(server_config(em_tiny_export, backend=backend, max_batch_size=16))
     try:
         with grpc.insecure_channel(server.target) as channel:
             info = capsnet_pb2_grpc.CapsNetServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
@@ -54,11 +45,11 @@ def test_em_model_served_equals_its_checkpoint(em_model_dir, trained_em_tiny_che
     assert all(p.reconstruction.shape == (1, 28, 28) for p in predictions)
 
 
-def test_em_model_over_kserve_v2(em_model_dir, trained_em_tiny_checkpoint, digits):
+def test_em_model_over_kserve_v2(em_tiny_export, trained_em_tiny_checkpoint, digits):
     model = load_checkpoint(trained_em_tiny_checkpoint).build_model()
     with torch.inference_mode():
         expected = model(torch.from_numpy(digits[:3])).probabilities.numpy()
-    server = ServerThread(server_config(em_model_dir))
+    server = ServerThread(server_config(em_tiny_export))
     try:
         with grpc.insecure_channel(server.target) as channel:
             stub = kserve_grpc.GRPCInferenceServiceStub(channel)
