@@ -476,7 +476,7 @@ def markdown(readings: list[KernelReading], measured: dict[str, float], command:
         "measured column is the whole fused engine at batch 256, numpy in and out (copies, both convolutions and the",
         "routing), from `--backend auto`'s choice. In that run `torch.compile`'s two bf16 convolutions took 0.67 ms",
         "at batch 256 and its copies about 0.4 ms, so the fp16 routing took at most about 3 ms there, against about",
-        "0.2 ms modelled for the launch plans it ran (those of `kernels-baseline.json`). In fp32, the fused engine's",
+        "0.2 ms modelled for the launch plans it ran (those of commit c3a7af7). In fp32, the fused engine's",
         "36.69 ms against the torch backend's 19.55 ms with strict-fp32 convolutions too would put about 17 ms in the",
         "fp32 routing kernels, 40 times the model, if the fused engine's channels-last convolutions cost what the",
         "torch backend's do; nothing in these counts explains that much. Either the model misses a stall that",
