@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from capsnet.runtime.fused_support import MIN_DOT, fused_unsupported_reason
+from capsnet.runtime.fused_support import MIN_DOT, fused_unsupported_reason, next_power_of_2
 from capsnet.models.config import CapsNetConfig
 from capsnet.models.capsnet import CapsNet
 
@@ -100,9 +100,9 @@ def _routing_pass(
     primary_ptr, weight_ptr, sums_ptr, agree_ptr, done_ptr, poses_ptr, lengths_ptr,
     batch, capsules, per_slice, slices, squash_constant, first_scale,
     stride_b, stride_c, stride_y, stride_x, grid_h, grid_w,
-    DIM_IN: tl.constexpr, DIM_IN_PADDED: tl.constexpr, CLASSES: tl.constexpr, CLASSES_PADDED: tl.constexpr,
-    DIM_OUT: tl.constexpr, BLOCK: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, LEAKY: tl.constexpr,
-    REPLACE: tl.constexpr, IEEE: tl.constexpr, ROUNDED_IN_FP32: tl.constexpr,
+    DIM_IN: tl.constexpr, DIM_IN_PADDED: tl.constexpr, CAPSULE_WIDTH: tl.constexpr, CLASSES: tl.constexpr,
+    CLASSES_PADDED: tl.constexpr, DIM_OUT: tl.constexpr, BLOCK: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+    LEAKY: tl.constexpr, REPLACE: tl.constexpr, IEEE: tl.constexpr, ROUNDED_IN_FP32: tl.constexpr,
 ):
     """One routing iteration over one slice of the input capsules for one block of samples: Σ_i c_ij û_j|i
     (BLOCK, CLASSES_PADDED·DIM_OUT) added into sums_ptr; the block's last program squashes the sums into the next
@@ -125,25 +125,36 @@ def _routing_pass(
     first = slice_id * per_slice
     last = tl.minimum(first + per_slice, capsules)
     cells = grid_h * grid_w
-    for i in range(first, last):
-        channel = i // cells
-        cell = i % cells
-        where = channel * DIM_IN * stride_c + (cell // grid_w) * stride_y + (cell % grid_w) * stride_x
-        raw = tl.load(primary_ptr + in_offsets + where, mask=in_mask, other=0.0).to(tl.float32)  # (BLOCK, P')
-        norm2 = tl.sum(raw * raw, axis=1)  # (BLOCK,)
-        u = raw * (tl.sqrt(norm2) / (squash_constant + norm2))[:, None]  # (BLOCK, P'): squash
-        # rows past P are the product's zero padding: masked, so they cost no memory traffic
-        w = tl.load(weight_ptr + i * DIM_IN * OUT + comps[:, None] * OUT + outs[None, :],
-                    mask=comps[:, None] < DIM_IN, other=0.0)  # (P', J'·D)
-        if IEEE:
-            u_hat = tl.dot(u, w, input_precision="ieee")  # (BLOCK, J'·D)
-        elif ROUNDED_IN_FP32:
-            u_hat = tl.dot(_round_to_bf16(u), w.to(tl.float32), input_precision="ieee")  # (BLOCK, J'·D)
-        else:
-            u_hat = tl.dot(u.to(w.dtype), w)  # (BLOCK, J'·D), fp32 accumulation
-        if FIRST:
-            acc += u_hat
-        else:
+    if FIRST:  # the uniform coupling: s = Σ_i û_i, so GROUP capsules fill a product's K = P' without padding
+        GROUP: tl.constexpr = DIM_IN_PADDED // CAPSULE_WIDTH
+        member = comps // CAPSULE_WIDTH  # (P',): capsule i + member, component comps % CAPSULE_WIDTH
+        component = comps % CAPSULE_WIDTH
+        for i in range(first, last, GROUP):
+            capsule = i + member  # (P',)
+            kept = (component < DIM_IN) & (capsule < last)  # (P',)
+            cell = capsule % cells
+            where = ((capsule // cells) * DIM_IN + component) * stride_c + (cell // grid_w) * stride_y \
+                + (cell % grid_w) * stride_x  # (P',)
+            raw = tl.load(primary_ptr + samples[:, None].to(tl.int64) * stride_b + where[None, :],
+                          mask=live[:, None] & kept[None, :], other=0.0).to(tl.float32)  # (BLOCK, P')
+            raw3 = tl.reshape(raw, (BLOCK, GROUP, CAPSULE_WIDTH))
+            norm2 = tl.sum(raw3 * raw3, axis=2)  # (BLOCK, GROUP)
+            u = tl.reshape(raw3 * (tl.sqrt(norm2) / (squash_constant + norm2))[:, :, None], (BLOCK, DIM_IN_PADDED))
+            w = tl.load(weight_ptr + (capsule * DIM_IN + component)[:, None] * OUT + outs[None, :],
+                        mask=kept[:, None], other=0.0)  # (P', J'·D): W_i of each capsule, stacked
+            acc += _votes(u, w, IEEE, ROUNDED_IN_FP32)  # (BLOCK, J'·D): Σ of the group's û_i
+    else:
+        for i in range(first, last):
+            channel = i // cells
+            cell = i % cells
+            where = channel * DIM_IN * stride_c + (cell // grid_w) * stride_y + (cell % grid_w) * stride_x
+            raw = tl.load(primary_ptr + in_offsets + where, mask=in_mask, other=0.0).to(tl.float32)  # (BLOCK, P')
+            norm2 = tl.sum(raw * raw, axis=1)  # (BLOCK,)
+            u = raw * (tl.sqrt(norm2) / (squash_constant + norm2))[:, None]  # (BLOCK, P'): squash
+            # rows past P are the product's zero padding: masked, so they cost no memory traffic
+            w = tl.load(weight_ptr + i * DIM_IN * OUT + comps[:, None] * OUT + outs[None, :],
+                        mask=comps[:, None] < DIM_IN, other=0.0)  # (P', J'·D)
+            u_hat = _votes(u, w, IEEE, ROUNDED_IN_FP32)  # (BLOCK, J'·D)
             votes = tl.reshape(u_hat, (BLOCK, CLASSES_PADDED, DIM_OUT))  # (BLOCK, J', D)
             logits = tl.sum(votes * tl.reshape(agree, (BLOCK, CLASSES_PADDED, DIM_OUT)), axis=2)  # (BLOCK, J')
             logits = tl.where(classes[None, :] < CLASSES, logits, float("-inf"))
@@ -170,6 +181,17 @@ def _routing_pass(
             _finish_half(sums_ptr, agree_ptr, poses_ptr, lengths_ptr, samples, live, squash_constant, offset, OUT, HALF,
                          CLASSES, DIM_OUT, BLOCK, FIRST, LAST, REPLACE)
         tl.store(done_ptr + block_id, 0)  # zero again for the next iteration, as _finish_half leaves the sums
+
+
+@triton.jit
+def _votes(u, w, IEEE: tl.constexpr, ROUNDED_IN_FP32: tl.constexpr):
+    """u (BLOCK, P') @ w (P', J'·D) with fp32 sums: IEEE fp32 products in fp32, the input dtype's otherwise."""
+    if IEEE:
+        return tl.dot(u, w, input_precision="ieee")
+    elif ROUNDED_IN_FP32:
+        return tl.dot(_round_to_bf16(u), w.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(u.to(w.dtype), w)
 
 
 @triton.jit
@@ -212,8 +234,10 @@ def _pass_work(args: dict) -> tuple[int, int, int, int]:
     programs = blocks * args["slices"]
     out = weight[0].numel() // weight.shape[1]
     per_capsule = out * args["DIM_IN"] * weight.element_size()
+    group = args["DIM_IN_PADDED"] // args["CAPSULE_WIDTH"] if args["FIRST"] else 1  # capsules a trip
     # and each program adds its (BLOCK, J'·D) fp32 sums into L2 with atomics: a read and a write there
-    return args["BLOCK"], 1, args["per_slice"], programs * (args["per_slice"] * per_capsule + args["BLOCK"] * out * 8)
+    return args["BLOCK"], group, triton.cdiv(args["per_slice"], group), \
+        programs * (args["per_slice"] * per_capsule + args["BLOCK"] * out * 8)
 
 
 # What one program of each kernel covers, for scripts/kernel_report.py's reading of the compiled code: samples,
@@ -294,7 +318,8 @@ class FusedDigitCaps:
                     primary, self.weight, sums, agree, done, poses, lengths,
                     batch, capsules, plan.per_slice, plan.slices, cfg.squash_constant, 1.0 / (cfg.num_classes + leaky),
                     stride_b, stride_c, stride_y, stride_x, grid_h, grid_w,
-                    DIM_IN=cfg.primary_caps_dim, DIM_IN_PADDED=self.dim_in_padded, CLASSES=cfg.num_classes,
+                    DIM_IN=cfg.primary_caps_dim, DIM_IN_PADDED=self.dim_in_padded,
+                    CAPSULE_WIDTH=next_power_of_2(cfg.primary_caps_dim), CLASSES=cfg.num_classes,
                     CLASSES_PADDED=self.classes_padded, DIM_OUT=self.dim_out, BLOCK=plan.block,
                     FIRST=iteration == 0, LAST=iteration == cfg.routing_iterations - 1, LEAKY=leaky,
                     REPLACE=cfg.routing == "su",
