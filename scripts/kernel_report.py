@@ -69,7 +69,8 @@ Per launch, the slowest of four bounds, plus {LAUNCH_S * 1e6:g} µs for the kern
 - **tensor cores**: the loop's HMMA (mma.sync, its shape read from the SASS: HMMA.16816 is 4,096 FLOP a warp) at
   {MMA_SYNC_FLOPS / 1e12:g} TFLOP/s, HGMMA (wgmma, 64×N×K a warpgroup) at {WGMMA_FLOPS / 1e12:g} TFLOP/s, over all SMs;
 - **DRAM**: every tensor argument read or written once, at {DRAM_BYTES_PER_S / 1e12:g} TB/s (an H200);
-- **L2**: what every program reads again from L2 (the packed weights, once per sample block), at
+- **L2**: what every program reads again from L2 (the packed weights, once per sample block and loop over the
+  classes) and the sums it adds into L2 with atomics (each a read and a write there), at
   {L2_BYTES_PER_S / 1e12:g} TB/s.
 
 An optimistic model: it counts no stall of a warp that has the scheduler to itself beyond the latency hiding above,
@@ -306,8 +307,8 @@ def occupancy(registers: int, shared: int, warps: int) -> tuple[int, str]:
 
 
 def work_of(kernel: str, arguments: dict) -> tuple[int, int, int, int]:
-    """Samples a program routes, capsules one trip of its loop covers, trips, and the bytes it reads again from L2,
-    for the engine's kernels (fused_routing.KERNEL_WORK)."""
+    """Samples a program routes, capsules one trip of its loop covers, trips, and the bytes all programs move through
+    L2 again, for the engine's kernels (fused_routing.KERNEL_WORK)."""
     from capsnet.runtime.fused_routing import KERNEL_WORK
     describe = KERNEL_WORK.get(kernel)
     return describe(arguments) if describe else (0, 0, 1, 0)
@@ -475,7 +476,7 @@ def markdown(readings: list[KernelReading], measured: dict[str, float], command:
         "measured column is the whole fused engine at batch 256, numpy in and out (copies, both convolutions and the",
         "routing), from `--backend auto`'s choice. In that run `torch.compile`'s two bf16 convolutions took 0.67 ms",
         "at batch 256 and its copies about 0.4 ms, so the fp16 routing took at most about 3 ms there, against about",
-        "0.2 ms modelled for the launch plans it ran (those of `kernels-baseline.json`). In fp32, the fused engine's",
+        "0.2 ms modelled for the launch plans it ran (those of commit c3a7af7). In fp32, the fused engine's",
         "36.69 ms against the torch backend's 19.55 ms with strict-fp32 convolutions too would put about 17 ms in the",
         "fp32 routing kernels, 40 times the model, if the fused engine's channels-last convolutions cost what the",
         "torch backend's do; nothing in these counts explains that much. Either the model misses a stall that",

@@ -1,23 +1,30 @@
-"""Dynamic routing (Sabour et al. 2017) as Triton kernels that never write û to memory.
+"""Dynamic routing (Sabour et al. 2017) as Triton kernels that never write û to memory, one launch an iteration.
 
 û_j|i = W_ij·u_i is (B, 1152, 10, 16): 737 KB an image in fp32, 189 MB at batch 256. The unfused graph writes it
 once and reads it on every iteration, and its batched products over B·10 pairs of 1 × 1,152 by 1,152 × 16
-matrices keep the tensor cores idle. Here each routing iteration is one pass over the input capsules that
+matrices keep the tensor cores idle. Here each routing iteration is one launch over the input capsules that
 recomputes û tile by tile on chip, from u (B × 1152 × 8) and W (1152 × 8 × 160, read from L2 by every
 program), with a tensor-core product per capsule:
 
-    pass k, program (sample block, capsule slice):
+    iteration k, program (sample block, capsule slice):
         for each capsule i of the slice:
             u_i = squash(primary capsule i)                    (BB, P)      the PrimaryCaps squash, in registers
-            û_i = u_i @ W_i                                    (BB, J·D)    fp32 accumulation
-            k = 0:  c = 1/J (uniform)                          (sabour, su; 1/(J+1) leaky)
-            k > 0:  c = softmax_j(û_i · g)                     g = Σ_{m<k} v_m (sabour, leaky), v_{k-1} (su)
-            s_partial += c · û_i                               (BB, J·D)
-    reduce k: s = Σ_slices s_partial; v_k = squash(s); g for the next pass, or the poses and their lengths.
+            û_i = u_i @ W_i                                    (BB, J'·D)   fp32 accumulation
+            k = 0:  c = 1/J (uniform)                          (1/(J+1) leaky)
+            k > 0:  c = softmax_j(û_i · g)
+            acc += c · û_i                                     (BB, J'·D)
+        s += acc                                               atomics into one fp32 buffer (B, J'·D)
+        the block's last program to finish (a counter per block): v = squash(s), then
+            g = g + v (sabour, leaky), v (su): the next iteration's agreement vector        (B, J'·D)
+            or, in the last iteration, the poses and their lengths
+        and s and the counter zeroed for the next iteration (and the next forward pass)
 
 The logits b_k = Σ_{m<k} û·v_m are linear in û, so they are one dot product with the running sum of the poses:
-nothing of size (B, I, J) is kept between passes either. An iteration is two launches; the three iterations of
-the paper's model six, whatever the batch.
+nothing of size (B, I, J) is kept between iterations. There is no partial-sum buffer and no reduce kernel: the sums
+meet in L2 through atomics, and the block that completes them squashes them. A forward pass is `routing_iterations`
+launches (3 in the paper's model) and nothing else, whatever the batch. The squash and the agreement vector are in
+the finishing block's epilogue rather than the next launch's prologue: there, beside the later iterations' (BB, J'·D)
+votes, sums and agreement, they spilled registers at the 128 a thread that 16 warps an SM leave.
 
 Inputs are fp32, fp16 or bf16 (the compute dtype of the convolutions that produce them); every product
 accumulates in fp32, and softmax, squash and the sums run in fp32. In fp32 the products run in IEEE fp32 (no TF32),
@@ -34,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from capsnet.runtime.fused_support import MIN_DOT, fused_unsupported_reason
+from capsnet.runtime.fused_support import MIN_DOT, fused_unsupported_reason, next_power_of_2
 from capsnet.models.config import CapsNetConfig
 from capsnet.models.capsnet import CapsNet
 
@@ -87,17 +94,19 @@ def _round_to_bf16(x):
     return bits.to(tl.float32, bitcast=True)
 
 
-@triton.jit
+# the sizes that vary with the batch are not specialised on: one compiled kernel an iteration serves every plan
+@triton.jit(do_not_specialize=["batch", "per_slice", "slices"])
 def _routing_pass(
-    primary_ptr, weight_ptr, agree_ptr, partial_ptr,
-    batch, capsules, per_slice, squash_constant,
+    primary_ptr, weight_ptr, sums_ptr, agree_ptr, done_ptr, poses_ptr, lengths_ptr,
+    batch, capsules, per_slice, slices, squash_constant, first_scale,
     stride_b, stride_c, stride_y, stride_x, grid_h, grid_w,
-    DIM_IN: tl.constexpr, DIM_IN_PADDED: tl.constexpr, CLASSES: tl.constexpr, CLASSES_PADDED: tl.constexpr,
-    DIM_OUT: tl.constexpr, BLOCK: tl.constexpr, FIRST: tl.constexpr, LEAKY: tl.constexpr, IEEE: tl.constexpr,
-    ROUNDED_IN_FP32: tl.constexpr,
+    DIM_IN: tl.constexpr, DIM_IN_PADDED: tl.constexpr, CAPSULE_WIDTH: tl.constexpr, CLASSES: tl.constexpr,
+    CLASSES_PADDED: tl.constexpr, DIM_OUT: tl.constexpr, BLOCK: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+    LEAKY: tl.constexpr, REPLACE: tl.constexpr, IEEE: tl.constexpr, ROUNDED_IN_FP32: tl.constexpr,
 ):
-    """One routing iteration over one slice of the input capsules for one block of samples: the partial sum
-    Σ_i c_ij û_j|i (BLOCK, CLASSES_PADDED·DIM_OUT) into partial_ptr[slice]."""
+    """One routing iteration over one slice of the input capsules for one block of samples: Σ_i c_ij û_j|i
+    (BLOCK, CLASSES_PADDED·DIM_OUT) added into sums_ptr; the block's last program squashes the sums into the next
+    iteration's agreement vector (or the poses and their lengths) and zeroes them and its counter."""
     OUT: tl.constexpr = CLASSES_PADDED * DIM_OUT
     block_id = tl.program_id(0)
     slice_id = tl.program_id(1)
@@ -109,31 +118,43 @@ def _routing_pass(
     # primary capsule i = (channel c, y, x) is conv channels c·P .. c·P+P-1 at (y, x): any strides (NCHW, NHWC)
     in_mask = live[:, None] & (comps[None, :] < DIM_IN)  # (BLOCK, P')
     in_offsets = samples[:, None].to(tl.int64) * stride_b + comps[None, :] * stride_c  # (BLOCK, P')
+    rows = samples[:, None].to(tl.int64) * OUT + outs[None, :]  # (BLOCK, J'·D) in sums and agreement
     if not FIRST:
-        agree = tl.load(agree_ptr + samples[:, None] * OUT + outs[None, :], mask=live[:, None], other=0.0)
+        agree = tl.load(agree_ptr + rows, mask=live[:, None], other=0.0)
     acc = tl.zeros((BLOCK, OUT), dtype=tl.float32)
     first = slice_id * per_slice
     last = tl.minimum(first + per_slice, capsules)
     cells = grid_h * grid_w
-    for i in range(first, last):
-        channel = i // cells
-        cell = i % cells
-        where = channel * DIM_IN * stride_c + (cell // grid_w) * stride_y + (cell % grid_w) * stride_x
-        raw = tl.load(primary_ptr + in_offsets + where, mask=in_mask, other=0.0).to(tl.float32)  # (BLOCK, P')
-        norm2 = tl.sum(raw * raw, axis=1)  # (BLOCK,)
-        u = raw * (tl.sqrt(norm2) / (squash_constant + norm2))[:, None]  # (BLOCK, P'): squash
-        # rows past P are the product's zero padding: masked, so they cost no memory traffic
-        w = tl.load(weight_ptr + i * DIM_IN * OUT + comps[:, None] * OUT + outs[None, :],
-                    mask=comps[:, None] < DIM_IN, other=0.0)  # (P', J'·D)
-        if IEEE:
-            u_hat = tl.dot(u, w, input_precision="ieee")  # (BLOCK, J'·D)
-        elif ROUNDED_IN_FP32:
-            u_hat = tl.dot(_round_to_bf16(u), w.to(tl.float32), input_precision="ieee")  # (BLOCK, J'·D)
-        else:
-            u_hat = tl.dot(u.to(w.dtype), w)  # (BLOCK, J'·D), fp32 accumulation
-        if FIRST:
-            acc += u_hat
-        else:
+    if FIRST:  # the uniform coupling: s = Σ_i û_i, so GROUP capsules fill a product's K = P' without padding
+        GROUP: tl.constexpr = DIM_IN_PADDED // CAPSULE_WIDTH
+        member = comps // CAPSULE_WIDTH  # (P',): capsule i + member, component comps % CAPSULE_WIDTH
+        component = comps % CAPSULE_WIDTH
+        for i in range(first, last, GROUP):
+            capsule = i + member  # (P',)
+            kept = (component < DIM_IN) & (capsule < last)  # (P',)
+            cell = capsule % cells
+            where = ((capsule // cells) * DIM_IN + component) * stride_c + (cell // grid_w) * stride_y \
+                + (cell % grid_w) * stride_x  # (P',)
+            raw = tl.load(primary_ptr + samples[:, None].to(tl.int64) * stride_b + where[None, :],
+                          mask=live[:, None] & kept[None, :], other=0.0).to(tl.float32)  # (BLOCK, P')
+            raw3 = tl.reshape(raw, (BLOCK, GROUP, CAPSULE_WIDTH))
+            norm2 = tl.sum(raw3 * raw3, axis=2)  # (BLOCK, GROUP)
+            u = tl.reshape(raw3 * (tl.sqrt(norm2) / (squash_constant + norm2))[:, :, None], (BLOCK, DIM_IN_PADDED))
+            w = tl.load(weight_ptr + (capsule * DIM_IN + component)[:, None] * OUT + outs[None, :],
+                        mask=kept[:, None], other=0.0)  # (P', J'·D): W_i of each capsule, stacked
+            acc += _votes(u, w, IEEE, ROUNDED_IN_FP32)  # (BLOCK, J'·D): Σ of the group's û_i
+    else:
+        for i in range(first, last):
+            channel = i // cells
+            cell = i % cells
+            where = channel * DIM_IN * stride_c + (cell // grid_w) * stride_y + (cell % grid_w) * stride_x
+            raw = tl.load(primary_ptr + in_offsets + where, mask=in_mask, other=0.0).to(tl.float32)  # (BLOCK, P')
+            norm2 = tl.sum(raw * raw, axis=1)  # (BLOCK,)
+            u = raw * (tl.sqrt(norm2) / (squash_constant + norm2))[:, None]  # (BLOCK, P'): squash
+            # rows past P are the product's zero padding: masked, so they cost no memory traffic
+            w = tl.load(weight_ptr + i * DIM_IN * OUT + comps[:, None] * OUT + outs[None, :],
+                        mask=comps[:, None] < DIM_IN, other=0.0)  # (P', J'·D)
+            u_hat = _votes(u, w, IEEE, ROUNDED_IN_FP32)  # (BLOCK, J'·D)
             votes = tl.reshape(u_hat, (BLOCK, CLASSES_PADDED, DIM_OUT))  # (BLOCK, J', D)
             logits = tl.sum(votes * tl.reshape(agree, (BLOCK, CLASSES_PADDED, DIM_OUT)), axis=2)  # (BLOCK, J')
             logits = tl.where(classes[None, :] < CLASSES, logits, float("-inf"))
@@ -146,61 +167,82 @@ def _routing_pass(
                 total += tl.exp(-top)
             coupling = weights / total[:, None]  # (BLOCK, J')
             acc += tl.reshape(votes * coupling[:, :, None], (BLOCK, OUT))
-    tl.store(partial_ptr + (slice_id * batch + samples[:, None]).to(tl.int64) * OUT + outs[None, :], acc,
-             mask=live[:, None])
+    if FIRST:
+        acc *= first_scale  # the uniform coupling
+    # the epilogue by halves of the classes: the whole (BLOCK, J'·D) tile's addresses spilled registers
+    HALF: tl.constexpr = OUT // 2
+    low, high = tl.split(tl.permute(tl.reshape(acc, (BLOCK, 2, HALF)), (0, 2, 1)))  # (BLOCK, J'·D / 2) each
+    _add_half(sums_ptr, low, samples, live, 0, OUT, HALF)
+    _add_half(sums_ptr, high, samples, live, HALF, OUT, HALF)
+    tl.debug_barrier()  # every thread's sums added before the block's counter counts this program
+    done = tl.atomic_add(done_ptr + block_id, 1, sem="acq_rel")
+    if done == slices - 1:  # the block's last program
+        for offset in tl.static_range(0, OUT, HALF):
+            _finish_half(sums_ptr, agree_ptr, poses_ptr, lengths_ptr, samples, live, squash_constant, offset, OUT, HALF,
+                         CLASSES, DIM_OUT, BLOCK, FIRST, LAST, REPLACE)
+        tl.store(done_ptr + block_id, 0)  # zero again for the next iteration, as _finish_half leaves the sums
 
 
 @triton.jit
-def _routing_reduce(
-    partial_ptr, agree_ptr, poses_ptr, lengths_ptr,
-    batch, slices, scale, squash_constant,
-    CLASSES: tl.constexpr, CLASSES_PADDED: tl.constexpr, DIM_OUT: tl.constexpr, SLICE_BLOCK: tl.constexpr,
-    FIRST: tl.constexpr, LAST: tl.constexpr, REPLACE: tl.constexpr,
-):
-    """s = scale·Σ_slices partial for one sample, v = squash(s) per class; then the next pass's agreement vector
-    (g + v, or v where each iteration's logits replace the last's), or the poses (J, D) and their lengths (J,)."""
-    OUT: tl.constexpr = CLASSES_PADDED * DIM_OUT
-    sample = tl.program_id(0)
-    outs = tl.arange(0, OUT)
-    rows = tl.arange(0, SLICE_BLOCK)
-    s = tl.zeros((OUT,), dtype=tl.float32)
-    for start in range(0, slices, SLICE_BLOCK):
-        here = start + rows  # (SLICE_BLOCK,)
-        tile = tl.load(partial_ptr + (here[:, None] * batch + sample).to(tl.int64) * OUT + outs[None, :],
-                       mask=(here < slices)[:, None], other=0.0)  # (SLICE_BLOCK, J'·D)
-        s += tl.sum(tile, axis=0)
-    s = tl.reshape(s * scale, (CLASSES_PADDED, DIM_OUT))  # (J', D)
-    norm2 = tl.sum(s * s, axis=1)  # (J',)
-    norm = tl.sqrt(norm2)
-    v = s * (norm / (squash_constant + norm2))[:, None]  # (J', D): squash
-    if LAST:
-        classes = tl.arange(0, CLASSES_PADDED)
-        dims = tl.arange(0, DIM_OUT)
-        mask = classes < CLASSES
-        tl.store(poses_ptr + sample * CLASSES * DIM_OUT + classes[:, None] * DIM_OUT + dims[None, :], v,
-                 mask=mask[:, None])
-        # |v| = |s|² / (c + |s|²): the length of the squashed vector, without a second square root
-        tl.store(lengths_ptr + sample * CLASSES + classes, norm2 / (squash_constant + norm2), mask=mask)
+def _votes(u, w, IEEE: tl.constexpr, ROUNDED_IN_FP32: tl.constexpr):
+    """u (BLOCK, P') @ w (P', J'·D) with fp32 sums: IEEE fp32 products in fp32, the input dtype's otherwise."""
+    if IEEE:
+        return tl.dot(u, w, input_precision="ieee")
+    elif ROUNDED_IN_FP32:
+        return tl.dot(_round_to_bf16(u), w.to(tl.float32), input_precision="ieee")
     else:
-        flat = tl.reshape(v, (OUT,))
-        if not (FIRST or REPLACE):
-            flat += tl.load(agree_ptr + sample * OUT + outs)
-        tl.store(agree_ptr + sample * OUT + outs, flat)
+        return tl.dot(u.to(w.dtype), w)
+
+
+@triton.jit
+def _add_half(sums_ptr, part, samples, live, OFFSET: tl.constexpr, OUT: tl.constexpr, HALF: tl.constexpr):
+    """part (BLOCK, HALF) added with atomics into columns OFFSET.. of the sums (B, OUT)."""
+    at = samples[:, None].to(tl.int64) * OUT + (OFFSET + tl.arange(0, HALF))[None, :]
+    tl.atomic_add(sums_ptr + at, part, mask=live[:, None], sem="relaxed")
+
+
+@triton.jit
+def _finish_half(sums_ptr, agree_ptr, poses_ptr, lengths_ptr, samples, live, squash_constant,
+                 OFFSET: tl.constexpr, OUT: tl.constexpr, HALF: tl.constexpr, CLASSES: tl.constexpr,
+                 DIM_OUT: tl.constexpr, BLOCK: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+                 REPLACE: tl.constexpr):
+    """v = squash(s) for the classes in columns OFFSET.. of a block's complete sums, which it zeroes: the next
+    iteration's agreement vector, or in the LAST the poses and their lengths."""
+    cols = OFFSET + tl.arange(0, HALF)  # (HALF,)
+    at = samples[:, None].to(tl.int64) * OUT + cols[None, :]  # (BLOCK, HALF)
+    s = tl.load(sums_ptr + at, mask=live[:, None], other=0.0, cache_modifier=".cg")  # (BLOCK, HALF), from L2
+    tl.store(sums_ptr + at, tl.zeros((BLOCK, HALF), dtype=tl.float32), mask=live[:, None])
+    s3 = tl.reshape(s, (BLOCK, HALF // DIM_OUT, DIM_OUT))  # (BLOCK, J'/2, D)
+    norm2 = tl.sum(s3 * s3, axis=2)  # (BLOCK, J'/2)
+    v = tl.reshape(s3 * (tl.sqrt(norm2) / (squash_constant + norm2))[:, :, None], (BLOCK, HALF))  # squash
+    if LAST:
+        tl.store(poses_ptr + samples[:, None] * CLASSES * DIM_OUT + cols[None, :], v,
+                 mask=live[:, None] & (cols < CLASSES * DIM_OUT)[None, :])
+        classes = OFFSET // DIM_OUT + tl.arange(0, HALF // DIM_OUT)  # (J'/2,)
+        # |v| = |s|² / (c + |s|²): the length of the squashed vector, without a second square root
+        tl.store(lengths_ptr + samples[:, None] * CLASSES + classes[None, :], norm2 / (squash_constant + norm2),
+                 mask=live[:, None] & (classes < CLASSES)[None, :])
+    else:
+        if not (FIRST or REPLACE):  # the logits add up over the iterations, so do the agreement vectors
+            v += tl.load(agree_ptr + at, mask=live[:, None], other=0.0)
+        tl.store(agree_ptr + at, v, mask=live[:, None])
 
 
 def _pass_work(args: dict) -> tuple[int, int, int, int]:
     weight = args["weight_ptr"]
-    programs = triton.cdiv(args["batch"], args["BLOCK"]) * triton.cdiv(args["capsules"], args["per_slice"])
-    per_capsule = weight[0].numel() // weight.shape[1] * args["DIM_IN"] * weight.element_size()
-    return args["BLOCK"], 1, args["per_slice"], programs * args["per_slice"] * per_capsule
+    blocks = triton.cdiv(args["batch"], args["BLOCK"])
+    programs = blocks * args["slices"]
+    out = weight[0].numel() // weight.shape[1]
+    per_capsule = out * args["DIM_IN"] * weight.element_size()
+    group = args["DIM_IN_PADDED"] // args["CAPSULE_WIDTH"] if args["FIRST"] else 1  # capsules a trip
+    # and each program adds its (BLOCK, J'·D) fp32 sums into L2 with atomics: a read and a write there
+    return args["BLOCK"], group, triton.cdiv(args["per_slice"], group), \
+        programs * (args["per_slice"] * per_capsule + args["BLOCK"] * out * 8)
 
 
 # What one program of each kernel covers, for scripts/kernel_report.py's reading of the compiled code: samples,
-# input capsules a trip of its loop covers, trips, and the bytes all its programs read again from L2
-KERNEL_WORK = {
-    "_routing_pass": _pass_work,
-    "_routing_reduce": lambda args: (1, 0, triton.cdiv(args["slices"], args["SLICE_BLOCK"]), 0),
-}
+# input capsules a trip of its loop covers, trips, and the bytes all its programs move through L2 again
+KERNEL_WORK = {"_routing_pass": _pass_work}
 
 
 def interpreted() -> bool:
@@ -211,7 +253,11 @@ def interpreted() -> bool:
 class FusedDigitCaps:
     """DigitCaps with its routing on the fused kernels, for the primary convolution's raw output: squash of the
     primary capsules, û, every routing iteration, the poses and their lengths. W is packed once, its classes
-    zero-padded to the tiles the kernels read, in the dtype of the primary convolution (fp32, fp16 or bf16)."""
+    zero-padded to the tiles the kernels read, in the dtype of the primary convolution (fp32, fp16 or bf16).
+
+    The iterations' sums and the sample blocks' counters are scratch kept per batch size and device, zero between
+    forward passes (the last launch zeroes what the pass used), so a pass launches its kernels and nothing else: a
+    CUDA graph of it replays them alone. A batch size's scratch serves one forward pass at a time."""
 
     def __init__(self, config: CapsNetConfig, weight: torch.Tensor, dtype: torch.dtype, programs_wanted: int):
         reason = fused_unsupported_reason(config)
@@ -234,6 +280,21 @@ class FusedDigitCaps:
         # fp32 to bf16; there the operands are rounded to the nearest bf16 and multiplied in fp32, which is exact for
         # a product of two bf16 values, so the CPU checks the tensor cores' arithmetic up to the order of the sums
         self.rounded_in_fp32 = dtype == torch.bfloat16 and interpreted()
+        self.scratch: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
+
+    def _scratch(self, batch: int, blocks: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """An iteration's sums and the agreement vectors (B, J'·D), and a counter per sample block, for one batch
+        size: the sums and counters zero between iterations, as each block's last program leaves them."""
+        key = (batch, device)
+        if key not in self.scratch:
+            self.scratch[key] = (
+                torch.zeros((batch, self.out), dtype=torch.float32, device=device),  # (B, J'·D)
+                torch.zeros((batch, self.out), dtype=torch.float32, device=device),  # (B, J'·D)
+                torch.zeros((triton.cdiv(batch, MIN_DOT),), dtype=torch.int32, device=device),  # blocks ≥ 16 samples
+            )
+        sums, agree, done = self.scratch[key]
+        assert done.numel() >= blocks
+        return sums, agree, done
 
     def __call__(self, primary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """primary (B, channels·P, H, W), the primary convolution's output before the squash, any strides ->
@@ -245,31 +306,29 @@ class FusedDigitCaps:
             raise ValueError(f"{capsules} primary capsules, the weights are for {cfg.num_primary_caps}")
         plan = launch_plan(batch, capsules, self.programs_wanted, self.dtype)
         device = primary.device
-        partial = torch.empty((plan.slices, batch, self.out), dtype=torch.float32, device=device)  # (S, B, J'·D)
-        agree = torch.empty((batch, self.out), dtype=torch.float32, device=device)  # (B, J'·D)
+        blocks = triton.cdiv(batch, plan.block)
+        sums, agree, done = self._scratch(batch, blocks, device)
         poses = torch.empty((batch, cfg.num_classes, self.dim_out), dtype=torch.float32, device=device)  # (B, J, D)
         lengths = torch.empty((batch, cfg.num_classes), dtype=torch.float32, device=device)  # (B, J)
         leaky = cfg.routing == "leaky"
         stride_b, stride_c, stride_y, stride_x = primary.stride()
-        slice_block = min(32, triton.next_power_of_2(plan.slices))
-        for iteration in range(cfg.routing_iterations):
-            first, last = iteration == 0, iteration == cfg.routing_iterations - 1
-            _routing_pass[(triton.cdiv(batch, plan.block), plan.slices)](
-                primary, self.weight, agree, partial,
-                batch, capsules, plan.per_slice, cfg.squash_constant,
-                stride_b, stride_c, stride_y, stride_x, grid_h, grid_w,
-                DIM_IN=cfg.primary_caps_dim, DIM_IN_PADDED=self.dim_in_padded, CLASSES=cfg.num_classes,
-                CLASSES_PADDED=self.classes_padded, DIM_OUT=self.dim_out, BLOCK=plan.block, FIRST=first,
-                LEAKY=leaky, IEEE=self.dtype == torch.float32, ROUNDED_IN_FP32=self.rounded_in_fp32,
-                num_warps=plan.warps, num_stages=plan.stages,
-            )
-            _routing_reduce[(batch,)](
-                partial, agree, poses, lengths,
-                batch, plan.slices, 1.0 / (cfg.num_classes + leaky) if first else 1.0, cfg.squash_constant,
-                CLASSES=cfg.num_classes, CLASSES_PADDED=self.classes_padded, DIM_OUT=self.dim_out,
-                SLICE_BLOCK=slice_block, FIRST=first, LAST=last, REPLACE=cfg.routing == "su",
-                num_warps=4,
-            )
+        try:
+            for iteration in range(cfg.routing_iterations):
+                _routing_pass[(blocks, plan.slices)](
+                    primary, self.weight, sums, agree, done, poses, lengths,
+                    batch, capsules, plan.per_slice, plan.slices, cfg.squash_constant, 1.0 / (cfg.num_classes + leaky),
+                    stride_b, stride_c, stride_y, stride_x, grid_h, grid_w,
+                    DIM_IN=cfg.primary_caps_dim, DIM_IN_PADDED=self.dim_in_padded,
+                    CAPSULE_WIDTH=next_power_of_2(cfg.primary_caps_dim), CLASSES=cfg.num_classes,
+                    CLASSES_PADDED=self.classes_padded, DIM_OUT=self.dim_out, BLOCK=plan.block,
+                    FIRST=iteration == 0, LAST=iteration == cfg.routing_iterations - 1, LEAKY=leaky,
+                    REPLACE=cfg.routing == "su",
+                    IEEE=self.dtype == torch.float32, ROUNDED_IN_FP32=self.rounded_in_fp32,
+                    num_warps=plan.warps, num_stages=plan.stages,
+                )
+        except BaseException:
+            del self.scratch[(batch, device)]  # a pass cut short may leave sums behind
+            raise
         return poses, lengths
 
 

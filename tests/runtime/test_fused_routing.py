@@ -78,6 +78,18 @@ def test_every_cut_of_the_batch_and_the_capsules_gives_the_same_routing(batch, p
     assert (poses - unfused(model, primary)[0]).abs().max().item() <= 1e-4
 
 
+def test_a_forward_pass_leaves_its_scratch_zeroed_for_the_next():
+    """The sums each iteration adds into and the blocks' counters are zero again after a pass (each block's last
+    program zeroes them), so a second pass on other images routes as a first one."""
+    model = small_model(seed=7, routing="leaky")
+    fused = FusedDigitCaps(model.config, model.digit_caps.weight, torch.float32, programs_wanted=5)
+    fused(primary_output(model, 7, seed=8))
+    sums, _, done = fused.scratch[(7, DEVICE)]
+    assert not sums.any() and not done.any()
+    primary = primary_output(model, 7, seed=9)
+    assert (fused(primary)[0] - unfused(model, primary)[0]).abs().max().item() <= 1e-4
+
+
 def test_channels_last_and_contiguous_primary_outputs_route_alike():
     model = small_model(seed=3)
     primary = primary_output(model, 5)
@@ -98,14 +110,13 @@ def test_each_image_is_routed_on_its_own():
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-@pytest.mark.parametrize("batch", [12, 130])  # above 128 the reduced-precision plans take blocks of 64 samples
+@pytest.mark.parametrize("batch", [1, 130])  # one sample; three blocks of samples, the last ragged
 def test_reduced_precision_routing_is_its_inputs_rounded_with_fp32_sums(precision, batch):
     """On the same primary output, the fp16/bf16 kernels compute the model's routing of inputs rounded to that
     precision, up to the order of the fp32 sums."""
     dtype = DTYPES[precision]
     model = small_model(seed=5)
     primary = primary_output(model, batch).to(dtype)
-    assert launch_plan(batch, SMALL.num_primary_caps, 4, dtype).block == (64 if batch > 128 else 16)
     poses, _ = FusedDigitCaps(model.config, model.digit_caps.weight, dtype, programs_wanted=4)(primary)
     routing_inputs_in(model, precision)
     expected, _ = unfused(model, primary.float())
