@@ -15,6 +15,20 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     echo "==> installing torch (CPU build)"
     pip install "torch==2.13.0" || pip install "torch>=2.11,<2.14" --index-url https://download.pytorch.org/whl/cpu
 fi
-echo "==> installing capsnet-serve${EXTRAS:+[$EXTRAS]}"
-pip install -e "$repo${EXTRAS:+[$EXTRAS]}"
+# pip reinstalls an editable package even when nothing changed, and while it does, other processes using this
+# environment cannot import it; a stamp of what was installed (pyproject.toml, the extras, this checkout) skips it.
+stamp="$venv/.capsnet-serve-installed"
+project=$(sha256sum "$repo/pyproject.toml" | cut -d' ' -f1)
+installed_extras=$(awk -v project="$project" '$1 == project { print $2 }' "$stamp" 2>/dev/null || true)
+missing_extras=$(comm -23 <(tr ',' '\n' <<<"${EXTRAS:-}" | sed '/^$/d' | sort -u) \
+                          <(tr ',' '\n' <<<"${installed_extras#-}" | sed '/^$/d' | sort -u))
+origin=$("$venv/bin/python" -c "import importlib.util as u; print(u.find_spec('capsnet').origin)" 2>/dev/null || true)
+if [ -z "$installed_extras" ] || [ -n "$missing_extras" ] || [ "$origin" != "$repo/capsnet/__init__.py" ]; then
+    echo "==> installing capsnet-serve${EXTRAS:+[$EXTRAS]}"
+    pip install -e "$repo${EXTRAS:+[$EXTRAS]}"
+    all_extras=$(tr ',' '\n' <<<"${installed_extras#-},${EXTRAS:-}" | sed '/^$/d' | sort -u | paste -sd, -)
+    echo "$project -$all_extras" > "$stamp"
+else
+    echo "==> capsnet-serve${EXTRAS:+[$EXTRAS]} is installed from this checkout"
+fi
 export PATH="$venv/bin:$PATH"
