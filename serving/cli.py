@@ -112,7 +112,7 @@ def register(subparsers) -> None:
                        help="calls gRPC may hold before the server takes them; more are cut by gRPC with CANCELLED "
                             f"(default {defaults['max_pending_rpcs']}; at least --max-queue-size)")
     serve.add_argument("--threads", type=int, metavar="N",
-                       help="backend threads (default 0: one per CPU core available)")
+                       help="backend intra-op threads (default 0: one fewer than the CPU cores available, at least 1)")
     serve.add_argument("--max-message-bytes", type=int, metavar="BYTES",
                        help="largest request or response over gRPC, and request body over HTTP, bytes (default: a "
                             "full batch of the largest images the model accepts, about 1.7 MB for 28x28 grey and "

@@ -73,7 +73,7 @@ class ServerConfig:
     # burst with CANCELLED before the server sees them). Far above max_queue_size, so that under a burst the
     # batcher's "queue full" answers the excess, which the server counts.
     max_pending_rpcs: int = 4096
-    threads: int = 0  # backend intra-op threads; 0: one per CPU core available
+    threads: int = 0  # backend intra-op threads; 0: one fewer than the CPU cores available (at least 1)
     # Largest request or response. None: derived from the model, a full batch of its largest accepted
     # images (serving/server.py: message_limit), so a request cannot make the server hold much more.
     max_message_bytes: int | None = None
@@ -176,7 +176,10 @@ class ServerConfig:
 
     @property
     def intra_op_threads(self) -> int:
-        return self.threads or len(os.sched_getaffinity(0))
+        # The event loop receives, checks and answers requests while a batch runs, and makes lone batch-1 runs
+        # itself: a core of its own keeps intra-op threads from taking turns with it (on 2 cores, one thread costs
+        # less CPU per image at every batch size and no throughput; docs/serving.md, "Intra-op threads").
+        return self.threads or max(1, len(os.sched_getaffinity(0)) - 1)
 
     @classmethod
     def defaults(cls) -> dict:

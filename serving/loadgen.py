@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rest", metavar="HOST:PORT", help="the server's REST address, for --api kserve-http")
     parser.add_argument("--model", metavar="DIR", help="export directory: also time its backend in-process")
     parser.add_argument("--backend", default="onnxruntime", help="in-process backend (default onnxruntime)")
-    parser.add_argument("--threads", type=int, default=0, help="in-process backend threads (0: one per core)")
+    parser.add_argument("--threads", type=int, default=0, help="in-process backend threads (0: the server's default)")
     parser.add_argument("--api", choices=APIS, default="capsnet",
                         help="capsnet (Classify), kserve (ModelInfer), tritonclient (ModelInfer through tritonclient's "
                              "asyncio client) or kserve-http (ModelInfer over REST, at --rest)")

@@ -19,7 +19,16 @@ def test_defaults_are_loopback_and_triton_ports():
     config = ServerConfig.from_sources({"model_dir": "m"}, env={})
     assert (config.host, config.http_port, config.grpc_port, config.metrics_port) == ("127.0.0.1", 8000, 8001, 8002)
     assert config.http
-    assert config.model_dir == Path("m") and config.intra_op_threads >= 1
+    assert config.model_dir == Path("m")
+
+
+@pytest.mark.parametrize("cores", [{0}, {0, 1}, set(range(16))])
+def test_intra_op_threads_leave_the_event_loop_a_core(monkeypatch, cores):
+    """By default the backend takes every core but one, so that the event loop never waits for intra-op threads;
+    --threads sets the count whatever the host has."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: cores)
+    assert ServerConfig(model_dir=Path("m")).intra_op_threads == max(1, len(cores) - 1)
+    assert ServerConfig(model_dir=Path("m"), threads=len(cores) + 3).intra_op_threads == len(cores) + 3
 
 
 def test_environment_then_flags():
