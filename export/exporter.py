@@ -437,7 +437,7 @@ def _compile_aoti(staging: Path, program, checkpoint: Checkpoint, config: Export
     An fp16/bf16 package whose precision the gate refused is not compiled but named in `refused`."""
     import torch
 
-    from capsnet.runtime.torch_runner import AotiRunner
+    from capsnet.runtime.torch_runner import TorchRunner, package_forward
 
     packages = []
     for device, precision in config.aoti_targets():
@@ -459,8 +459,8 @@ def _compile_aoti(staging: Path, program, checkpoint: Checkpoint, config: Export
         package = aoti.compile_package(source, path, device, precision, gpu, 1, config.max_batch)
         model_config = checkpoint.config
         row_shape = (model_config.in_channels, model_config.height, model_config.width)
-        runner = AotiRunner(path, torch.device(target), row_shape, output_shapes(model_config, config.reconstruction),
-                            config.max_batch)
+        runner = TorchRunner(package_forward(path, torch.device(target)), torch.device(target), row_shape,
+                             output_shapes(model_config, config.reconstruction), config.max_batch)
         if precision == "fp32":
             checked = [batch for batch in batches if len(batch) <= config.max_batch]
             expected = [outputs for batch, outputs in zip(batches, pytorch_outputs) if len(batch) <= config.max_batch]
