@@ -39,6 +39,13 @@ def gpu_facts(gpu: int | None) -> tuple[str, str]:
     return torch.cuda.get_device_name(gpu), f"{major}.{minor}"
 
 
+def use_threads(count: int) -> None:
+    """torch's intra-op threads, a setting of the whole process: set only when it is another count, so loading a
+    model version does not rebuild the pool that the versions already serving run their batches on."""
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
+
+
 def is_device_error(err: BaseException) -> bool:
     """Whether a failure under a CUDA run is the device's (out of memory, a CUDA error), not the caller's."""
     accelerator_error = getattr(torch, "AcceleratorError", ())  # torch >= 2.8 raises it for CUDA errors

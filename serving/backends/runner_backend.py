@@ -17,7 +17,7 @@ from capsnet.errors import CapsNetError
 from capsnet.models.checkpoint import load_checkpoint
 from capsnet.runtime.cpu import bf16_on_this_cpu
 from capsnet.runtime.torch_runner import (
-    Forward, TorchRunner, cuda_unavailable_reason, gpu_facts, is_device_error)
+    Forward, TorchRunner, cuda_unavailable_reason, gpu_facts, is_device_error, use_threads)
 from capsnet.serving.artifacts import ModelArtifacts
 from capsnet.serving.backend_registry import BACKEND_KINDS
 from capsnet.serving.backends.base import DeviceBackend, DeviceFailure
@@ -95,7 +95,7 @@ class RunnerBackend(DeviceBackend):
                                f"{instead}")
         if precision == "bf16" and not on_gpu and (why := bf16_unavailable_reason()):
             raise CapsNetError(f"--precision bf16: {why}")
-        torch.set_num_threads(threads)
+        use_threads(threads)
         self.precision = precision
         self.output_names = artifacts.output_names
         loaded = self.load(artifacts, precision, self.device, max_batch_size)

@@ -67,6 +67,18 @@ def test_fp16_on_the_cpu_is_refused_in_one_line(model_dir):
         ServerConfig(model_dir=model_dir, backend="torch", precision="int8")
 
 
+def test_loading_a_version_sets_torchs_threads_only_when_the_count_changes(model_dir, monkeypatch):
+    """torch's intra-op pool is the process's: a version loaded with the count already set leaves it alone."""
+    set_to, set_threads = [], torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda count: (set_to.append(count), set_threads(count)))
+    artifacts = load_artifacts(model_dir)
+    other = 2 if torch.get_num_threads() == 1 else 1
+    for threads in (other, other, 3, 3):
+        assert f"CPU, {threads} threads" in TorchBackend(artifacts, "fp32", threads).description
+        assert torch.get_num_threads() == threads
+    assert set_to == [other, 3]
+
+
 def _health(target: str) -> str:
     with grpc.insecure_channel(target) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
