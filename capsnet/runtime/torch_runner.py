@@ -167,7 +167,11 @@ class Forward:
 def module_forward(model: Callable, output_names: tuple[str, ...]) -> Forward:
     """A torch module (or anything called like one) whose output holds each name as an attribute: the checkpoint's
     model eager, or with its routing in the fused kernels."""
-    return Forward(lambda images: tuple(getattr(model(images), name) for name in output_names), "the model", True)
+    def call(images: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = model(images)  # once: a generator calling it per name would run the model once per output
+        return tuple(getattr(outputs, name) for name in output_names)
+
+    return Forward(call, "the model", True)
 
 
 def package_forward(path, device: torch.device) -> Forward:

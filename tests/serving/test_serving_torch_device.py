@@ -51,6 +51,16 @@ def test_bucketed_runs_give_the_plain_models_outputs_with_no_new_tensors(model_d
     assert {size: tensor.data_ptr() for size, tensor in bucketed.runner.inputs.items()} == static
 
 
+def test_a_batch_runs_the_model_once_for_all_its_outputs(model_dir):
+    artifacts = load_artifacts(model_dir)
+    calls: list[object] = []
+    for backend in (TorchBackend(artifacts, "fp32", 1), TorchBackend(artifacts, "fp32", 1, None, 4, buckets=True)):
+        hook = backend.model.register_forward_pre_hook(lambda module, _: calls.append(module))
+        outputs = backend.run(np.zeros((3, 1, 28, 28), np.float32))
+        hook.remove()
+        assert len(outputs) == 3 and calls.count(backend.model) == 1, backend.description
+
+
 def test_returned_arrays_are_the_callers_to_keep(model_dir):
     backend = TorchBackend(load_artifacts(model_dir), "fp32", 1, None, 4, buckets=True)
     first = backend.run(np.zeros((2, 1, 28, 28), np.float32))["probabilities"]
