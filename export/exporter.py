@@ -69,7 +69,7 @@ from capsnet.model_description.files import (
     SIDECAR_NAME,
     file_sha256,
 )
-from capsnet.model_description.precision_gate import PrecisionGate
+from capsnet.model_description.precision_gate import PrecisionGate, compare_outputs, outputs_in_batches
 from capsnet.model_description.schema import MODEL_NAME, AotiPackage, ModelDescription
 from capsnet.runtime.tensorrt_runner import unavailable_reason
 from capsnet.runtime.torch_runner import cuda_unavailable_reason
@@ -437,7 +437,7 @@ def _compile_aoti(staging: Path, program, checkpoint: Checkpoint, config: Export
     An fp16/bf16 package whose precision the gate refused is not compiled but named in `refused`."""
     import torch
 
-    from capsnet.runtime.torch_runner import AotiRunner
+    from capsnet.runtime.torch_runner import TorchRunner, package_forward
 
     packages = []
     for device, precision in config.aoti_targets():
@@ -459,8 +459,8 @@ def _compile_aoti(staging: Path, program, checkpoint: Checkpoint, config: Export
         package = aoti.compile_package(source, path, device, precision, gpu, 1, config.max_batch)
         model_config = checkpoint.config
         row_shape = (model_config.in_channels, model_config.height, model_config.width)
-        runner = AotiRunner(path, torch.device(target), row_shape, output_shapes(model_config, config.reconstruction),
-                            config.max_batch)
+        runner = TorchRunner(package_forward(path, torch.device(target)), torch.device(target), row_shape,
+                             output_shapes(model_config, config.reconstruction), config.max_batch)
         if precision == "fp32":
             checked = [batch for batch in batches if len(batch) <= config.max_batch]
             expected = [outputs for batch, outputs in zip(batches, pytorch_outputs) if len(batch) <= config.max_batch]
@@ -479,18 +479,16 @@ def _compile_aoti(staging: Path, program, checkpoint: Checkpoint, config: Export
 
 def _gate_package(runner, reference: _Reference, gate: PrecisionGate, max_batch: int) -> dict[str, Any]:
     """A reduced-precision package on the reference images, held to the precision gate as a server would hold it."""
-    runs = [runner.run(reference.images[start:start + max_batch])
-            for start in range(0, len(reference.images), max_batch)]
-    probabilities = np.concatenate([run["probabilities"] for run in runs])
-    agreement = float((probabilities.argmax(1) == reference.outputs["probabilities"].argmax(1)).mean())
-    difference = float(np.abs(probabilities - reference.outputs["probabilities"]).max())
+    outputs = outputs_in_batches(runner.run, reference.images, max_batch)
+    compared = compare_outputs(reference.outputs, outputs, ("probabilities",))
+    agreement, difference = compared.argmax_agreement, compared.max_abs_diff["probabilities"]
     summary = (f"same class for {agreement:.1%}, max |diff| of probabilities {difference:.2e} on "
-               f"{len(probabilities)} reference images")
-    if not (agreement >= gate.least_agreement and difference <= gate.most_diff):  # `not`: NaN fails it too
+               f"{compared.images} reference images")
+    if not gate.reproduced_by(compared):
         raise CapsNetError(f"the AOTInductor {gate.precision} package fails the precision gate: {summary}; "
                            f"{gate.describe_bounds()}")
     return {"reference": "the precision gate", "argmax_agreement": agreement, "max_abs_diff": difference,
-            "images": len(probabilities)}
+            "images": compared.images}
 
 
 def _build_tensorrt(staging: Path, variants: dict[str, Path], model_config, dataset, names: tuple[str, ...],

@@ -9,11 +9,13 @@ oneDNN) up to the order of the sums. The server then checks that its real kernel
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from torch import nn
 
-from capsnet.model_description.precision_gate import PrecisionGate
+from capsnet.model_description.precision_gate import PrecisionGate, compare_outputs
 from capsnet.runtime.cpu import CpuKind
 from capsnet.runtime.reduced_precision import DTYPES, convolutions_in, routing_inputs_in
 from capsnet.training.data import to_float
@@ -41,21 +43,16 @@ def measure_gate(precision: str, computed_by: str, reference: dict[str, np.ndarr
     accuracy_fp32 = float((fp32_test.argmax(axis=1) == labels).mean())
     accuracy = float((candidate_test.argmax(axis=1) == labels).mean())
     change = accuracy_change_points(accuracy_fp32, accuracy)
-    same_class = reference["probabilities"].argmax(axis=1) == candidate["probabilities"].argmax(axis=1)
+    compared = compare_outputs(reference, candidate, tuple(candidate))
+    # NaN as infinity: max() below drops a NaN that is not first, and infinity fails every bound as well
+    diffs = {name: float("inf") if math.isnan(diff) else diff for name, diff in compared.max_abs_diff.items()}
     bounded = ("probabilities",) if precision == "int8" else tuple(candidate)  # int8 moves poses more (GATE_MAX_DIFF)
     gate = PrecisionGate(
         precision=precision, computed_by=computed_by, accuracy_fp32=accuracy_fp32, accuracy=accuracy,
         accuracy_change_points=change, max_drop_points=max_drop, test_images=len(labels),
-        argmax_agreement=float(same_class.mean()),
-        max_abs_diff=_max_abs_diff(reference["probabilities"], candidate["probabilities"]),
-        bounded_diff=max(_max_abs_diff(reference[name], candidate[name]) for name in bounded),
-        reference_images=len(same_class), measured_on=measured_on)
+        argmax_agreement=compared.argmax_agreement, max_abs_diff=diffs["probabilities"],
+        bounded_diff=max(diffs[name] for name in bounded), reference_images=compared.images, measured_on=measured_on)
     return gate
-
-
-def _max_abs_diff(reference: np.ndarray, candidate: np.ndarray) -> float:
-    difference = np.abs(reference - candidate)
-    return float(difference.max()) if np.isfinite(difference).all() else float("inf")
 
 
 def torch_gates(model_factory, reference_images: np.ndarray, fp32_reference: dict[str, np.ndarray],

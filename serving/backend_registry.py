@@ -1,6 +1,6 @@
 """Every backend the server can run, in one table: the name `--backend` takes, where its class lives, the platform
-Triton's model configuration names it by, the precisions it serves, the precision-gate entries those answer to,
-and whether it takes Triton's CUDA shared memory when it serves on a GPU.
+Triton's model configuration names it by, the precisions it serves on a GPU and on the CPU, the precision-gate
+entries those answer to, and whether it takes Triton's CUDA shared memory when it serves on a GPU.
 
 The classes are imported only when a backend is made, so a CPU server never imports torch or TensorRT.
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from capsnet.model_description.files import AOTI_PRECISIONS
 
 if TYPE_CHECKING:
     from capsnet.serving.backends.base import Backend
@@ -21,7 +23,8 @@ class BackendKind:
     module: str
     class_name: str
     platform: str  # Triton's model configuration `platform`
-    precisions: tuple[str, ...]
+    precisions: tuple[str, ...]  # every precision it serves, all of them on a GPU
+    cpu_precisions: tuple[str, ...]  # on the CPU; none: it serves on a GPU only
     gate_family: str  # its fp16/bf16/int8 answer to the gate entry "<gate_family>_<precision>" of model.json
     # Serving on a GPU (Backend.on_gpu), it takes images from CUDA regions: the server then offers Triton's
     # cuda_shared_memory extension. Not ONNX Runtime's GPU providers: a server of them need not hold torch's CUDA,
@@ -34,17 +37,21 @@ class BackendKind:
 
 BACKEND_KINDS: dict[str, BackendKind] = {kind.name: kind for kind in (
     BackendKind("onnxruntime", "capsnet.serving.backends.onnxruntime_backend", "OnnxRuntimeBackend",
-                "onnxruntime_onnx", ("fp32", "fp16", "int8"), "onnx", cuda_shared_memory=False),
+                "onnxruntime_onnx", ("fp32", "fp16", "int8"), ("fp32", "fp16", "int8"), "onnx",
+                cuda_shared_memory=False),
     BackendKind("tensorrt", "capsnet.serving.backends.tensorrt_backend", "TensorRTBackend", "tensorrt_plan",
-                ("fp32", "fp16", "int8"), "onnx"),
-    # eager PyTorch with a CUDA graph per batch bucket: "pytorch", not TorchScript ("pytorch_libtorch")
+                ("fp32", "fp16", "int8"), (), "onnx"),
+    # eager PyTorch with a CUDA graph per batch bucket: "pytorch", not TorchScript ("pytorch_libtorch"); bf16 on a
+    # CPU with native bf16 only (serving/backends/runner_backend.py)
     BackendKind("torch", "capsnet.serving.backends.torch_backend", "TorchBackend", "pytorch",
-                ("fp32", "fp16", "bf16"), "torch"),
+                ("fp32", "fp16", "bf16"), ("fp32", "bf16"), "torch"),
+    # the packages export compiles for each device
     BackendKind("aoti", "capsnet.serving.backends.aoti_backend", "AotiBackend", "pytorch_aoti",
-                ("fp32", "fp16", "bf16"), "torch"),
-    # cuDNN convolutions and the fused routing kernels (capsnet/runtime/fused_routing.py), CUDA graphs per bucket
+                AOTI_PRECISIONS["cuda"], AOTI_PRECISIONS["cpu"], "torch"),
+    # cuDNN convolutions and the fused routing kernels (capsnet/runtime/fused_routing.py), CUDA graphs per bucket;
+    # on the CPU its kernels run only in Triton's interpreter (TRITON_INTERPRET=1), for tests
     BackendKind("fused", "capsnet.serving.backends.fused_backend", "FusedBackend", "pytorch",
-                ("fp32", "fp16", "bf16"), "fused"),
+                ("fp32", "fp16", "bf16"), ("fp32", "bf16"), "fused"),
 )}
 BACKENDS = ("auto", *BACKEND_KINDS)
 

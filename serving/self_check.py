@@ -18,7 +18,7 @@ import numpy as np
 
 from capsnet.runtime.cpu import CpuKind
 from capsnet.errors import CapsNetError, first_line
-from capsnet.model_description.precision_gate import PrecisionGate
+from capsnet.model_description.precision_gate import Comparison, PrecisionGate, compare_outputs, outputs_in_batches
 from capsnet.model_description.schema import ModelDescription
 from capsnet.serving.backend_registry import gate_variant
 from capsnet.serving.backends.base import Backend
@@ -40,9 +40,8 @@ class SelfCheck:
 
     @property
     def passed(self) -> bool:
-        # every output on its own: max() over the values drops a NaN that is not first
-        return (not self.non_finite and all(diff <= self.tolerance for diff in self.max_abs_diff.values())
-                and self.argmax_agreement >= self.min_agreement)
+        compared = Comparison(self.images, self.argmax_agreement, self.max_abs_diff)
+        return not self.non_finite and compared.within(self.tolerance, self.min_agreement)
 
     def describe(self) -> str:
         diffs = ", ".join(f"{name} {diff:.2e}" for name, diff in self.max_abs_diff.items())
@@ -78,8 +77,8 @@ def self_check(backend: Backend, reference_path: Path, max_batch_size: int, mode
     reference = read_reference(reference_path, model)
     images = reference.pop("images")  # (N, C, H, W) float32
     try:
-        runs = [backend.run(images[start:start + max_batch_size]) for start in range(0, len(images), max_batch_size)]
-        outputs = {name: np.concatenate([run[name] for run in runs]) for name in backend.output_names}
+        joined = outputs_in_batches(backend.run, images, max_batch_size)
+        outputs = {name: joined[name] for name in backend.output_names}
     except CapsNetError:
         raise
     except Exception as err:  # onnxruntime, torch, TensorRT each raise their own types
@@ -93,12 +92,12 @@ def self_check(backend: Backend, reference_path: Path, max_batch_size: int, mode
                                "this export's; re-export it")
     # a reduced precision is held to the probabilities (what its gate measured); FP32 to every output
     names = ("probabilities",) if gate else tuple(name for name in backend.output_names if name in reference)
-    same_class = outputs["probabilities"].argmax(axis=1) == reference["probabilities"].argmax(axis=1)  # (N,)
+    compared = compare_outputs(reference, outputs, names)
     return SelfCheck(
         precision=backend.precision,
-        images=len(images),
-        max_abs_diff={name: float(np.abs(outputs[name] - reference[name]).max()) for name in names},
-        argmax_agreement=float(same_class.mean()),
+        images=compared.images,
+        max_abs_diff=compared.max_abs_diff,
+        argmax_agreement=compared.argmax_agreement,
         cpu=CpuKind.this_host().describe(),
         tolerance=gate.most_diff if gate else FP32_TOLERANCE,
         min_agreement=gate.least_agreement if gate else 1.0,

@@ -9,8 +9,11 @@ again and pass; a kernel that saturates, a damaged file or a wrong conversion mo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 GATE_AGREEMENT_SLACK_IMAGES = 2  # reference images that may change class beyond those export saw change
 GATE_DIFF_FACTOR = 2.0  # the max |diff| may be this multiple of export's ...
@@ -62,6 +65,11 @@ class PrecisionGate:
                 f"{self.accuracy:.2%} ({self.accuracy_change_points:+.2f} points), more than --max-accuracy-drop "
                 f"{self.max_drop_points:g}")
 
+    def reproduced_by(self, comparison: Comparison) -> bool:
+        """The server half of the criterion: `comparison` (of the probabilities, on the same reference images) keeps
+        export's agreement and difference within the margins."""
+        return comparison.within(self.most_diff, self.least_agreement)
+
     @property
     def least_agreement(self) -> float:
         return max(0.0, self.argmax_agreement - GATE_AGREEMENT_SLACK_IMAGES / self.reference_images)
@@ -87,3 +95,34 @@ def gate_criterion() -> dict[str, Any]:
                           "max |diff| of probabilities <= diff_factor x export's + diff_slack (every load)",
             "agreement_slack_images": GATE_AGREEMENT_SLACK_IMAGES, "diff_factor": GATE_DIFF_FACTOR,
             "diff_slack": GATE_DIFF_SLACK}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Outputs on the reference images against FP32's: the share of images with FP32's class, and each compared
+    output's largest |difference| (NaN where either holds a NaN, which no bound passes)."""
+
+    images: int
+    argmax_agreement: float
+    max_abs_diff: dict[str, float]
+
+    def within(self, most_diff: float, least_agreement: float) -> bool:
+        # every output on its own: max() over the values drops a NaN that is not first
+        return (all(diff <= most_diff for diff in self.max_abs_diff.values())
+                and self.argmax_agreement >= least_agreement)
+
+
+def compare_outputs(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray],
+                    names: tuple[str, ...]) -> Comparison:
+    """`candidate` against `reference` (FP32's) on the same images: the argmax of the probabilities, and the max
+    |difference| of each output in `names`."""
+    same_class = reference["probabilities"].argmax(axis=1) == candidate["probabilities"].argmax(axis=1)  # (N,)
+    return Comparison(images=len(same_class), argmax_agreement=float(same_class.mean()),
+                      max_abs_diff={name: float(np.abs(candidate[name] - reference[name]).max()) for name in names})
+
+
+def outputs_in_batches(run: Callable[[np.ndarray], Mapping[str, np.ndarray]], images: np.ndarray,
+                       max_batch: int) -> dict[str, np.ndarray]:
+    """`run` (images -> outputs by name) over `images` in batches of at most `max_batch`, the outputs joined."""
+    runs = [run(images[start:start + max_batch]) for start in range(0, len(images), max_batch)]
+    return {name: np.concatenate([outputs[name] for outputs in runs]) for name in runs[0]}

@@ -1,6 +1,7 @@
-"""Running the model with torch on the CPU or a CUDA GPU, numpy in and numpy out: the torch backend's padded
-batch buckets (CUDA graphs on a GPU) and the AOTInductor package runner. The server's backends serve with them,
-and export checks its packages with the same runner, so the gate checks the code that serves.
+"""Running a model with torch on the CPU or a CUDA GPU, numpy in and numpy out: one runner (padded batch buckets,
+CUDA graphs on a GPU) for each forward the server has — the checkpoint eager, its routing in the fused kernels, an
+AOTInductor package. The server's torch, fused and aoti backends serve with it, and export checks its packages with
+the same runner, so the gate checks the code that serves.
 
 On a GPU, images go up and outputs come back through pinned host buffers sized once for the largest batch, as
 asynchronous copies on the runner's own stream: nothing is allocated per batch but the arrays handed back.
@@ -9,7 +10,8 @@ asynchronous copies on the runner's own stream: nothing is allocated per batch b
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,6 +37,13 @@ def gpu_facts(gpu: int | None) -> tuple[str, str]:
     """(name, compute capability "major.minor") of CUDA device `gpu` (None: the current one)."""
     major, minor = torch.cuda.get_device_capability(gpu)
     return torch.cuda.get_device_name(gpu), f"{major}.{minor}"
+
+
+def use_threads(count: int) -> None:
+    """torch's intra-op threads, a setting of the whole process: set only when it is another count, so loading a
+    model version does not rebuild the pool that the versions already serving run their batches on."""
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
 
 
 def is_device_error(err: BaseException) -> bool:
@@ -145,104 +154,137 @@ class _nothing:
         return False
 
 
-class BucketRunner:
-    """`model` (images -> a tuple of outputs in `output_names`' order) on padded batch buckets: each batch runs at the
-    smallest bucket that holds it, from static input and output tensors allocated once per bucket. On a GPU with
-    `graphs`, each bucket's forward pass is a CUDA graph captured at start-up and replayed per batch (one launch
-    instead of a few hundred); otherwise the model runs on the bucket's static tensors as it is."""
+@dataclass(frozen=True)
+class Forward:
+    """What a runner runs: `call` takes images (B, C, H, W) float32 on the runner's device and gives the outputs in
+    the runner's order. `capturable`: the call may be captured in a CUDA graph."""
 
-    def __init__(self, model: Callable, device: torch.device, row_shape: tuple[int, ...],
-                 output_rows: dict[str, tuple[int, ...]], max_batch: int, graphs: bool, fp32: bool = False):
-        """`fp32`: the model's convolutions and products run in strict fp32 (`strict_fp32`)."""
-        self.model, self.device, self.output_names = model, device, tuple(output_rows)
-        self.fp32 = fp32
-        self.buckets = bucket_sizes(max_batch)
+    call: Callable[[torch.Tensor], Sequence[torch.Tensor]]
+    what: str  # what runs, for a refused batch: "the model", "the package"
+    capturable: bool
+
+
+def module_forward(model: Callable, output_names: tuple[str, ...]) -> Forward:
+    """A torch module (or anything called like one) whose output holds each name as an attribute: the checkpoint's
+    model eager, or with its routing in the fused kernels."""
+    def call(images: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = model(images)  # once: a generator calling it per name would run the model once per output
+        return tuple(getattr(outputs, name) for name in output_names)
+
+    return Forward(call, "the model", True)
+
+
+def package_forward(path, device: torch.device) -> Forward:
+    """An AOTInductor package (torch._inductor.aoti_load_package) on `device`, run at each batch's own size and never
+    captured: a package's runtime refuses a capturing stream unless loaded single-threaded (pytorch/pytorch#148601),
+    which has not been measured here. Its outputs come from the caching allocator: reused, not cudaMalloc'd."""
+    try:
+        package = torch._inductor.aoti_load_package(
+            str(path), device_index=device.index if device.type == "cuda" else -1)
+    except Exception as err:  # a damaged archive, a shared object for another machine
+        raise CapsNetError(f"{path} cannot be loaded: {type(err).__name__}: "
+                           f"{(str(err).strip().splitlines() or [''])[0][:300]}") from None
+    return Forward(package, "the package", False)
+
+
+class TorchRunner:
+    """A `forward` on the CPU or a CUDA GPU, numpy in and numpy out, for batches of 1 to `max_batch` images.
+
+    With `buckets` (default: on a GPU, for a forward that can be captured) each batch runs at the smallest padded
+    bucket that holds it, from static input and output tensors allocated once per bucket; on a GPU with `graphs`,
+    each bucket's forward pass is a CUDA graph captured at start-up and replayed per batch (one launch instead of a
+    few hundred), otherwise the forward runs on the bucket's static tensors as it is. Without buckets each batch runs
+    at its own size (on a GPU from a staging input sized for `max_batch`)."""
+
+    def __init__(self, forward: Forward, device: torch.device, row_shape: tuple[int, ...],
+                 output_rows: dict[str, tuple[int, ...]], max_batch: int, buckets: bool | None = None,
+                 graphs: bool = True, fp32: bool = False):
+        """`fp32`: the forward's convolutions and products run in strict fp32 (`strict_fp32`)."""
+        self.forward, self.device, self.output_names = forward, device, tuple(output_rows)
+        cuda = device.type == "cuda"
+        self.max_batch, self.fp32 = max_batch, fp32 and cuda  # TF32 is a CUDA matter
+        bucketed = cuda and forward.capturable if buckets is None else buckets
+        self.buckets = bucket_sizes(max_batch) if bucketed else ()
         self.io = StagedIO(device, row_shape, output_rows, max_batch)
-        self.graphs = graphs and device.type == "cuda"
+        self.graphs = bucketed and graphs and cuda and forward.capturable
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, dict[str, torch.Tensor]] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # each batch's forward pass, timed on the GPU
         self.gpu_timer = GpuTimer(self.io.stream) if self.io.stream is not None else None
-        pool = torch.cuda.graph_pool_handle() if self.graphs else None
         # the static tensors outside inference mode: each batch is copied into them (inference tensors refuse that)
         for size in self.buckets:
             self.inputs[size] = torch.zeros((size, *row_shape), dtype=torch.float32, device=device)
             if not self.graphs:
                 self.outputs[size] = {name: torch.empty((size, *rows), dtype=torch.float32, device=device)
                                       for name, rows in output_rows.items()}
+        # unbucketed on a GPU: the pinned staging copies each batch up into this
+        self._input = (torch.empty((max_batch, *row_shape), dtype=torch.float32, device=device)
+                       if cuda and not self.buckets else None)
         if self.graphs:
-            self._capture(pool)
+            self._capture(torch.cuda.graph_pool_handle())
+
+    def describe(self) -> str:
+        """How batches run, for a backend's description ("" unbucketed)."""
+        if not self.buckets:
+            return ""
+        return f"{'CUDA graphs' if self.graphs else 'eager'} for batch buckets {'/'.join(map(str, self.buckets))}"
 
     def _capture(self, pool) -> None:
         with torch.inference_mode(), self.io.on_stream(), strict_fp32(self.fp32), timed_convolutions():
             # largest first: the shared memory pool is sized by it, and the smaller captures fit in what it left
             for size in reversed(self.buckets):
                 for _ in range(2):  # cuDNN/cuBLAS pick and allocate their kernels outside the capture
-                    self.model(self.inputs[size])
+                    self.forward.call(self.inputs[size])
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=self.io.stream):
-                    self.outputs[size] = self._named(self.model(self.inputs[size]))
+                    self.outputs[size] = self._named(self.forward.call(self.inputs[size]))
                 self._graphs[size] = graph
         assert self.io.stream is not None  # graphs are captured on a GPU only
         self.io.stream.synchronize()
 
-    def _named(self, outputs) -> dict[str, torch.Tensor]:
+    def _named(self, outputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(zip(self.output_names, outputs))
+
+    def _checked(self, batch: int) -> None:
+        if not 1 <= batch <= self.max_batch:
+            raise CapsNetError(f"{self.forward.what} runs 1 to {self.max_batch} images at a time, got {batch}")
 
     def run(self, images: np.ndarray) -> Outputs:
         batch = len(images)
+        if not self.buckets:
+            self._checked(batch)
+            return self.io.download(self._call(self.io.upload(images, self._input)), batch)
         size = bucket_for(batch, self.buckets)
         # rows past `batch` keep earlier images (or zeros): every image is computed on its own, so they change
         # nothing in the rows returned
         self.io.upload(images, self.inputs[size])
-        self._forward(size)
+        self._replay(size)
         return self.io.download(self.outputs[size], batch)
 
     def run_on_device(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
-        """images already on the device (N, ...) -> the outputs' first N rows on the device, views of the bucket's
-        static outputs that the next run overwrites: the engine's time without the host's copies."""
+        """images already on the device (N, ...) -> the outputs' first N rows on the device (bucketed: views of the
+        bucket's static outputs, which the next run overwrites): the engine's time without the host's copies."""
         batch = len(images)
+        if not self.buckets:
+            self._checked(batch)
+            return self._call(images)
         size = bucket_for(batch, self.buckets)
         with self.io.on_stream():
             self.inputs[size][:batch].copy_(images, non_blocking=True)
-        self._forward(size)
+        self._replay(size)
         return {name: output[:batch] for name, output in self.outputs[size].items()}
 
-    def _forward(self, size: int) -> None:
+    def _call(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The forward on a batch at its own size: its outputs come from the caching allocator, fresh each call."""
+        with torch.inference_mode(), self.io.on_stream(), timed(self.gpu_timer), strict_fp32(self.fp32):
+            return self._named(self.forward.call(images))
+
+    def _replay(self, size: int) -> None:
         with torch.inference_mode(), self.io.on_stream(), timed(self.gpu_timer):
             if self.graphs:
                 self._graphs[size].replay()
                 return
             with strict_fp32(self.fp32):
-                for name, output in self._named(self.model(self.inputs[size])).items():
+                for name, output in self._named(self.forward.call(self.inputs[size])).items():
                     self.outputs[size][name].copy_(output)
-
-
-class AotiRunner:
-    """An AOTInductor package (torch._inductor.aoti_load_package) on the CPU or CUDA device `gpu`, for batches of
-    1 to `max_batch` images (a package does not check its batch range itself)."""
-
-    def __init__(self, path, device: torch.device, row_shape: tuple[int, ...], output_rows: dict[str, tuple[int, ...]],
-                 max_batch: int):
-        self.device, self.output_names, self.max_batch = device, tuple(output_rows), max_batch
-        try:
-            self.package = torch._inductor.aoti_load_package(
-                str(path), device_index=device.index if device.type == "cuda" else -1)
-        except Exception as err:  # a damaged archive, a shared object for another machine
-            raise CapsNetError(f"{path} cannot be loaded: {type(err).__name__}: "
-                               f"{(str(err).strip().splitlines() or [''])[0][:300]}") from None
-        self.io = StagedIO(device, row_shape, output_rows, max_batch)
-        self._input = (torch.empty((max_batch, *row_shape), dtype=torch.float32, device=device)
-                       if device.type == "cuda" else None)
-        # each batch's package call, timed on the GPU
-        self.gpu_timer = GpuTimer(self.io.stream) if self.io.stream is not None else None
-
-    def run(self, images: np.ndarray) -> Outputs:
-        batch = len(images)
-        if not 1 <= batch <= self.max_batch:
-            raise CapsNetError(f"the package runs 1 to {self.max_batch} images at a time, got {batch}")
-        inputs = self.io.upload(images, self._input)
-        with torch.inference_mode(), self.io.on_stream(), timed(self.gpu_timer):
-            outputs = self.package(inputs)  # its outputs come from the caching allocator: reused, not cudaMalloc'd
-        return self.io.download(dict(zip(self.output_names, outputs)), batch)

@@ -1,5 +1,6 @@
 """AOTInductor: serves a package compiled by `capsnet export --aoti` (model.<device>.<precision>.pt2) on the CPU or
-on CUDA device --gpu N, through capsnet.runtime.torch_runner.AotiRunner, the runner export checked the package with.
+on CUDA device --gpu N, through capsnet.runtime.torch_runner.TorchRunner, the runner export checked the package with
+(each batch at its own size: a package is not captured in CUDA graphs).
 
 A package runs only with the torch that compiled it, and a CUDA one only on a GPU of its compute capability; both
 are checked against model.json before it is loaded, so a mismatch is one line at startup, not a crash.
@@ -7,16 +8,13 @@ are checked against model.json before it is loaded, so a mismatch is one line at
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from capsnet.errors import CapsNetError
 from capsnet.model_description.schema import AotiPackage
+from capsnet.runtime.torch_runner import gpu_facts, package_forward
 from capsnet.serving.artifacts import ModelArtifacts
-from capsnet.serving.backends.base import DeviceBackend, DeviceFailure
-from capsnet.serving.config import ServerConfig
-from capsnet.serving.backends.torch_backend import torch_device
-from capsnet.runtime.torch_runner import AotiRunner, gpu_facts, is_device_error
+from capsnet.serving.backends.runner_backend import Loaded, RunnerBackend
 
 
 def find_package(artifacts: ModelArtifacts, device: str, precision: str) -> AotiPackage:
@@ -47,36 +45,15 @@ def package_problem(package: AotiPackage, gpu: int | None, max_batch_size: int) 
     return None
 
 
-class AotiBackend(DeviceBackend):
+class AotiBackend(RunnerBackend):
     name = "aoti"
 
-    @classmethod
-    def create(cls, artifacts: ModelArtifacts, precision: str, config: ServerConfig) -> AotiBackend:
-        return cls(artifacts, "fp32" if precision == "auto" else precision, config.intra_op_threads, config.gpu,
-                   config.max_batch_size)
-
-    def __init__(self, artifacts: ModelArtifacts, precision: str, threads: int, gpu: int | None, max_batch_size: int):
-        self.device = torch_device(gpu)
-        package = find_package(artifacts, self.device.type, precision)
-        problem = package_problem(package, gpu, max_batch_size)
+    @staticmethod
+    def load(artifacts: ModelArtifacts, precision: str, device: torch.device, max_batch_size: int) -> Loaded:
+        package = find_package(artifacts, device.type, precision)
+        problem = package_problem(package, device.index, max_batch_size)
         if problem:
             raise CapsNetError(problem)
         path = artifacts.resolve(artifacts.directory, package.file, "an AOTInductor package")
-        torch.set_num_threads(threads)
-        self.precision = precision
-        self.output_names = artifacts.output_names
-        self.runner = AotiRunner(path, self.device, artifacts.input_shape, dict(artifacts.output_shapes),
-                                 max_batch_size)
-        self.on_gpu, self.gpu_timer = self.device.type == "cuda", self.runner.gpu_timer
-        where = (f"GPU {gpu} {gpu_facts(gpu)[0]}" if self.device.type == "cuda" else f"CPU, {threads} threads")
-        self.description = f"{package.file} ({precision}) on {where}, torch {torch.__version__}"
-
-    def run(self, images: np.ndarray) -> dict[str, np.ndarray]:
-        if self.failed:
-            raise DeviceFailure(f"{self.description}: {self.failed}")
-        try:
-            return self.runner.run(images)
-        except Exception as err:
-            if is_device_error(err):
-                raise self.device_failure(err) from None
-            raise
+        forward = package_forward(path, device)
+        return Loaded(forward, forward.call, f"{package.file} ({precision})", f", torch {torch.__version__}")

@@ -19,7 +19,7 @@ from capsnet.errors import CapsNetError
 from capsnet.export.config import ExportConfig
 from capsnet.model_description.files import file_sha256
 from capsnet.model_description.schema import ModelDescription
-from capsnet.runtime.torch_runner import AotiRunner
+from capsnet.runtime.torch_runner import TorchRunner, package_forward
 from capsnet.models.checkpoint import load_checkpoint
 
 AOTI_MAX_BATCH = 16  # the aoti_model_dir fixture's --max-batch
@@ -49,8 +49,9 @@ def test_the_package_is_described_in_model_json(aoti_model_dir):
 
 def test_the_package_computes_what_pytorch_computes_at_every_batch_size(aoti_model_dir):
     model = load_checkpoint(aoti_model_dir / "model.ckpt").build_model().eval()
-    runner = AotiRunner(aoti_model_dir / "model.cpu.fp32.pt2", torch.device("cpu"), (1, 28, 28),
-                        {"probabilities": (10,), "poses": (10, 16), "reconstruction": (784,)}, AOTI_MAX_BATCH)
+    cpu = torch.device("cpu")
+    runner = TorchRunner(package_forward(aoti_model_dir / "model.cpu.fp32.pt2", cpu), cpu, (1, 28, 28),
+                         {"probabilities": (10,), "poses": (10, 16), "reconstruction": (784,)}, AOTI_MAX_BATCH)
     rng = np.random.default_rng(3)
     for batch in (1, 2, 5, AOTI_MAX_BATCH):  # a dynamic batch axis, not one specialised size
         images = rng.random((batch, 1, 28, 28), dtype=np.float32)

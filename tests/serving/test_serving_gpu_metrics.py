@@ -174,15 +174,15 @@ def cuda_total_with_driver_reserve(index: int) -> int:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_the_bucket_runner_times_each_forward_pass_on_the_gpu(graphs):
+def test_the_runner_times_each_bucketed_forward_pass_on_the_gpu(graphs):
     import torch
 
-    from capsnet.runtime.torch_runner import BucketRunner
+    from capsnet.runtime.torch_runner import Forward, TorchRunner
 
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(1, 8, 9).cuda().eval()
-    runner = BucketRunner(lambda images: (conv(images),), torch.device("cuda", 0), (1, 28, 28),
-                          {"features": (8, 20, 20)}, max_batch=8, graphs=graphs)
+    runner = TorchRunner(Forward(lambda images: (conv(images),), "the convolution", capturable=True),
+                         torch.device("cuda", 0), (1, 28, 28), {"features": (8, 20, 20)}, max_batch=8, graphs=graphs)
     assert runner.gpu_timer is not None
     started = time.perf_counter()
     outputs = runner.run(IMAGES)
@@ -196,12 +196,12 @@ def test_the_bucket_runner_times_each_forward_pass_on_the_gpu(graphs):
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_the_aoti_runner_times_the_packages_work_on_its_stream(tmp_path):
+def test_the_runner_times_a_packages_work_on_its_stream(tmp_path):
     """A package runs on the current stream, the runner's, so the events around the call hold its work: a model of
     a few hundred microseconds of GPU time tells that apart from timing an empty stream (a few microseconds)."""
     import torch
 
-    from capsnet.runtime.torch_runner import AotiRunner
+    from capsnet.runtime.torch_runner import TorchRunner, package_forward
 
     class Chain(torch.nn.Module):
         def __init__(self):
@@ -221,7 +221,8 @@ def test_the_aoti_runner_times_the_packages_work_on_its_stream(tmp_path):
     program = torch.export.export(model, (torch.zeros(8, 1, 28, 28, device="cuda"),), dynamic_shapes=({0: batch},))
     path = tmp_path / "chain.pt2"
     torch._inductor.aoti_compile_and_package(program, package_path=str(path))
-    runner = AotiRunner(path, torch.device("cuda", 0), (1, 28, 28), {"hidden": (4096,)}, max_batch=8)
+    gpu = torch.device("cuda", 0)
+    runner = TorchRunner(package_forward(path, gpu), gpu, (1, 28, 28), {"hidden": (4096,)}, max_batch=8)
     images = np.random.default_rng(5).random((8, 1, 28, 28), dtype=np.float32)  # (8, 1, 28, 28)
     runner.run(images)  # the first call loads the kernels
     outputs = runner.run(images)

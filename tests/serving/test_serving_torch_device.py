@@ -51,6 +51,16 @@ def test_bucketed_runs_give_the_plain_models_outputs_with_no_new_tensors(model_d
     assert {size: tensor.data_ptr() for size, tensor in bucketed.runner.inputs.items()} == static
 
 
+def test_a_batch_runs_the_model_once_for_all_its_outputs(model_dir):
+    artifacts = load_artifacts(model_dir)
+    calls: list[object] = []
+    for backend in (TorchBackend(artifacts, "fp32", 1), TorchBackend(artifacts, "fp32", 1, None, 4, buckets=True)):
+        hook = backend.model.register_forward_pre_hook(lambda module, _: calls.append(module))
+        outputs = backend.run(np.zeros((3, 1, 28, 28), np.float32))
+        hook.remove()
+        assert len(outputs) == 3 and calls.count(backend.model) == 1, backend.description
+
+
 def test_returned_arrays_are_the_callers_to_keep(model_dir):
     backend = TorchBackend(load_artifacts(model_dir), "fp32", 1, None, 4, buckets=True)
     first = backend.run(np.zeros((2, 1, 28, 28), np.float32))["probabilities"]
@@ -65,6 +75,18 @@ def test_fp16_on_the_cpu_is_refused_in_one_line(model_dir):
     with pytest.raises(CapsNetError,
                        match="--precision int8 is an ONNX model: the torch backend runs fp32, fp16 or bf16"):
         ServerConfig(model_dir=model_dir, backend="torch", precision="int8")
+
+
+def test_loading_a_version_sets_torchs_threads_only_when_the_count_changes(model_dir, monkeypatch):
+    """torch's intra-op pool is the process's: a version loaded with the count already set leaves it alone."""
+    set_to, set_threads = [], torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda count: (set_to.append(count), set_threads(count)))
+    artifacts = load_artifacts(model_dir)
+    other = 2 if torch.get_num_threads() == 1 else 1
+    for threads in (other, other, 3, 3):
+        assert f"CPU, {threads} threads" in TorchBackend(artifacts, "fp32", threads).description
+        assert torch.get_num_threads() == threads
+    assert set_to == [other, 3]
 
 
 def _health(target: str) -> str:
