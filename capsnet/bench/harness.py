@@ -149,7 +149,7 @@ def _served_engine(spec: str, model_dir: Path, dry_run: bool, max_batch: int, th
             return {name: getattr(output, name) for name in backend.output_names}
 
     return TimedEngine(spec, backend.description, on_device, backend.run,
-                  {"passed": check.passed, "describe": check.describe()})
+                       {"passed": check.passed, "describe": check.describe()})
 
 
 def _time_cells(engine: TimedEngine, images: np.ndarray, device, batches: tuple[int, ...], dry_run: bool) -> list[dict]:
