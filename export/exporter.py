@@ -18,9 +18,9 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -36,6 +36,8 @@ from capsnet.export.onnx_export import check_graph, export_onnx, export_program,
 from capsnet.export.parity import (
     FP32_TOLERANCE,
     PARITY_BATCH_SIZES,
+    Batch,
+    Outputs,
     compare,
     onnxruntime_outputs,
     onnxruntime_session,
@@ -79,6 +81,10 @@ from capsnet.models.checkpoint import Checkpoint, load_checkpoint
 from capsnet.models.config import CAPSULE_ARCHITECTURES
 from capsnet.training.data import Dataset
 from capsnet.training.evaluate import load_checkpoint_data
+
+if TYPE_CHECKING:
+    from onnxruntime import InferenceSession
+    from torch.export import ExportedProgram
 
 log = logging.getLogger(__name__)
 
@@ -171,50 +177,65 @@ def export_model(checkpoint_path: str | os.PathLike, out_dir: str | os.PathLike,
     return description
 
 
-@dataclass
-class _Staged:
-    """What an export has written and measured so far in its staging folder, handed from step to step."""
+@dataclass(frozen=True)
+class _Fp32Stage:
+    """The FP32 graph written into the staging folder and checked: what every later stage measures against."""
 
     staging: Path
     config: ExportConfig
     checkpoint: Checkpoint  # the staged copy
     dataset: Dataset
     names: tuple[str, ...]  # the outputs, in order
-    program: Any  # the exported program the ONNX file and the AOTInductor packages come from
+    program: ExportedProgram  # the exported program the ONNX file and the AOTInductor packages come from
     exported: onnx.ModelProto  # the FP32 graph
-    batches: list[np.ndarray]  # the parity batches
-    pytorch_outputs: list  # PyTorch's answers on them
-    fp32_session: Any  # ONNX Runtime's session of the FP32 graph
-    fp32_outputs: list  # its answers on the parity batches
-    fp32_test: np.ndarray  # its probabilities on the test split
+    path: Path  # its file
+    batches: list[Batch]  # the parity batches
+    pytorch_outputs: list[Outputs]  # PyTorch's answers on them
+    session: InferenceSession  # ONNX Runtime's session of the FP32 graph
+    outputs: list[Outputs]  # its answers on the parity batches
+    test_probabilities: np.ndarray  # its probabilities on the test split
     reference: _Reference
-    parity: dict[str, Any]
-    variants: dict[str, Path]  # precision -> ONNX file written
-    decoder: DecoderDescription | None = None  # the decoder alone, written with the reconstruction
-    gates: dict[str, PrecisionGate] = field(default_factory=dict)
-    refused: dict[str, str] = field(default_factory=dict)  # file name -> why the precision gate refused it
+    parity: dict[str, Any]  # model.json's parity of the FP32 graph against PyTorch
+
+
+@dataclass(frozen=True)
+class _ReducedOnnxStage:
+    """The INT8 and FP16 graphs asked for, each measured by the precision gate."""
+
+    int8: dict[str, Any] | None  # model.json's `int8`: how the INT8 graph was made (also when refused)
+    gates: dict[str, PrecisionGate]  # "onnx_<precision>" -> its gate entry
+    written: dict[str, Path]  # precision -> the graph's file, of those the gate accepted
+    parity: dict[str, Any]  # "onnxruntime_<precision>_vs_fp32" -> its parity on the parity batches, if accepted
+    refused: dict[str, str]  # file name -> why the gate refused it
 
 
 def _write_artifacts(staging: Path, checkpoint_path: Path, checkpoint: Checkpoint, dataset: Dataset,
                      config: ExportConfig, tensorrt_error: str | None) -> tuple[ModelDescription, str | None]:
     """Write every artifact into `staging`; returns the description and why no engine was built, if so."""
-    staged = _write_fp32(staging, _staged_checkpoint(checkpoint_path, checkpoint, staging), dataset, config)
-    if config.reconstruction:
-        staged.decoder = _write_decoder(staged)
-    _gate_torch_variants(staged)
-    int8 = _write_reduced_onnx(staged)
-    packages = _compile_aoti(staging, staged.program, staged.checkpoint, config, staged.names, staged.batches,
-                             staged.pytorch_outputs, staged.reference, staged.gates, staged.refused)
-    for path in staged.variants.values():
+    fp32 = _write_fp32(staging, _staged_checkpoint(checkpoint_path, checkpoint, staging), dataset, config)
+    decoder = _write_decoder(fp32) if config.reconstruction else None
+    torch_gates = _gate_torch_variants(fp32)
+    reduced = _write_reduced_onnx(fp32)
+    variants = {"fp32": fp32.path, **reduced.written}
+    aoti_refused: dict[str, str] = {}
+    packages = _compile_aoti(staging, fp32.program, fp32.checkpoint, config, fp32.names, fp32.batches,
+                             fp32.pytorch_outputs, fp32.reference, torch_gates, aoti_refused)
+    for path in variants.values():
         problems = tensorrt_problems(onnx.load(str(path)))
         log.log(logging.WARNING if problems else logging.INFO, "TensorRT compatibility of %s: %s",
                 path.name,
                 "; ".join(problems) or "every operator supported, every dimension static or computed from the batch")
-    plan_built, tensorrt_error = _write_plan(staged, tensorrt_error)
-    return _write_description(staged, int8, packages, plan_built), tensorrt_error
+    tensorrt_parity, tensorrt_error = _write_plan(fp32, variants, tensorrt_error)
+    parity = {**fp32.parity, **reduced.parity, **({"tensorrt": tensorrt_parity} if tensorrt_parity else {})}
+    description = describe(fp32.checkpoint, graph_opset(fp32.exported), config.reconstruction,
+                           artifacts=_artifact_files(reduced, tensorrt_parity is not None),
+                           reference_set=fp32.reference.description, int8=reduced.int8, parity=parity,
+                           precision_gate={**torch_gates, **reduced.gates}, aoti=packages,
+                           refused={**reduced.refused, **aoti_refused}, decoder=decoder)
+    return _write_description(staging, description, variants, decoder, packages), tensorrt_error
 
 
-def _write_fp32(staging: Path, checkpoint: Checkpoint, dataset: Dataset, config: ExportConfig) -> _Staged:
+def _write_fp32(staging: Path, checkpoint: Checkpoint, dataset: Dataset, config: ExportConfig) -> _Fp32Stage:
     """The FP32 ONNX graph, checked against PyTorch (FP32_TOLERANCE), and the reference images with its answers."""
     model = checkpoint.build_model()
     # a CNN baseline's only output is its probabilities: no poses, as it has no capsules
@@ -227,10 +248,10 @@ def _write_fp32(staging: Path, checkpoint: Checkpoint, dataset: Dataset, config:
     log.info("ONNX opset %d, %d nodes: %s", graph_opset(exported), sum(counts.values()),
              ", ".join(f"{op} {n}" for op, n in counts.most_common()))
     batches = parity_batches(dataset.test.images)
-    fp32_session = onnxruntime_session(str(path))
-    fp32_outputs = onnxruntime_outputs(fp32_session, batches, names)
+    session = onnxruntime_session(str(path))
+    outputs = onnxruntime_outputs(session, batches, names)
     pytorch_outputs = torch_outputs(model, batches, names)
-    onnx_parity = compare(pytorch_outputs, fp32_outputs)
+    onnx_parity = compare(pytorch_outputs, outputs)
     log.info("ONNX Runtime vs PyTorch: %s", onnx_parity.describe())
     if not onnx_parity.passes(FP32_TOLERANCE):
         raise CapsNetError(f"ONNX Runtime disagrees with PyTorch beyond {FP32_TOLERANCE:g}: {onnx_parity.describe()}")
@@ -241,115 +262,128 @@ def _write_fp32(staging: Path, checkpoint: Checkpoint, dataset: Dataset, config:
         "onnxruntime": onnx_parity.to_dict(),
     }
     if not checkpoint.config.input_sizes.fixed:
-        parity["sizes"] = _size_parity(model, fp32_session, dataset, names)
-    return _Staged(staging, config, checkpoint, dataset, names, program, exported, batches, pytorch_outputs,
-                   fp32_session, fp32_outputs, onnxruntime_probabilities(fp32_session, dataset.test.images),
-                   _write_reference(staging / REFERENCE_NAME, fp32_session, dataset, names), parity, {"fp32": path})
+        parity["sizes"] = _size_parity(model, session, dataset, names)
+    return _Fp32Stage(staging, config, checkpoint, dataset, names, program, exported, path, batches, pytorch_outputs,
+                      session, outputs, onnxruntime_probabilities(session, dataset.test.images),
+                      _write_reference(staging / REFERENCE_NAME, session, dataset, names), parity)
 
 
-def _write_decoder(staged: _Staged) -> DecoderDescription:
+def _write_decoder(fp32: _Fp32Stage) -> DecoderDescription:
     """The decoder alone (export/decoder.py), checked against PyTorch's on the reference images' poses."""
-    model = staged.checkpoint.build_model()
-    export_decoder(model, staged.staging, staged.config.opset)
-    outputs = staged.reference.outputs
-    decoder = check_decoder(model, staged.staging, outputs["poses"], outputs["probabilities"],
+    model = fp32.checkpoint.build_model()
+    export_decoder(model, fp32.staging, fp32.config.opset)
+    outputs = fp32.reference.outputs
+    decoder = check_decoder(model, fp32.staging, outputs["poses"], outputs["probabilities"],
                             outputs["reconstruction"])
     log.info("decoder ONNX Runtime vs PyTorch on %d poses: max |diff| %.2e", decoder.parity["rows"],
              decoder.parity["max_abs_diff"])
     return decoder
 
 
-def _gate_torch_variants(staged: _Staged) -> None:
+def _gate_torch_variants(fp32: _Fp32Stage) -> dict[str, PrecisionGate]:
     """The precision gate's entries of the checkpoint's own reduced precisions (the torch and fused backends'),
     measured by emulation on this CPU. Not refused here: a server refuses them if asked (see the gate)."""
-    test, reference = staged.dataset.test, staged.reference
-    staged.gates.update(torch_gates(staged.checkpoint.build_model, reference.images, reference.outputs, test.images,
-                                    test.labels, staged.fp32_test, staged.config.max_accuracy_drop,
-                                    fused=fused_unsupported_reason(staged.checkpoint.config) is None))
-    for name, gate in staged.gates.items():
+    test, reference = fp32.dataset.test, fp32.reference
+    gates = torch_gates(fp32.checkpoint.build_model, reference.images, reference.outputs, test.images, test.labels,
+                        fp32.test_probabilities, fp32.config.max_accuracy_drop,
+                        fused=fused_unsupported_reason(fp32.checkpoint.config) is None)
+    for name, gate in gates.items():
         log.log(logging.INFO if gate.accepted else logging.WARNING, "%s %s%s", name, _describe_gate(gate),
                 "" if gate.accepted else "; not accepted, so not served")
+    return gates
 
 
-def _write_reduced_onnx(staged: _Staged) -> dict[str, Any] | None:
-    """The INT8 and FP16 graphs asked for, each written only if the precision gate accepts it; model.json's `int8`
-    (how it was made, also for a variant refused: its figures in the gate depend on it), or None."""
-    config, cpu = staged.config, CpuKind.this_host()
+def _write_reduced_onnx(fp32: _Fp32Stage) -> _ReducedOnnxStage:
+    """The INT8 and FP16 graphs asked for, each kept only if the precision gate accepts it."""
+    config, cpu = fp32.config, CpuKind.this_host()
+    gates: dict[str, PrecisionGate] = {}
+    written: dict[str, Path] = {}
+    parity: dict[str, Any] = {}
+    refused: dict[str, str] = {}
+
+    def gate(precision: str, path: Path) -> None:
+        """Kept in `written` if the gate accepts it, else deleted and named in `refused`; its gate entry either way."""
+        measured, kept_parity = _gate_onnx_variant(fp32, precision, path, cpu)
+        gates[f"onnx_{precision}"] = measured
+        if kept_parity is None:
+            refused[path.name] = f"{precision.upper()} model refused: {measured.refusal()}"
+            log.warning("%s; not written", refused[path.name])
+            path.unlink()
+        else:
+            parity[f"onnxruntime_{precision}_vs_fp32"] = kept_parity
+            written[precision] = path
+
     int8 = None
     if config.wants_int8:
-        calibration = staged.dataset.train.images[: config.calibration_images]
-        quantize_int8(staged.variants["fp32"], staged.staging / ONNX_INT8_NAME, calibration)
-        int8 = {"dataset": staged.dataset.name, "calibration_images": len(calibration), "cpu": cpu.to_dict(),
+        calibration = fp32.dataset.train.images[: config.calibration_images]
+        quantize_int8(fp32.path, fp32.staging / ONNX_INT8_NAME, calibration)
+        int8 = {"dataset": fp32.dataset.name, "calibration_images": len(calibration), "cpu": cpu.to_dict(),
                 "scheme": SCHEME}
-        _gate_onnx_variant(staged, "int8", staged.staging / ONNX_INT8_NAME, cpu)
+        gate("int8", fp32.staging / ONNX_INT8_NAME)
     if config.wants_fp16:
-        fp16_model = convert_fp16(staged.exported)
+        fp16_model = convert_fp16(fp32.exported)
         check_graph(fp16_model)
-        onnx.save(fp16_model, str(staged.staging / ONNX_FP16_NAME))
-        _gate_onnx_variant(staged, "fp16", staged.staging / ONNX_FP16_NAME, cpu)
-    return int8
+        onnx.save(fp16_model, str(fp32.staging / ONNX_FP16_NAME))
+        gate("fp16", fp32.staging / ONNX_FP16_NAME)
+    return _ReducedOnnxStage(int8, gates, written, parity, refused)
 
 
-def _gate_onnx_variant(staged: _Staged, precision: str, path: Path, cpu: CpuKind) -> None:
-    """Measure the variant at `path` by the precision gate: kept in `variants` if accepted, else deleted and named
-    in `refused`; its gate entry is recorded either way."""
-    test, reference, names = staged.dataset.test, staged.reference, staged.names
+def _gate_onnx_variant(fp32: _Fp32Stage, precision: str, path: Path,
+                       cpu: CpuKind) -> tuple[PrecisionGate, dict[str, Any] | None]:
+    """The variant at `path` measured by the precision gate, and where the gate accepts it, its parity against the
+    FP32 graph on the parity batches."""
+    test, reference, names = fp32.dataset.test, fp32.reference, fp32.names
     session = onnxruntime_session(str(path))
     (outputs,) = onnxruntime_outputs(session, [reference.images], names)
     gate = measure_gate(precision, f"onnxruntime {path.name}", reference.outputs, outputs, test.labels,
-                        staged.fp32_test, onnxruntime_probabilities(session, test.images),
-                        staged.config.max_accuracy_drop, cpu.describe())
-    staged.gates[f"onnx_{precision}"] = gate
+                        fp32.test_probabilities, onnxruntime_probabilities(session, test.images),
+                        fp32.config.max_accuracy_drop, cpu.describe())
     if not gate.accepted:
-        staged.refused[path.name] = f"{precision.upper()} model refused: {gate.refusal()}"
-        log.warning("%s; not written", staged.refused[path.name])
-        path.unlink()
-        return
+        return gate, None
     log.info("%s %s", precision.upper(), _describe_gate(gate))
-    staged.parity[f"onnxruntime_{precision}_vs_fp32"] = compare(
-        staged.fp32_outputs, onnxruntime_outputs(session, staged.batches, names)).to_dict()
-    staged.variants[precision] = path
+    return gate, compare(fp32.outputs, onnxruntime_outputs(session, fp32.batches, names)).to_dict()
 
 
-def _write_plan(staged: _Staged, tensorrt_error: str | None) -> tuple[bool, str | None]:
-    """The TensorRT plan where asked and possible: (whether it was built, why not where it was asked for)."""
-    if not staged.config.tensorrt or tensorrt_error is not None:
-        return False, tensorrt_error
+def _write_plan(fp32: _Fp32Stage, variants: dict[str, Path],
+                tensorrt_error: str | None) -> tuple[dict[str, Any] | None, str | None]:
+    """The TensorRT plan where asked and possible: (its parity where it was built, why not where it was asked for)."""
+    if not fp32.config.tensorrt or tensorrt_error is not None:
+        return None, tensorrt_error
     try:
-        staged.parity["tensorrt"] = _build_tensorrt(staged.staging, staged.variants, staged.checkpoint.config,
-                                                    staged.dataset, staged.names, staged.config.engine())
-        return True, None
+        return _build_tensorrt(fp32.staging, variants, fp32.checkpoint.config, fp32.dataset, fp32.names,
+                               fp32.config.engine()), None
     except Exception as err:  # TensorRT and CUDA raise their own types; none may cost the other artifacts
         log.debug("TensorRT build failed", exc_info=True)
-        (staged.staging / PLAN_NAME).unlink(missing_ok=True)
-        (staged.staging / PLAN_INFO_NAME).unlink(missing_ok=True)
-        return False, str(err) if isinstance(err, CapsNetError) else f"{type(err).__name__}: {err}".splitlines()[0]
+        (fp32.staging / PLAN_NAME).unlink(missing_ok=True)
+        (fp32.staging / PLAN_INFO_NAME).unlink(missing_ok=True)
+        return None, str(err) if isinstance(err, CapsNetError) else f"{type(err).__name__}: {err}".splitlines()[0]
 
 
-def _write_description(staged: _Staged, int8: dict[str, Any] | None, packages: tuple[AotiPackage, ...],
-                       plan_built: bool) -> ModelDescription:
-    """model.json, embedded in every ONNX file too, with the digest of every file written."""
-    artifacts = {
+def _artifact_files(reduced: _ReducedOnnxStage, plan_built: bool) -> dict[str, str | None]:
+    """model.json's `artifacts`: each file by its role, None where it was not written."""
+    return {
         "onnx": ONNX_NAME,
-        "onnx_int8": ONNX_INT8_NAME if "int8" in staged.variants else None,
-        "onnx_fp16": ONNX_FP16_NAME if "fp16" in staged.variants else None,
+        "onnx_int8": ONNX_INT8_NAME if "int8" in reduced.written else None,
+        "onnx_fp16": ONNX_FP16_NAME if "fp16" in reduced.written else None,
         "tensorrt": PLAN_NAME if plan_built else None,
         "checkpoint": CHECKPOINT_NAME,
         "reference": REFERENCE_NAME,
     }
-    description = describe(staged.checkpoint, graph_opset(staged.exported), staged.config.reconstruction,
-                           artifacts=artifacts, reference_set=staged.reference.description, int8=int8,
-                           parity=staged.parity, precision_gate=staged.gates, aoti=packages, refused=staged.refused,
-                           decoder=staged.decoder)
-    decoder_files = [staged.staging / staged.decoder.file] if staged.decoder else []
-    for path in [*staged.variants.values(), *decoder_files]:
+
+
+def _write_description(staging: Path, description: ModelDescription, variants: dict[str, Path],
+                       decoder: DecoderDescription | None, packages: tuple[AotiPackage, ...]) -> ModelDescription:
+    """model.json, embedded in every ONNX file too, with the digest of every file written."""
+    decoder_files = [staging / decoder.file] if decoder else []
+    for path in [*variants.values(), *decoder_files]:
         onnx_model = onnx.load(str(path))
         embed_metadata(onnx_model, description)
         onnx.save(onnx_model, str(path))
-    hashed = ([name for name in artifacts.values() if name] + ([PLAN_INFO_NAME] if plan_built else [])
+    plan_built = description.artifacts["tensorrt"] is not None
+    hashed = ([name for name in description.artifacts.values() if name] + ([PLAN_INFO_NAME] if plan_built else [])
               + [package.file for package in packages] + [path.name for path in decoder_files])
-    description = replace(description, sha256={name: file_sha256(staged.staging / name) for name in hashed})
-    description.write(staged.staging)
+    description = replace(description, sha256={name: file_sha256(staging / name) for name in hashed})
+    description.write(staging)
     return description
 
 

@@ -36,12 +36,14 @@ if [ $dry = 1 ]; then
     python=${PYTHON:-$repo/.venv/bin/python}
     dry_flag=(--cpu-dry-run)
     export TRITON_INTERPRET=1  # the fused kernels on the CPU: Triton's interpreter
-    preset=tiny device=cpu engines=(public eager compile torch:fp32 fused:fp32) concurrency=(1 16) window=1 threads=2
+    preset=tiny device=cpu concurrency=(1 16) window=1 threads=2
+    engines=(--kinds torch fused --precisions fp32)
 else
     python=${PYTHON:-$([ -x /opt/torch/.venv/bin/python3 ] && echo /opt/torch/.venv/bin/python3 || echo python3)}
     dry_flag=()
     preset=paper device=cuda concurrency=(1 16 64) window=2 threads=4
-    engines=(public eager compile torch:fp32 torch:bf16 torch:fp16 fused:fp32 fused:bf16 fused:fp16)
+    # the registry's GPU rows at each precision they serve (aoti: where the export compiled its packages)
+    engines=(--kinds torch fused aoti --precisions fp32 bf16 fp16)
 fi
 # Compiles and the timed runs never share the cores: threads are set for each; inductor compiles on all of them.
 cores=$(nproc)
@@ -50,7 +52,7 @@ echo "==> gpu_check: $([ $dry = 1 ] && echo 'CPU dry run' || echo GPU), budget $
 
 # --- steps: each under `timeout`, recorded in steps.jsonl; the report is rewritten after every one ----------------
 report() {
-    (cd "$work" && timeout 60 "$python" -m capsnet.bench.analysis.gpu_check report --work "$work" --out "$out") \
+    (cd "$work" && timeout 60 "$python" "$repo/scripts/gpu_check_report.py" --work "$work" --out "$out") \
         || echo "==> report failed"
 }
 record() {  # step status seconds limit
@@ -81,7 +83,7 @@ step() {  # name limit command...: runs in $work (so the checkout's bare capsnet
     return $rc
 }
 # the step's commands (`timeout` runs programs, not shell functions)
-check=("$python" -m capsnet.bench.analysis.gpu_check)
+check=("$python" -m capsnet.bench.gpu_check)
 common=(--work "$work" --threads "$threads" "${dry_flag[@]}")
 save_tail() {  # part-name log: the end of a step's output as a part of the report
     "$python" -c 'import json, sys; print(json.dumps({"tail": open(sys.argv[1]).read()[-3000:]}))' "$2" \
@@ -111,8 +113,9 @@ step train 60 "$python" -m capsnet train --data embedded --preset $preset --epoc
 step export 120 "$python" -m capsnet export "$work/model.ckpt" --out "$work/model" --reconstruction
 step flops 30 "${check[@]}" flops "${common[@]}" --model "$work/model"
 
-# 4-5. in process: the public formulation, the model eager and compiled, every served engine; then served
-step engines 200 "${check[@]}" engines "${common[@]}" --model "$work/model" --specs "${engines[@]}"
+# 4-5. in process (the benchmark harness): the public formulation, the model eager and compiled, the registry's
+# engines kind x precision; then served
+step engines 200 "${check[@]}" engines "${common[@]}" --model "$work/model" "${engines[@]}"
 step serve 100 "${check[@]}" serve "${common[@]}" --model "$work/model" --concurrency "${concurrency[@]}" --window "$window"
 # 6. one-image requests against the bare grpc.aio floor and capsnet serve with 1 and N front-end processes (the
 # fused engine in fp16 on the GPU), perf_analyzer where carried, else the project's load generator: OUT/front-end.md

@@ -41,6 +41,7 @@ from capsnet.training.data import (Augmentation, Dataset, Split, channel_mean_st
                                    to_float)
 from capsnet.training.distributed import DistributedContext
 from capsnet.training.evaluate import Evaluation, check_dataset_fits, evaluate
+from capsnet.training.history import EpochRecord, SplitScore
 from capsnet.training.loss import capsnet_loss
 from capsnet.models.capsnet import count_parameters
 from capsnet.training.resume import (LR_SCHEDULES, MODEL_FLAGS, EpochProgress, batch_plan, check_linear_schedule_steps,
@@ -243,13 +244,23 @@ class EpochResult:
     seconds: float
 
 
-def train_one_epoch(step_model: torch.nn.Module, config: CapsNetConfig, optimizer: torch.optim.Optimizer,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler, split: Split,
-                    epoch: int, options: RunOptions, context: DistributedContext, device: torch.device,
+@dataclass(frozen=True)
+class Run:
+    """What every epoch of a run shares: its settings, the model's, and where it runs."""
+    options: RunOptions
+    config: CapsNetConfig
+    context: DistributedContext
+    device: torch.device
+
+
+def train_one_epoch(state: TrainingState, step_model: torch.nn.Module, run: Run, split: Split, epoch: int,
                     progress: EpochProgress, save_progress: Callable[[int, EpochProgress], None]) -> EpochResult:
-    """One pass over this rank's share of `split`, from `progress.step` on; the loss and accuracy returned are
-    summed over ranks. Every `options.checkpoint_every` steps, `save_progress` gets the progress so far.
-    A linear `scheduler` steps after every batch here; an exponential one is the caller's, per epoch."""
+    """One pass of `step_model` (`state.model` as the steps call it) over this rank's share of `split`, from
+    `progress.step` on; the loss and accuracy returned are summed over ranks. Every `options.checkpoint_every` steps,
+    `save_progress` gets the progress so far. A linear schedule steps after every batch here; an exponential one is
+    the caller's, per epoch."""
+    options, config, context, device = run.options, run.config, run.context, run.device
+    optimizer, scheduler, scaler = state.optimizer, state.scheduler, state.scaler
     batches = epoch_batches(len(split), options.batch_size // context.world_size, context, options.seed, epoch)
     generator = augmentation_generator(options.seed, epoch, context.rank)
     augmentation = Augmentation(options.max_shift, options.hflip, options.erase)
@@ -430,7 +441,7 @@ class TrainingState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
-    history: list[dict] = field(default_factory=list)
+    history: list[EpochRecord] = field(default_factory=list)
 
 
 def new_state(options: RunOptions, config: CapsNetConfig, steps_per_epoch: int, device: torch.device) -> TrainingState:
@@ -457,7 +468,7 @@ def restore(state: TrainingState, resumed: Checkpoint, options: RunOptions, cont
         except (KeyError, TypeError, ValueError) as err:
             raise CapsNetError(f"checkpoint {options.resume} is damaged: its optimizer state does not load "
                                f"({type(err).__name__}: {err})") from None
-    state.history = list(resumed.history)
+    state.history = [EpochRecord.from_dict(record) for record in resumed.history]
 
 
 def step_model_for(model: Model, options: RunOptions, context: DistributedContext) -> torch.nn.Module:
@@ -494,21 +505,22 @@ def snapshot(state: TrainingState, config: CapsNetConfig, dataset: Dataset, epoc
     return Checkpoint(
         config=config, state_dict=state.model.state_dict(), class_names=list(dataset.class_names), metrics=metrics,
         epoch=epochs_done, optimizer_state=state.optimizer.state_dict(), scheduler_state=state.scheduler.state_dict(),
-        history=list(state.history), dataset=dataset.name, scaler_state=state.scaler.state_dict(),
+        history=[record.to_dict() for record in state.history], dataset=dataset.name,
+        scaler_state=state.scaler.state_dict(),
         epoch_progress=None if partial is None else {**asdict(partial), "batch_plan": plan},
     )
 
 
-def best_epoch(history: list[dict]) -> dict | None:
+def best_epoch(history: list[EpochRecord]) -> EpochRecord | None:
     """The best epoch by validation accuracy (the earliest of equals); without a validation split every epoch is."""
-    return max(history, key=lambda record: record.get("validation_accuracy", -1.0), default=None)
+    return max(history, key=lambda record: record.validation.accuracy if record.validation else -1.0, default=None)
 
 
-def is_new_best(scored: dict[str, Evaluation], best: dict | None, out: Path) -> bool:
+def is_new_best(scored: dict[str, Evaluation], best: EpochRecord | None, out: Path) -> bool:
     """Whether an epoch scored so replaces the best one (`out`): selection sees the validation split only, the test
     split is reported."""
-    return ("validation" not in scored or best is None
-            or scored["validation"].accuracy > best["validation_accuracy"] or not out.exists())
+    return ("validation" not in scored or best is None or best.validation is None
+            or scored["validation"].accuracy > best.validation.accuracy or not out.exists())
 
 
 def score(model: Model, dataset: Dataset, options: RunOptions, context: DistributedContext,
@@ -521,14 +533,12 @@ def score(model: Model, dataset: Dataset, options: RunOptions, context: Distribu
 
 
 def epoch_record(epoch: int, lr: float, trained: EpochResult, scored: dict[str, Evaluation],
-                 eval_seconds: float) -> dict[str, Any]:
+                 eval_seconds: float) -> EpochRecord:
     """One epoch's line of the history: its rate, its training figures and its scores."""
-    record = {"epoch": epoch + 1, "lr": lr, "train_loss": trained.loss, "train_accuracy": trained.accuracy}
-    for name, result in scored.items():
-        record.update({f"{name}_loss": result.loss, f"{name}_accuracy": result.accuracy})
-    record.update({"train_seconds": trained.seconds, "train_images_per_second": trained.images / trained.seconds,
-                   "eval_seconds": eval_seconds})
-    return record
+    scores = {name: SplitScore(result.loss, result.accuracy) for name, result in scored.items()}
+    return EpochRecord(epoch + 1, lr, trained.loss, trained.accuracy, validation=scores.get("validation"),
+                       test=scores.get("test"), train_seconds=trained.seconds,
+                       train_images_per_second=trained.images / trained.seconds, eval_seconds=eval_seconds)
 
 
 def run_epochs(options: RunOptions, config: CapsNetConfig, dataset: Dataset, resumed: Checkpoint | None,
@@ -539,6 +549,7 @@ def run_epochs(options: RunOptions, config: CapsNetConfig, dataset: Dataset, res
     if resumed is not None:
         restore(state, resumed, options, context)
     step_model = step_model_for(state.model, options, context)
+    run = Run(options, config, context, device)
     info = run_info(options, dataset, state.model, context, device)
     plan = batch_plan(options, context.world_size, len(dataset.train))
     best = best_epoch(state.history)
@@ -557,8 +568,7 @@ def run_epochs(options: RunOptions, config: CapsNetConfig, dataset: Dataset, res
 
     for epoch in range(start_epoch, options.epochs):
         lr = state.optimizer.param_groups[0]["lr"]
-        trained = train_one_epoch(step_model, config, state.optimizer, state.scheduler, state.scaler, dataset.train,
-                                  epoch, options, context, device, progress, save_progress)
+        trained = train_one_epoch(state, step_model, run, dataset.train, epoch, progress, save_progress)
         progress = EpochProgress()
         if options.lr_schedule == "exponential":
             state.scheduler.step()
@@ -570,7 +580,7 @@ def run_epochs(options: RunOptions, config: CapsNetConfig, dataset: Dataset, res
         if is_best:
             best = record
         per_class = {f"{name}_per_class_accuracy": result.per_class_accuracy for name, result in scored.items()}
-        checkpoint = snapshot(state, config, dataset, epoch + 1, {**record, **info, **per_class}, plan)
+        checkpoint = snapshot(state, config, dataset, epoch + 1, {**record.to_dict(), **info, **per_class}, plan)
         if context.is_main:
             save_checkpoint(checkpoint, options.last_path)
             if is_best:
@@ -579,20 +589,21 @@ def run_epochs(options: RunOptions, config: CapsNetConfig, dataset: Dataset, res
                              for name, result in scored.items())
         announce(context, f"epoch {epoch + 1}/{options.epochs}: "
                           f"train loss {trained.loss:.4f} acc {100 * trained.accuracy:.2f}% | {figures} | "
-                          f"{record['train_images_per_second']:.0f} images/s, {trained.seconds:.1f}s"
+                          f"{record.train_images_per_second:.0f} images/s, {trained.seconds:.1f}s"
                           + (f" | best -> {options.out}" if is_best and "validation" in scored else ""))
     # check_resumable left at least one epoch to train
     assert checkpoint is not None and best is not None
-    announce_selection(best, dataset, options, context)
+    announce_selection(best, options, context)
     return checkpoint
 
 
-def announce_selection(best: dict, dataset: Dataset, options: RunOptions, context: DistributedContext) -> None:
+def announce_selection(best: EpochRecord, options: RunOptions, context: DistributedContext) -> None:
     """Which epoch `options.out` holds, and why."""
-    if dataset.validation is None:
+    assert best.test is not None  # an epoch of this run (is_new_best), which scores the test split
+    if best.validation is None:
         announce(context, f"no validation split (--val-fraction 0), so no selection: {options.out} holds the last "
-                          f"epoch (test accuracy {100 * best['test_accuracy']:.2f}%)")
+                          f"epoch (test accuracy {100 * best.test.accuracy:.2f}%)")
     else:
-        announce(context, f"best validation accuracy {100 * best['validation_accuracy']:.2f}% after epoch "
-                          f"{best['epoch']} (its test accuracy, not used to choose: "
-                          f"{100 * best['test_accuracy']:.2f}%): {options.out}; last epoch: {options.last_path}")
+        announce(context, f"best validation accuracy {100 * best.validation.accuracy:.2f}% after epoch "
+                          f"{best.epoch} (its test accuracy, not used to choose: "
+                          f"{100 * best.test.accuracy:.2f}%): {options.out}; last epoch: {options.last_path}")

@@ -31,7 +31,7 @@ MAX_BATCH = 1024
 
 
 def register(subparsers) -> None:
-    from capsnet.bench.backends import BACKEND_NAMES
+    from capsnet.bench.backends import BACKEND_NAMES, DEFAULT_BACKENDS
 
     parser = subparsers.add_parser(
         "bench", help="benchmark the backends, the CPU's limit and gRPC serving",
@@ -45,9 +45,11 @@ def register(subparsers) -> None:
                         help="where results.json, README.md and the plots go (default bench-results)")
     parser.add_argument("--quick", action="store_true",
                         help="a short run (batch 1 and 8, concurrency 1 and 16, fractions of a second per point)")
-    parser.add_argument("--backends", type=_names(BACKEND_NAMES), default=BACKEND_NAMES, metavar="A,B",
-                        help=f"backends to time in-process (default all: {','.join(BACKEND_NAMES)}; "
-                             "those that cannot run here are skipped with the reason)")
+    parser.add_argument("--backends", type=_names(BACKEND_NAMES), default=DEFAULT_BACKENDS, metavar="A,B",
+                        help=f"backends to time in-process (default {','.join(DEFAULT_BACKENDS)}; also "
+                             f"{','.join(name for name in BACKEND_NAMES if name not in DEFAULT_BACKENDS)}: every "
+                             "backend the server has at each of its precisions; those that cannot run here are "
+                             "skipped with the reason)")
     parser.add_argument("--batch-sizes", type=_positive_ints, metavar="N,N",
                         help=f"in-process batch sizes, at most {MAX_BATCH} (default {_show('batch_sizes')})")
     parser.add_argument("--concurrency", type=_positive_ints, metavar="N,N",

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from capsnet.bench.backends import SERVER_BACKENDS
+from capsnet.bench.backends import ENGINES
 from capsnet.bench.inprocess import SETTLE_SECONDS, BackendWorker, tile
 from capsnet.bench.machine import cores
 from capsnet.bench.server_process import ServerProcess
@@ -65,10 +65,10 @@ def _run_servers(artifacts, model_dir: str, images: np.ndarray, concurrency: tup
 
     rows, servers = [], {}
     for batching in (True, False):
-        backend, precision = SERVER_BACKENDS[SERVER_BACKEND]
+        served = ENGINES[SERVER_BACKEND]
         batching_flags = server_flags(batching, max(concurrency))
-        flags = ["--model", model_dir, "--backend", backend, "--precision", precision, "--threads", str(threads),
-                 *batching_flags]
+        flags = ["--model", model_dir, "--backend", served.kind, "--precision", served.precision,
+                 "--threads", str(threads), *batching_flags]
         with ServerProcess(flags) as server:
             idle = server.memory()["rss_mib"]
             for api in APIS:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from capsnet.bench.backends import PUBLIC_REFERENCE, SERVER_BACKENDS
+from capsnet.bench.backends import ENGINES, PUBLIC_REFERENCE
 from capsnet.bench.grpc_load import run_grpc_load
 from capsnet.bench.inprocess import BackendPlan, Schedule, run_inprocess
 from capsnet.bench.machine import cpu_shares, cpu_times, load_average, machine_facts
@@ -148,15 +148,15 @@ def _prepare_models(options: BenchOptions, tmp: Path) -> tuple[Path, dict[str, P
     allows); an export directory is used as it is."""
     from capsnet.serving.artifacts import load_artifacts
 
-    wanted_trt = [name for name in options.backends if SERVER_BACKENDS.get(name, ("",))[0] == "tensorrt"]
+    wanted_trt = [name for name in options.backends if name in ENGINES and ENGINES[name].kind == "tensorrt"]
     model_dirs, skipped = {}, {}
     if options.model.is_dir():
         artifacts = load_artifacts(options.model)
         _check_dynamic_routing(options.model, artifacts.checkpoint)
         plan_precision = artifacts.tensorrt_info["precision"] if artifacts.tensorrt_info else None
         for name in options.backends:
-            if name in wanted_trt and SERVER_BACKENDS[name][1] != plan_precision:
-                skipped[name] = (f"{options.model} has no {SERVER_BACKENDS[name][1]} TensorRT plan (bench a "
+            if name in wanted_trt and ENGINES[name].precision != plan_precision:
+                skipped[name] = (f"{options.model} has no {ENGINES[name].precision} TensorRT plan (bench a "
                                  "checkpoint to build one)")
             else:
                 model_dirs[name] = options.model
@@ -179,7 +179,7 @@ def _prepare_models(options: BenchOptions, tmp: Path) -> tuple[Path, dict[str, P
         if no_trt:
             skipped[name] = no_trt
             continue
-        precision = SERVER_BACKENDS[name][1]
+        precision = ENGINES[name].precision
         log.info("building a TensorRT %s engine", precision)
         export_model(options.model, tmp / name, tensorrt=True, tensorrt_precision=precision, data=options.data,
                      max_accuracy_drop=100.0, opt_batch=min(TENSORRT_OPT_BATCH, max_batch), max_batch=max_batch)

@@ -1,41 +1,60 @@
-"""The GPU check's steps on the CPU, small: each writes its part, and the report says what ran, what did not, and
-what the targets compare (scripts/gpu_check.sh --cpu-dry-run walks the whole script; this runs in CI)."""
+"""The GPU check's steps on the CPU, small: each writes its part, and the report (scripts/gpu_check_report.py) says
+what ran, what did not, and what the targets compare (scripts/gpu_check.sh --cpu-dry-run walks the whole script;
+this runs in CI)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from capsnet.bench.analysis import gpu_check, gpu_engines
+from capsnet.bench import gpu_check, harness
+
+REPORT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check_report.py"
 
 
 def test_the_steps_write_parts_and_the_report_tables_them(tiny_export, tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
     common = ["--work", str(work), "--cpu-dry-run", "--threads", "1"]
     for step in (["facts"], ["peak"], ["flops", "--model", str(tiny_export)],
-                 ["inprocess", "--model", str(tiny_export), "--specs", "torch:fp32", "public:fp32", "torch:fp16",
-                  "--batches", "1", "4", "--seconds", "0.03", "--rounds", "1"]):
+                 ["engines", "--model", str(tiny_export), "--references", "public", "--kinds", "torch",
+                  "--precisions", "fp32", "fp16", "--batches", "1", "4", "--no-profile"]):
         assert gpu_check.main([*step, *common]) == 0
     (work / "steps.jsonl").write_text(json.dumps({"step": "serve", "status": "timed out", "seconds": 150,
                                                   "limit": 150}) + "\n")
-    assert gpu_check.main(["report", "--work", str(work), "--out", str(out)]) == 0
+    done = subprocess.run([sys.executable, str(REPORT), "--work", str(work), "--out", str(out)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "gpu_check.json").read_text())
     assert summary["facts"]["dry_run"] and summary["peak"]["matmul_fp32_tflops"] > 0
     assert summary["flops"]["flops_per_image"] > 0 and summary["flops"]["bytes_in_per_image"] == 4 * 28 * 28
-    inprocess = summary["inprocess"]
-    # fp16 needs a GPU: refused in its own line, the others timed
-    assert "torch:fp16" in inprocess["failed"] and "add --gpu N" in inprocess["failed"]["torch:fp16"]
-    assert {(row["backend"], row["batch_size"]) for row in inprocess["results"]} == {
-        ("torch:fp32", 1), ("torch:fp32", 4), ("public:fp32", 1), ("public:fp32", 4)}
-    assert inprocess["backends"]["torch:fp32"]["self_check"]["passed"]
+    engines = summary["engines"]
+    # the registry's torch row at the precisions asked for; fp16 needs a GPU: refused in its own line
+    assert set(engines["engines"]) == {"public", "torch:fp32"}
+    assert "add --gpu N" in engines["failed"]["torch:fp16"]
+    assert {(row["engine"], row["batch_size"]) for row in engines["results"]} == {
+        ("torch:fp32", 1), ("torch:fp32", 4), ("public", 1), ("public", 4)}
+    assert engines["engines"]["torch:fp32"]["self_check"]["passed"]
     analysis = summary["analysis"]["batch_4"]
     assert analysis["best"] == "torch:fp32" and analysis["speedup_vs_public"] > 0
     assert 0 < analysis["share_of_matmul_peak"]
+    ratio = summary["engine_ratios"]["numpy_batch_1"]["vs_public"]
+    [target] = summary["targets"]  # at batch 1 against the public formulation: the only one measured here
+    assert target["values"]["ratio"] == ratio and target["met"] == (ratio >= 10.0)
     markdown = (out / "gpu_check.md").read_text()
     assert markdown.startswith("# GPU check — CPU DRY RUN")
     assert "| serve | timed out | 150 | 150 |" in markdown and "| torch:fp32 |" in markdown
-    assert "torch:fp16: did not load: CapsNetError: --precision fp16 on the torch backend runs on a GPU" in markdown
+    assert "torch:fp16: did not run: CapsNetError: --precision fp16 on the torch backend runs on a GPU" in markdown
+    assert f"[{'met' if target['met'] else 'MISSED'}] {target['target']}" in markdown
+
+
+def test_the_harness_takes_each_registry_row_at_the_precisions_it_serves():
+    assert harness.served_specs(["onnxruntime", "fused"], ["int8", "bf16"]) == ["onnxruntime:int8", "fused:bf16"]
+    assert harness.served_specs(["aoti"], ["fp32", "fp16", "bf16", "int8"]) == ["aoti:fp32", "aoti:fp16", "aoti:bf16"]
 
 
 def test_the_profile_splits_the_fused_kernels_time_from_the_convolutions():
@@ -45,11 +64,15 @@ def test_the_profile_splits_the_fused_kernels_time_from_the_convolutions():
                ("sm80_xmma_fprop_implicit_gemm_indexed_bf16bf16_bf16f32_f32_nhwckrsc_nchw", 130.0),
                ("void cudnn::engines_precompiled::nhwcToNchwKernel<__nv_bfloat16, __nv_bfloat16, float>", 260.0),
                ("Memcpy DtoD (Device -> Device)", 25.0), ("triton_poi_fused__to_copy_3", 40.0)]
-    split = gpu_engines.device_time_split(kernels, ("_routing_pass", "_routing_reduce"), calls=5)
+    split = harness.device_time_split(kernels, ("_routing_pass", "_routing_reduce"), calls=5)
     assert split == pytest.approx({"fused_routing_ms": 0.32, "convolutions_ms": 0.422, "copies_ms": 0.005,
                                    "other_ms": 0.008})
-    assert gpu_engines.device_time_split(kernels, (), calls=5)["fused_routing_ms"] == 0.0
+    assert harness.device_time_split(kernels, (), calls=5)["fused_routing_ms"] == 0.0
     cell = {"engine": "fused:fp16", "batch_size": 256, "device_resident": {"p50_ms": 2.0},
             "numpy": {"p50_ms": 2.4, "images_per_s": 106_667}}
-    markdown = gpu_engines.markdown({"results": [cell], "device_time_split": {"fused:fp16": {"256": split}}})
+    spec = importlib.util.spec_from_file_location("gpu_check_report", REPORT)
+    assert spec is not None and spec.loader is not None
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    markdown = report.engines_markdown({"results": [cell], "device_time_split": {"fused:fp16": {"256": split}}})
     assert "| fused:fp16 | 256 | 0.320 ms | 0.422 ms | 0.005 ms | 0.008 ms |" in markdown

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from capsnet.cli import main
 from capsnet.training import train as train_module
 from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_embedded, to_float
+from capsnet.training.history import EpochRecord
 
 # Measured with the conftest command (tiny, 2 epochs, batch 64, seed 0, all 4,000 training digits): 73.5% test
 # accuracy; with 400 of them held out for validation, 73.8%. Chance is 10%.
@@ -77,6 +79,19 @@ def test_last_checkpoint_holds_the_whole_history(trained_tiny_checkpoint):
     assert load_checkpoint(trained_tiny_checkpoint).epoch == 2 and "validation_accuracy" not in last.history[-1]
     for record in last.history:
         assert record["train_images_per_second"] > 0 and 0 <= record["train_accuracy"] <= 1
+
+
+def test_the_history_records_write_back_what_they_read(trained_tiny_checkpoint, validated_tiny_checkpoint):
+    """Typed in training, a checkpoint's history is the same dicts on disk: the first format's lines (rate and
+    training figures only) and this format's, with and without a validation split, keys in their order."""
+    format_1 = Path(__file__).parent / "fixtures" / "checkpoint-format-1"
+    lines = [record for path in sorted(format_1.glob("*.ckpt")) for record in load_checkpoint(path).history]
+    for path in (trained_tiny_checkpoint, validated_tiny_checkpoint):
+        lines += load_checkpoint(path.with_name("model.last.ckpt")).history
+    assert {len(line) for line in lines} == {4, 9, 11}  # the first format's, without validation, with it
+    for line in lines:
+        written = EpochRecord.from_dict(line).to_dict()
+        assert written == line and list(written) == list(line)
 
 
 def test_the_best_epoch_is_chosen_on_validation_and_eval_scores_that_split(validated_tiny_checkpoint, capsys):

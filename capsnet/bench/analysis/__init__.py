@@ -1,6 +1,6 @@
 """The analysis of a benchmark, apart from the measuring core (capsnet.bench): the CPU's fp32 ceiling (FLOPs per
 image from the graph, and the peak measured beside the backends), ONNX Runtime's profile, the public PyTorch
-CapsNet as a reference backend, the performance targets, the plots, and the GPU check.
+CapsNet as a reference backend, the performance targets (the GPU check's too) and the plots.
 
 It is installed with the bench extra, `pip install 'capsnet-serve[bench]'`, which brings matplotlib; the serving
 image leaves it out. `capsnet bench` measures throughput and latency without it and says in one line what to

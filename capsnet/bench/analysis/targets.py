@@ -155,3 +155,43 @@ def _grpc_checks(grpc_results: dict) -> list[dict]:
                          peak <= SERVER_RSS_MIB, {"peak_rss_mib": peak}, f"{peak - SERVER_RSS_MIB:.0f} MiB",
                          "the model, ONNX Runtime's arenas and gRPC buffers"))
     return checks
+
+
+# The GPU check's (capsnet/bench/gpu_check.py). In one process, numpy in and out: the fastest served engine against
+# the public formulation at batches 1 and 256, and against torch.compile of the model at 256. Served: gRPC and REST
+# throughput at 32 images a request against in-process at batch 32, and one image's p50 at concurrency 1.
+GPU_PUBLIC_SPEEDUP = 10.0
+GPU_COMPILE_SPEEDUP = 2.0
+GPU_SERVED_SHARE = 0.5
+GPU_SERVED_P50_MS = 2.0
+
+
+def evaluate_gpu(engine_ratios: dict, served: dict) -> list[dict]:
+    """[{target, measured, met, ...}] from the harness's ratios (capsnet.bench.harness.ratios) and the served
+    figures ({"served_<api>_share_of_inprocess_batch32": share, "served_<api>_one_image_p50_ms": ms})."""
+    checks = []
+    for key, entry in engine_ratios.items():
+        way, batch = key.split("_batch_")
+        if way != "numpy":
+            continue
+        for reference, threshold, what in (("public", GPU_PUBLIC_SPEEDUP, "the public PyTorch CapsNet"),
+                                           ("compile", GPU_COMPILE_SPEEDUP, "the model under torch.compile")):
+            value = entry.get(f"vs_{reference}")
+            if value is None or (reference == "compile" and batch != "256"):
+                continue
+            checks.append(_check(f"fastest served engine at batch {batch}, numpy in and out: ≥ {threshold:g}× {what}",
+                                 f"{entry['best']}: {_times(value)}", value >= threshold, {"ratio": value},
+                                 f"{threshold / value:.2f}× faster needed", ""))
+    for key, value in served.items():
+        if value is None:
+            continue
+        api = key.split("_")[1]
+        if key.endswith("share_of_inprocess_batch32"):
+            checks.append(_check(f"{api} at 32 images a request: ≥ {GPU_SERVED_SHARE:.0%} of in-process at batch 32",
+                                 _percent(value), value >= GPU_SERVED_SHARE, {"share": value},
+                                 f"{(GPU_SERVED_SHARE - value) * 100:.1f} points", ""))
+        elif key.endswith("one_image_p50_ms"):
+            checks.append(_check(f"{api}, one image at concurrency 1: p50 ≤ {GPU_SERVED_P50_MS:g} ms",
+                                 f"{value:.2f} ms", value <= GPU_SERVED_P50_MS, {"p50_ms": value},
+                                 f"{value - GPU_SERVED_P50_MS:.2f} ms", ""))
+    return checks

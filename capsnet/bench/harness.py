@@ -1,23 +1,26 @@
-"""The GPU check's `engines` step: every way of running the model on one GPU, timed side by side in one process.
+"""The benchmark harness: every way of running the model on one device, timed side by side in one process.
 
-    the public formulation      XifengGuo/CapsNet-Pytorch's forward pass, eager, at torch's defaults
-    the model, eager            capsnet/models/capsnet.py's CapsNet, eager, at torch's defaults
-    the model, torch.compile    the same under torch.compile(mode="reduce-overhead") with bf16 autocast throughout:
-                                what a PyTorch user would deploy
-    every served engine         the server's backends (torch and fused, each in fp32, fp16 and bf16), as served:
-                                CUDA graphs per batch bucket, self-checked first
+    references                  the public formulation (XifengGuo/CapsNet-Pytorch's forward pass), the model eager,
+                                and the model under torch.compile(mode="reduce-overhead") with bf16 autocast
+                                throughout: what a PyTorch user would deploy
+    served engines              kind × precision: every row of the server's backend registry
+                                (serving/backend_registry.py) asked for, at each precision it serves, made as
+                                `capsnet serve` makes it and self-checked first; a row that cannot serve on this
+                                device says why in its own line
 
 Each at every batch size (torch.compile at 1 and 256: each size is a compile of its own), two ways: device-resident
-(images already on the GPU, outputs left there: the engine's own time, from CUDA events) and numpy in and out (the
-host copies included: what a server pays). p50 of a fixed number of calls after warm-up calls. Then where each
-engine's time goes: a torch.profiler table of its kernels at batches 1 and 256, and its device time split into the
-fused routing kernels', the convolutions', the copies' and the rest. Every ratio the report gives comes
-from this one process on this one GPU.
+(images already on the device, outputs left there: the engine's own time, from CUDA events on a GPU) and numpy in
+and out (the host copies included: what a server pays). The images take the model's input size from its model.json.
+p50 of a fixed number of calls after warm-up calls. Then where each engine's time goes: a torch.profiler table of
+its kernels at batches 1 and 256, and its device time split into the fused routing kernels', the convolutions', the
+copies' and the rest. Every ratio comes from this one process on this one device; the GPU check
+(capsnet/bench/gpu_check.py) runs it as its `engines` step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from capsnet.bench.timing import summarize
+from capsnet.errors import first_line
+from capsnet.serving.backend_registry import BACKEND_KINDS
 
 PROFILED_BATCHES = (1, 256)
 # torch.compile compiles each batch size anew (a minute or more on an H200 host's 16 cores for all four): it is
@@ -34,13 +39,23 @@ COMPILED_BATCHES = (1, 256)
 CALLS = {"small": 30, "large": 15, "dry": 3}  # timed calls per cell: batches up to 256, larger; the CPU dry run
 WARMUP_CALLS = 3
 REFERENCE_SPECS = ("public", "eager", "compile")
-# numpy in and out, in process: the fastest served engine against the public formulation at batches 1 and 256, and
-# against torch.compile of the model at 256
-TARGETS = {"public": 10.0, "compile": 2.0}
 
 
-@dataclass
-class Engine:
+def served_specs(kinds: list[str] | tuple[str, ...], precisions: list[str] | tuple[str, ...]) -> list[str]:
+    """"kind:precision" for each registry row of `kinds` at each of `precisions` it serves, in the registry's order."""
+    return [f"{kind.name}:{precision}" for kind in BACKEND_KINDS.values() if kind.name in kinds
+            for precision in kind.precisions if precision in precisions]
+
+
+def input_shape(model_dir: Path) -> tuple[int, int, int]:
+    """(C, H, W) of the images the exported model takes, from its model.json."""
+    from capsnet.model_description.schema import ModelDescription
+
+    return ModelDescription.read(model_dir).input_shape
+
+
+@dataclass(frozen=True)
+class TimedEngine:
     spec: str
     description: str
     on_device: Callable  # device tensor (N, C, H, W) -> outputs on the device
@@ -55,7 +70,7 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _reference_engine(spec: str, model_dir: Path, device, batches: tuple[int, ...]) -> Engine:
+def _reference_engine(spec: str, model_dir: Path, device, batches: tuple[int, ...]) -> TimedEngine:
     """The public formulation, the model eager, or the model compiled, on `device` at torch's own defaults."""
     import torch
 
@@ -104,10 +119,10 @@ def _reference_engine(spec: str, model_dir: Path, device, batches: tuple[int, ..
             outputs = forward(torch.from_numpy(images).to(device))
             return {name: value.float().cpu().numpy() for name, value in outputs.items()}
 
-    return Engine(spec, description, on_device, with_numpy)
+    return TimedEngine(spec, description, on_device, with_numpy)
 
 
-def _served_engine(spec: str, model_dir: Path, dry_run: bool, max_batch: int, threads: int) -> Engine:
+def _served_engine(spec: str, model_dir: Path, dry_run: bool, max_batch: int, threads: int) -> TimedEngine:
     """A server backend ("torch:bf16", "fused:fp32", ...) as `capsnet serve` makes it, self-checked."""
     import torch
 
@@ -133,11 +148,11 @@ def _served_engine(spec: str, model_dir: Path, dry_run: bool, max_batch: int, th
                 output = model(images)
             return {name: getattr(output, name) for name in backend.output_names}
 
-    return Engine(spec, backend.description, on_device, backend.run,
-                  {"passed": check.passed, "describe": check.describe()})
+    return TimedEngine(spec, backend.description, on_device, backend.run,
+                       {"passed": check.passed, "describe": check.describe()})
 
 
-def _time_cells(engine: Engine, images: np.ndarray, device, batches: tuple[int, ...], dry_run: bool) -> list[dict]:
+def _time_cells(engine: TimedEngine, images: np.ndarray, device, batches: tuple[int, ...], dry_run: bool) -> list[dict]:
     import torch
 
     rows = []
@@ -150,19 +165,8 @@ def _time_cells(engine: Engine, images: np.ndarray, device, batches: tuple[int, 
             engine.with_numpy(images[:batch])
             engine.on_device(resident[:batch])
         _synchronize(device)
-        device_seconds = []
-        for _ in range(calls):
-            if device.type == "cuda":
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                engine.on_device(resident[:batch])
-                stop.record()
-                stop.synchronize()
-                device_seconds.append(start.elapsed_time(stop) / 1e3)
-            else:
-                began = time.perf_counter()
-                engine.on_device(resident[:batch])
-                device_seconds.append(time.perf_counter() - began)
+        device_seconds = [seconds_on(device, functools.partial(engine.on_device, resident[:batch]))
+                          for _ in range(calls)]
         numpy_seconds = []
         for _ in range(calls):
             began = time.perf_counter()
@@ -171,6 +175,55 @@ def _time_cells(engine: Engine, images: np.ndarray, device, batches: tuple[int, 
         rows.append({"engine": engine.spec, "batch_size": batch, "device_resident": summarize(device_seconds, batch),
                      "numpy": summarize(numpy_seconds, batch)})
     return rows
+
+
+def seconds_on(device, fn: Callable[[], object]) -> float:
+    """Seconds one call of `fn` takes on `device`: between CUDA events on a GPU (the device's time, not the launch's),
+    by the wall clock on the CPU."""
+    import torch
+
+    if device.type != "cuda":
+        began = time.perf_counter()
+        fn()
+        return time.perf_counter() - began
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / 1e3
+
+
+MATMUL_SIZE = {"cuda": 8192, "cpu": 512}
+COPY_MIB = {"cuda": 256, "cpu": 64}
+
+
+def device_peaks(device) -> dict[str, float]:
+    """The same-run ceilings the engines are read against: matmul TFLOP/s per dtype and pinned copy GB/s."""
+    import torch
+
+    size = MATMUL_SIZE[device.type]
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 peak is fp32's, as the fp32 backends run
+    results: dict[str, float] = {"matmul_size": size}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        seconds = _median_seconds(device, functools.partial(torch.mm, a, b), repeats=20 if name != "fp32" else 5)
+        results[f"matmul_{name}_tflops"] = 2 * size**3 / seconds / 1e12
+    nbytes = COPY_MIB[device.type] * 2**20
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    results["copy_mib"] = COPY_MIB[device.type]
+    results["h2d_gb_s"] = nbytes / _median_seconds(device, lambda: target.copy_(host, non_blocking=True), 10) / 1e9
+    results["d2h_gb_s"] = nbytes / _median_seconds(device, lambda: host.copy_(target, non_blocking=True), 10) / 1e9
+    return results
+
+
+def _median_seconds(device, fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of `fn` on `device`, after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    return float(np.median([seconds_on(device, fn) for _ in range(repeats)]))
 
 
 def _start_the_profiler(device) -> None:
@@ -189,7 +242,7 @@ PROFILED_CALLS = 5
 CONVOLUTION_NAMES = ("conv", "cudnn", "fprop", "implicit_gemm", "xmma", "cutlass", "nhwc", "nchw")
 
 
-def _profile(engine: Engine, images: np.ndarray, device, batch: int) -> tuple[str, dict[str, float]]:
+def _profile(engine: TimedEngine, images: np.ndarray, device, batch: int) -> tuple[str, dict[str, float]]:
     """torch.profiler's kernel table for PROFILED_CALLS device-resident calls at `batch`, by each kernel's own
     device time, and that time split by what the kernels do (device_time_split)."""
     import torch
@@ -245,18 +298,18 @@ def engines(args, device, save: Callable[[dict], None]) -> dict:
 
     torch.set_num_threads(args.threads)
     batches = tuple(args.batches)
-    images = random_images(max(batches), (1, 28, 28), seed=1)
+    images = random_images(max(batches), input_shape(Path(args.model)), seed=1)
     if args.profile and device.type == "cuda":
         _start_the_profiler(device)
     loaded, failed = [], {}
-    for spec in args.specs:
+    for spec in (*args.references, *served_specs(args.kinds, args.precisions)):
         try:
             if spec in REFERENCE_SPECS:
                 loaded.append(_reference_engine(spec, Path(args.model), device, batches))
             else:
                 loaded.append(_served_engine(spec, Path(args.model), args.cpu_dry_run, max(batches), args.threads))
         except Exception as err:  # one engine that cannot load costs its own row only
-            failed[spec] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+            failed[spec] = f"{type(err).__name__}: {first_line(err)}"
     results: list[dict] = []
     profiles: dict[str, dict[str, str]] = {}
     splits: dict[str, dict[str, dict[str, float]]] = {}
@@ -268,7 +321,7 @@ def engines(args, device, save: Callable[[dict], None]) -> dict:
         try:
             results += _time_cells(engine, images, device, batches, args.cpu_dry_run)
         except Exception as err:
-            failed[engine.spec] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+            failed[engine.spec] = f"{type(err).__name__}: {first_line(err)}"
     # the timings are kept before any profiling: CUPTI has taken a process down under graph replays
     save(part)
     for engine in loaded if args.profile else ():
@@ -279,7 +332,7 @@ def engines(args, device, save: Callable[[dict], None]) -> dict:
                 if any(split.values()):
                     splits.setdefault(engine.spec, {})[str(batch)] = split
         except Exception as err:
-            failed[f"{engine.spec} profile"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+            failed[f"{engine.spec} profile"] = f"{type(err).__name__}: {first_line(err)}"
     with contextlib.suppress(Exception):
         torch.cuda.empty_cache()
     return part
@@ -303,53 +356,3 @@ def ratios(part: dict) -> dict:
                     entry[f"vs_{reference}"] = cells[reference, batch][way]["p50_ms"] / best_ms
             found[f"{way}_batch_{batch}"] = entry
     return found
-
-
-def _verdict(key: str, name: str, value: float) -> str:
-    reference = name.removeprefix("vs_")
-    if not key.startswith("numpy") or (reference == "compile" and not key.endswith("_256")):
-        return ""
-    target = TARGETS[reference]
-    return f" (target {target:g}x: {'met' if value >= target else 'MISSED'})"
-
-
-def markdown(part: dict) -> str:
-    """The engines table (p50 ms device-resident / numpy, and images/s), the ratios, and the profiler tables."""
-    results = part.get("results", [])
-    if not results:
-        return "\n## Engines\n\nnot measured" + (f": {part.get('failed')}" if part.get("failed") else "") + "\n"
-    batches = sorted({row["batch_size"] for row in results})
-    cells = {(row["engine"], row["batch_size"]): row for row in results}
-    text = ("\n## Engines, one process, one GPU\n\np50 ms device-resident / numpy in and out (images/s numpy)\n\n"
-            f"| engine | {' | '.join(f'batch {b}' for b in batches)} |\n|---|{'---|' * len(batches)}\n")
-    for spec in dict.fromkeys(row["engine"] for row in results):
-        row_cells = []
-        for batch in batches:
-            cell = cells.get((spec, batch))
-            row_cells.append("—" if cell is None else
-                             f"{cell['device_resident']['p50_ms']:.3f} / {cell['numpy']['p50_ms']:.3f} "
-                             f"({cell['numpy']['images_per_s']:,.0f}/s)")
-        text += f"| {spec} | {' | '.join(row_cells)} |\n"
-    text += "\n" + "\n".join(f"- {spec}: {info['description']}"
-                             + (f"; self-check {'passed' if info['self_check']['passed'] else 'FAILED'}"
-                                if info.get("self_check") else "")
-                             for spec, info in part.get("engines", {}).items()) + "\n"
-    for key, entry in ratios(part).items():
-        versus = ", ".join(f"{value:.1f}x {name.removeprefix('vs_')}{_verdict(key, name, value)}"
-                           for name, value in entry.items() if name.startswith("vs_"))
-        text += f"- {key.replace('_', ' ')}: {entry['best']} {entry['best_p50_ms']:.3f} ms ({versus})\n"
-    for spec, failure in part.get("failed", {}).items():
-        text += f"- {spec}: did not run: {failure}\n"
-    splits = part.get("device_time_split", {})
-    if splits:
-        text += ("\n### Device time a call, by what the kernels do (from the profiles)\n\n"
-                 "| engine | batch | fused routing kernels | convolutions | copies and fills | other |\n"
-                 "|---|---|---|---|---|---|\n")
-        for spec, by_batch in splits.items():
-            for batch, split in by_batch.items():
-                text += (f"| {spec} | {batch} | {split['fused_routing_ms']:.3f} ms | {split['convolutions_ms']:.3f} ms "
-                         f"| {split['copies_ms']:.3f} ms | {split['other_ms']:.3f} ms |\n")
-    for spec, tables in part.get("profiles", {}).items():
-        for batch, table in tables.items():
-            text += f"\n### Where {spec}'s time goes at batch {batch}\n\n```\n{table}\n```\n"
-    return text
