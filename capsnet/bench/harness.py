@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from capsnet.bench.timing import summarize
-from capsnet.errors import first_line
+from capsnet.errors import CapsNetError, first_line
 from capsnet.serving.backend_registry import BACKEND_KINDS
 
 PROFILED_BATCHES = (1, 256)
@@ -124,8 +124,6 @@ def _reference_engine(spec: str, model_dir: Path, device, batches: tuple[int, ..
 
 def _served_engine(spec: str, model_dir: Path, dry_run: bool, max_batch: int, threads: int) -> TimedEngine:
     """A server backend ("torch:bf16", "fused:fp32", ...) as `capsnet serve` makes it, self-checked."""
-    import torch
-
     from capsnet.serving.artifacts import load_artifacts
     from capsnet.serving.backends import create_backend  # before self_check, which the backends package imports
     from capsnet.serving.config import ServerConfig
@@ -136,19 +134,12 @@ def _served_engine(spec: str, model_dir: Path, dry_run: bool, max_batch: int, th
     config = ServerConfig(model_dir=model_dir, backend=name, precision=precision, gpu=None if dry_run else 0,
                           threads=threads, max_batch_size=max_batch)
     backend = create_backend(name, precision, artifacts, config)
+    runner = getattr(backend, "runner", None)  # the torch family's: eager, fused and package forwards
+    if runner is None:
+        backend.close()
+        raise CapsNetError(f"the {name} backend takes numpy batches only: it has no device-resident run to time")
     check = self_check(backend, artifacts.reference, max_batch, artifacts)
-    runner = getattr(backend, "runner", None)
-    if runner is not None:
-        on_device = runner.run_on_device
-    else:  # the torch backends on the CPU, without buckets: the model itself
-        model = getattr(backend, "model")  # noqa: B009 (a torch backend's, which the Backend interface does not name)
-
-        def on_device(images):
-            with torch.inference_mode():
-                output = model(images)
-            return {name: getattr(output, name) for name in backend.output_names}
-
-    return TimedEngine(spec, backend.description, on_device, backend.run,
+    return TimedEngine(spec, backend.description, runner.run_on_device, backend.run,
                        {"passed": check.passed, "describe": check.describe()})
 
 
