@@ -21,4 +21,6 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 # otel too: the tracing tests export spans through the real OpenTelemetry SDK
 EXTRAS=dev,otel source scripts/setup-env.sh
-exec python -m pytest -ra "$@"
+# Two workers (pytest-xdist); a file's tests stay on one worker, so its module fixtures (a server, a benchmark run)
+# are made once. `-n 0` as an argument runs everything in this process.
+exec python -m pytest -n 2 --dist loadfile -ra "$@"
