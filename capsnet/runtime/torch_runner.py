@@ -10,6 +10,7 @@ asynchronous copies on the runner's own stream: nothing is allocated per batch b
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -86,7 +87,10 @@ class StagedIO:
         stream), else a new device tensor (CPU: a view of `images`)."""
         batch = len(images)
         if not self.cuda:
-            tensor = torch.from_numpy(images)
+            with warnings.catch_warnings():
+                # a batch of one request views the request's read-only bytes; the forwards only read their input
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+                tensor = torch.from_numpy(images)
             if target is None:
                 return tensor
             target[:batch].copy_(tensor)
