@@ -9,11 +9,13 @@ import gzip
 import os
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from filelock import FileLock
 
 from capsnet.models.checkpoint import Checkpoint, create_model, load_checkpoint
 from capsnet.models.config import preset
@@ -97,6 +99,25 @@ def random_checkpoint(tmp_path):
     return lambda config, name="model.ckpt": save_random_checkpoint(config, tmp_path / name)
 
 
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """A folder that build(folder) filled, once for the whole run. pytest-xdist's workers (scripts/test.sh runs two)
+    share it: the first to need it builds it while the other waits, so a model is trained or exported once, not once
+    a worker. Tests only read what is in it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: a folder of its own
+        folder = tmp_path_factory.mktemp(name)
+        build(folder)
+        return folder
+    run = tmp_path_factory.getbasetemp().parent  # this run's folder, above each worker's own
+    folder, built = run / name, run / f"{name}.built"
+    with FileLock(str(run / f"{name}.lock")):
+        if not built.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a build that failed left behind
+            folder.mkdir()
+            build(folder)
+            built.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def trained_tiny_checkpoint(tmp_path_factory) -> Path:
     """A `tiny` model trained briefly on the embedded MNIST digits, through the real CLI.
@@ -105,13 +126,14 @@ def trained_tiny_checkpoint(tmp_path_factory) -> Path:
     """
     from capsnet.cli import main
 
-    path = tmp_path_factory.mktemp("trained-tiny") / "model.ckpt"
-    # every training digit, no validation split: the model the export and serving figures were measured on
-    code = main(["train", "--data", "embedded", "--preset", "tiny", "--epochs", "2", "--batch-size", "64",
-                 "--seed", "0", "--val-fraction", "0", "--out", str(path), "--no-progress"])
-    assert code == 0 and path.is_file()
-    load_checkpoint(path)
-    return path
+    def train(folder: Path) -> None:
+        # every training digit, no validation split: the model the export and serving figures were measured on
+        code = main(["train", "--data", "embedded", "--preset", "tiny", "--epochs", "2", "--batch-size", "64",
+                     "--seed", "0", "--val-fraction", "0", "--out", str(folder / "model.ckpt"), "--no-progress"])
+        assert code == 0
+        load_checkpoint(folder / "model.ckpt")
+
+    return built_once(tmp_path_factory, "trained-tiny", train) / "model.ckpt"
 
 
 @pytest.fixture(scope="session")
@@ -119,11 +141,12 @@ def trained_em_tiny_checkpoint(tmp_path_factory) -> Path:
     """An `em-tiny` model (matrix capsules, EM routing) trained for one epoch on the embedded digits, via the CLI."""
     from capsnet.cli import main
 
-    path = tmp_path_factory.mktemp("trained-em-tiny") / "model.ckpt"
-    code = main(["train", "--arch", "em", "--data", "embedded", "--preset", "em-tiny", "--epochs", "1",
-                 "--batch-size", "64", "--seed", "0", "--out", str(path), "--no-progress"])
-    assert code == 0 and path.is_file()
-    return path
+    def train(folder: Path) -> None:
+        code = main(["train", "--arch", "em", "--data", "embedded", "--preset", "em-tiny", "--epochs", "1",
+                     "--batch-size", "64", "--seed", "0", "--out", str(folder / "model.ckpt"), "--no-progress"])
+        assert code == 0 and (folder / "model.ckpt").is_file()
+
+    return built_once(tmp_path_factory, "trained-em-tiny", train) / "model.ckpt"
 
 
 @pytest.fixture(scope="session")
@@ -133,9 +156,8 @@ def int8_tiny_export(trained_tiny_checkpoint, tmp_path_factory) -> Path:
     export calibrates and measures both precisions on every test digit: it is made once for them all."""
     from capsnet.export.exporter import export_model
 
-    out = tmp_path_factory.mktemp("int8-tiny-export") / "model"
-    export_model(trained_tiny_checkpoint, out, int8=True, max_accuracy_drop=100.0)
-    return out
+    return built_once(tmp_path_factory, "int8-tiny-export", lambda folder: export_model(
+        trained_tiny_checkpoint, folder / "model", int8=True, max_accuracy_drop=100.0)) / "model"
 
 
 @pytest.fixture(scope="session")
@@ -144,9 +166,11 @@ def em_tiny_export(trained_em_tiny_checkpoint, tmp_path_factory) -> Path:
     iterations in PyTorch and ONNX Runtime), shared by the export and serving tests, which only read it."""
     from capsnet.cli import main
 
-    out = tmp_path_factory.mktemp("em-tiny-export") / "model"
-    assert main(["export", str(trained_em_tiny_checkpoint), "--out", str(out), "--reconstruction"]) == 0
-    return out
+    def export(folder: Path) -> None:
+        out = folder / "model"
+        assert main(["export", str(trained_em_tiny_checkpoint), "--out", str(out), "--reconstruction"]) == 0
+
+    return built_once(tmp_path_factory, "em-tiny-export", export) / "model"
 
 
 def train_any_size_tiny(path: Path, preset_name: str) -> Path:
