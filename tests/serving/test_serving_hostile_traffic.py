@@ -30,6 +30,19 @@ def slow_backend_server(model_dir):
     running.stop()
 
 
+def settled(url: str) -> dict:
+    """The server's metrics once no request is in flight and the count of Classify calls has stopped moving."""
+    counts = []
+
+    def still() -> bool:
+        samples = scrape(url)
+        counts.append(metric(samples, "capsnet_requests_total", method="Classify"))
+        return metric(samples, "capsnet_inflight_requests") == 0 and len(counts) > 10 and counts[-1] == counts[-11]
+
+    wait_until(still, timeout=20, interval=0.05)
+    return scrape(url)
+
+
 def test_calls_past_their_deadline_are_counted_deadline_exceeded_not_cancelled(slow_backend_server):
     # The client cancels at its own deadline, which passes a few ms before the server's copy (that one starts when
     # the request arrives): a server that trusts the cancellation counts 8-30% of these calls CANCELLED, and drops
@@ -51,16 +64,18 @@ def test_calls_past_their_deadline_are_counted_deadline_exceeded_not_cancelled(s
             except grpc.RpcError as err:
                 client[err.code().name] += 1
     assert client["DEADLINE_EXCEEDED"] >= 60 and set(client) <= {"OK", "DEADLINE_EXCEEDED"}, client
-    url = running.metrics_url
-    wait_until(lambda: metric(scrape(url), "capsnet_requests_total", method="Classify") == len(futures), timeout=10)
-    samples = scrape(url)
+    samples = settled(running.metrics_url)
     server = {code: metric(samples, "capsnet_requests_total", method="Classify", code=code)
               for code in ("OK", "DEADLINE_EXCEEDED", "CANCELLED")}
     # before: 9 to 18 of the 120; a cancel that transit under load delays past DEADLINE_SLACK_S is rarer still
     assert server["CANCELLED"] <= 2, (server, client)
-    # An answer sent in the moment between the client's deadline and the server's is counted OK (docs/serving.md,
-    # "Metrics": the server cannot tell); a call or two of these at most.
-    assert 0 <= server["OK"] - client["OK"] <= 2 and sum(server.values()) == sum(client.values()), (server, client)
+    # Every answer a client received is counted OK. So is an answer sent in the moment between the client's deadline
+    # and the server's (docs/serving.md, "Metrics": the server cannot tell); that moment grows with the host's load.
+    assert 0 <= server["OK"] - client["OK"] <= 8, (server, client)
+    # A call whose deadline passed while gRPC held it never reaches a handler, so it is not counted (serving/
+    # interceptor.py); its client saw DEADLINE_EXCEEDED. A handler that never ended would keep settled() waiting.
+    assert sum(server.values()) == metric(samples, "capsnet_requests_total", method="Classify") <= len(futures), \
+        (server, client)
     assert metric(samples, "capsnet_dropped_requests_total", reason="cancelled") <= 2
     assert metric(samples, "capsnet_dropped_requests_total", reason="deadline") > 0
 
