@@ -6,7 +6,8 @@ a request across two batches, so batches are full under load. One batch runs at 
 thread, so the event loop keeps accepting and queueing requests meanwhile (they form the next batch); a batch that
 holds every request the server is handling, of a size whose runs take under INLINE_RUN_S, runs on the event loop
 instead: nothing else could use the loop meanwhile, and handing it to the thread and back would cost about as much
-CPU and latency as the run (a small model's lone one-image requests on a CPU).
+CPU and latency as the run (a small model's lone one-image requests on a CPU). Such a request that finds nothing
+queued or running, with no queue delay to wait, is run by its own caller at once, without entering the queue.
 Every image is computed independently of its batch-mates (the model has no cross-sample state), so
 the split and the grouping change nothing in the results. A model of any size gets requests of several image sizes;
 a batch holds one size (the oldest waiting request's), as a batch is one tensor, and padding an image to another size
@@ -159,6 +160,8 @@ class Batcher:
             raise QueueFull(f"queue full: {len(self._queue)} requests are waiting (--max-queue-size "
                             f"{self.config.max_queue_size}); retry later or on another replica")
         request = _Request(images, deadline, asyncio.get_running_loop().create_future(), sinks=sinks or {})
+        if self._runs_at_once(len(images)):
+            return await self._run_at_once(request)
         self._queue.append(request)
         self._queued_images += len(images)
         self._changed()
@@ -259,6 +262,29 @@ class Batcher:
         self.metrics.queue_depth.set(len(self._queue))
         return parts
 
+    def _runs_inline(self, size: int, requests: int) -> bool:
+        """Whether a batch of `size` images from `requests` requests runs on the event loop: alone (they are every
+        request the server is handling), the request has nothing to overlap its run with; with others being decoded,
+        the thread lets them queue meanwhile, and they form the next batch."""
+        estimate = self._run_estimate_s.get(size)
+        return (estimate is not None and estimate < INLINE_RUN_S and self._handled is not None
+                and self._handled() <= requests)
+
+    def _runs_at_once(self, size: int) -> bool:
+        """Whether a request of `size` images is its own batch, run now by its caller: nothing is queued or running,
+        there is no delay to wait for others, and its run is one the loop takes inline. It skips the queue, the
+        scheduler's wake-up and its own wake-up by the future: a lone small request's cost on the loop."""
+        return (not self._queue and self._idle.is_set() and self.config.max_queue_delay_s <= 0
+                and self._runs_inline(size, 1))
+
+    async def _run_at_once(self, request: _Request) -> BatchOutput:
+        if request.deadline is not None and request.deadline <= time.monotonic():
+            self.metrics.dropped["deadline"].inc()
+            raise DeadlineExceeded("deadline exceeded while waiting for the model")
+        request.taken = len(request.images)
+        await self._run(asyncio.get_running_loop(), [(request, 0, request.taken)])
+        return request.future.result()  # its outputs, or why its batch failed
+
     async def _run(self, loop: asyncio.AbstractEventLoop, parts: list[tuple[_Request, int, int]]) -> None:
         cut = time.monotonic()
         for request, start, _ in parts:
@@ -267,16 +293,12 @@ class Batcher:
                 self.metrics.queue_wait.observe(request.queue_wait)
         size = sum(stop - start for _, start, stop in parts)
         try:
-            estimate = self._run_estimate_s.get(size)
-            # Alone, the request has nothing to overlap its run with; with others being decoded, the thread lets
-            # them queue meanwhile, and they form the next batch.
-            alone = self._handled is not None and self._handled() <= len(parts)
-            if alone and estimate is not None and estimate < INLINE_RUN_S:
+            if self._runs_inline(size, len(parts)):
                 outputs, failed, started, ended = self._gather_and_run(parts)
             else:
                 outputs, failed, started, ended = await loop.run_in_executor(self._executor, self._gather_and_run,
                                                                              parts)
-            ran = ended - started
+            ran, estimate = ended - started, self._run_estimate_s.get(size)
             self._run_estimate_s[size] = ran if estimate is None else min(ran, estimate * RUN_ESTIMATE_DRIFT)
             for request, err in failed:  # its images could not be read, or its outputs written: it alone fails
                 self._remove(request)

@@ -3,12 +3,15 @@ bounded queue, deadlines and cancellation behave as documented."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import grpc
 import numpy as np
 import pytest
 
+from capsnet.serving import batcher
 from capsnet.serving.client import image_message
 from capsnet.serving.errors import DeadlineExceeded
 from capsnet.v1 import capsnet_pb2 as pb
@@ -133,3 +136,33 @@ def test_service_raises_deadline_exceeded_for_a_request_that_waited_too_long(slo
         running.call(service.infer(images, deadline=time.monotonic() + 0.1))
     assert metric(scrape(running.metrics_url), "capsnet_dropped_requests_total", reason="deadline") == before + 1
     assert metric(scrape(running.metrics_url), "capsnet_queue_depth") == 0
+
+
+def test_a_lone_request_runs_at_once_on_the_event_loop(model_dir, monkeypatch):
+    # With no queue delay, a request that finds nothing queued or running is its own batch, run by its caller (the
+    # batches of requests that meet, and those a queue delay waits for, are tested above).
+    # Every run counts as short here, whatever the host's load: this checks where runs go, not how long they take.
+    monkeypatch.setattr(batcher, "INLINE_RUN_S", 10.0)
+    running = ServerThread(server_config(model_dir, max_batch_size=8, max_queue_delay_us=0))
+    backend = running.server.service.backend
+    run, runs = backend.run, []
+
+    def recorded(images):
+        on_loop = threading.current_thread() is running.thread
+        runs.append(asyncio.current_task().get_name() if on_loop else threading.current_thread().name)
+        return run(images)
+
+    backend.run = recorded
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            stub = capsnet_pb2_grpc.CapsNetServiceStub(channel)
+            images = RNG.random((1, 1, 28, 28), dtype=np.float32)  # (1, 1, 28, 28)
+            alone = [probabilities(stub.Classify(request(images), timeout=10)) for _ in range(4)]
+            # the first run of a size has no estimate yet, so it goes to the thread; later ones run on the loop, in
+            # the call's own task rather than the batcher's scheduler
+            assert runs[0] == "capsnet-backend_0" and len(runs) == 4, runs
+            assert all(task not in {"capsnet-batcher", "capsnet-backend_0"} for task in runs[1:]), runs
+            assert all(np.array_equal(answer, alone[0]) for answer in alone)
+            assert metric(scrape(running.metrics_url), "capsnet_queue_depth") == 0
+    finally:
+        running.stop()
