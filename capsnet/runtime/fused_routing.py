@@ -181,8 +181,8 @@ def _routing_pass(
                 if LEAKY:
                     total += tl.math.exp2(-top)
             else:
-                # |logits| are bounded well inside exp2's range (FusedDigitCaps.shift_free), and softmax does not
-                # change with a shift: no maximum over the classes. A padded class's votes and agreement are 0,
+                # |logits| are bounded well inside exp2's range (logits_bounded), and softmax does not change
+                # with a shift: no maximum over the classes. A padded class's votes and agreement are 0,
                 # so its logit is 0 and its weight exactly 1: taken off the total, as the leaky logit 0 is added
                 weights = tl.math.exp2(logits)  # (BLOCK, J')
                 total = tl.sum(weights, axis=1) - (CLASSES_PADDED - CLASSES - LEAKY)
