@@ -128,6 +128,7 @@ def _routing_pass(
     comps = tl.arange(0, DIM_IN_PADDED)  # (P',)
     outs = tl.arange(0, OUT)  # (J'·D,)
     classes = tl.arange(0, CLASSES_PADDED)  # (J',)
+    real = outs < CLASSES * DIM_OUT  # (J'·D,): the padded classes' columns are zero, never read nor added
     squashed_rows = samples[:, None].to(tl.int64) * capsules * DIM_IN  # (BLOCK, 1) in the squashed capsules
     rows = samples[:, None].to(tl.int64) * OUT + outs[None, :]  # (BLOCK, J'·D) in sums and agreement
     if not FIRST:
@@ -157,7 +158,7 @@ def _routing_pass(
             tl.store(squashed_ptr + squashed_rows + (capsule * DIM_IN + component)[None, :], u,
                      mask=live[:, None] & kept[None, :])  # in the products' dtype: as the products round it
             w = tl.load(weight_ptr + (capsule * DIM_IN + component)[:, None] * OUT + outs[None, :],
-                        mask=kept[:, None], other=0.0)  # (P', J'·D): W_i of each capsule, stacked
+                        mask=kept[:, None] & real[None, :], other=0.0)  # (P', J'·D): W_i of each capsule, stacked
             acc += _votes(u, w, IEEE, ROUNDED_IN_FP32)  # (BLOCK, J'·D): Σ of the group's û_i
     else:
         agree *= LOG2E  # logits in log2 units: the softmax's exponentials are exp2, without a multiply each
@@ -167,7 +168,7 @@ def _routing_pass(
                         other=0.0)  # (BLOCK, P'): squashed by the first pass
             # rows past P are the product's zero padding: masked, so they cost no memory traffic
             w = tl.load(weight_ptr + i * DIM_IN * OUT + comps[:, None] * OUT + outs[None, :],
-                        mask=comps[:, None] < DIM_IN, other=0.0)  # (P', J'·D)
+                        mask=(comps[:, None] < DIM_IN) & real[None, :], other=0.0)  # (P', J'·D)
             u_hat = _votes(u, w, IEEE, ROUNDED_IN_FP32)  # (BLOCK, J'·D)
             votes = tl.reshape(u_hat, (BLOCK, CLASSES_PADDED, DIM_OUT))  # (BLOCK, J', D)
             logits = tl.sum(votes * tl.reshape(agree, (BLOCK, CLASSES_PADDED, DIM_OUT)), axis=2)  # (BLOCK, J')
@@ -193,8 +194,8 @@ def _routing_pass(
     # the epilogue by halves of the classes: the whole (BLOCK, J'·D) tile's addresses spilled registers
     HALF: tl.constexpr = OUT // 2
     low, high = tl.split(tl.permute(tl.reshape(acc, (BLOCK, 2, HALF)), (0, 2, 1)))  # (BLOCK, J'·D / 2) each
-    _add_half(sums_ptr, low, samples, live, 0, OUT, HALF)
-    _add_half(sums_ptr, high, samples, live, HALF, OUT, HALF)
+    _add_half(sums_ptr, low, samples, live, 0, OUT, HALF, CLASSES * DIM_OUT)
+    _add_half(sums_ptr, high, samples, live, HALF, OUT, HALF, CLASSES * DIM_OUT)
     tl.debug_barrier()  # every thread's sums added before the block's counter counts this program
     done = tl.atomic_add(done_ptr + block_id, 1, sem="acq_rel")
     if done == slices - 1:  # the block's last program
@@ -216,10 +217,12 @@ def _votes(u, w, IEEE: tl.constexpr, ROUNDED_IN_FP32: tl.constexpr):
 
 
 @triton.jit
-def _add_half(sums_ptr, part, samples, live, OFFSET: tl.constexpr, OUT: tl.constexpr, HALF: tl.constexpr):
-    """part (BLOCK, HALF) added with atomics into columns OFFSET.. of the sums (B, OUT)."""
-    at = samples[:, None].to(tl.int64) * OUT + (OFFSET + tl.arange(0, HALF))[None, :]
-    tl.atomic_add(sums_ptr + at, part, mask=live[:, None], sem="relaxed")
+def _add_half(sums_ptr, part, samples, live, OFFSET: tl.constexpr, OUT: tl.constexpr, HALF: tl.constexpr,
+              REAL: tl.constexpr):
+    """part (BLOCK, HALF) added with atomics into columns OFFSET.. of the sums (B, OUT), those before REAL."""
+    cols = OFFSET + tl.arange(0, HALF)  # (HALF,)
+    at = samples[:, None].to(tl.int64) * OUT + cols[None, :]
+    tl.atomic_add(sums_ptr + at, part, mask=live[:, None] & (cols < REAL)[None, :], sem="relaxed")
 
 
 @triton.jit
@@ -253,10 +256,10 @@ def _pass_work(args: dict) -> tuple[int, int, int, int]:
     weight = args["weight_ptr"]
     blocks = triton.cdiv(args["batch"], args["BLOCK"])
     programs = blocks * args["slices"]
-    out = weight[0].numel() // weight.shape[1]
+    out = args["CLASSES"] * args["DIM_OUT"]  # the columns read and added: the padded classes' are masked off
     per_capsule = out * args["DIM_IN"] * weight.element_size()
     group = args["DIM_IN_PADDED"] // args["CAPSULE_WIDTH"] if args["FIRST"] else 1  # capsules a trip
-    # and each program adds its (BLOCK, J'·D) fp32 sums into L2 with atomics: a read and a write there
+    # and each program adds its (BLOCK, J·D) fp32 sums into L2 with atomics: a read and a write there
     return args["BLOCK"], group, triton.cdiv(args["per_slice"], group), \
         programs * (args["per_slice"] * per_capsule + args["BLOCK"] * out * 8)
 
