@@ -110,7 +110,7 @@ def _round_to_bf16(x):
 def _routing_pass(
     primary_ptr, squashed_ptr, weight_ptr, sums_ptr, agree_ptr, done_ptr, poses_ptr, lengths_ptr,
     batch, capsules, per_slice, slices, squash_constant, first_scale,
-    stride_b, stride_c, stride_y, stride_x, grid_h, grid_w,
+    stride_b, stride_c, stride_y, stride_x, GRID_H: tl.constexpr, GRID_W: tl.constexpr,
     DIM_IN: tl.constexpr, DIM_IN_PADDED: tl.constexpr, CAPSULE_WIDTH: tl.constexpr, CLASSES: tl.constexpr,
     CLASSES_PADDED: tl.constexpr, DIM_OUT: tl.constexpr, BLOCK: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
     LEAKY: tl.constexpr, REPLACE: tl.constexpr, SHIFTED: tl.constexpr, IEEE: tl.constexpr,
@@ -140,14 +140,14 @@ def _routing_pass(
         GROUP: tl.constexpr = DIM_IN_PADDED // CAPSULE_WIDTH
         member = comps // CAPSULE_WIDTH  # (P',): capsule i + member, component comps % CAPSULE_WIDTH
         component = comps % CAPSULE_WIDTH
-        cells = grid_h * grid_w
+        CELLS: tl.constexpr = GRID_H * GRID_W  # a model's grid: its divisions are by constants
         for i in range(first, last, GROUP):
             capsule = i + member  # (P',)
             kept = (component < DIM_IN) & (capsule < last)  # (P',)
             # primary capsule i = (channel c, y, x) is conv channels c·P .. c·P+P-1 at (y, x): any strides
-            cell = capsule % cells
-            where = ((capsule // cells) * DIM_IN + component) * stride_c + (cell // grid_w) * stride_y \
-                + (cell % grid_w) * stride_x  # (P',)
+            cell = capsule % CELLS
+            where = ((capsule // CELLS) * DIM_IN + component) * stride_c + (cell // GRID_W) * stride_y \
+                + (cell % GRID_W) * stride_x  # (P',)
             raw = tl.load(primary_ptr + samples[:, None].to(tl.int64) * stride_b + where[None, :],
                           mask=live[:, None] & kept[None, :], other=0.0).to(tl.float32)  # (BLOCK, P')
             raw3 = tl.reshape(raw, (BLOCK, GROUP, CAPSULE_WIDTH))
@@ -345,7 +345,7 @@ class FusedDigitCaps:
                 _routing_pass[(blocks, plan.slices)](
                     primary, squashed, self.weight, sums, agree, done, poses, lengths,
                     batch, capsules, plan.per_slice, plan.slices, cfg.squash_constant, 1.0 / (cfg.num_classes + leaky),
-                    stride_b, stride_c, stride_y, stride_x, grid_h, grid_w,
+                    stride_b, stride_c, stride_y, stride_x, GRID_H=grid_h, GRID_W=grid_w,
                     DIM_IN=cfg.primary_caps_dim, DIM_IN_PADDED=self.dim_in_padded,
                     CAPSULE_WIDTH=next_power_of_2(cfg.primary_caps_dim), CLASSES=cfg.num_classes,
                     CLASSES_PADDED=self.classes_padded, DIM_OUT=self.dim_out, BLOCK=plan.block,
