@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import inspect
+import itertools
 import json
 import math
 import os
@@ -115,6 +116,7 @@ class KernelReading:
     modelled_s: float
     bound: str
     launches: int = 1
+    logits: str = "bounded"  # the weights the engine was built with: see WEIGHT_SCALES
 
 
 # ---------------------------------------------------------------- the Triton release the GPU machines run
@@ -386,6 +388,12 @@ def mma_flops(operation: str) -> int:
     return 0
 
 
+# The engine picks its softmax from the weights (fused_routing.logits_bounded): weights of CapsNet's initial scale
+# bound every logit inside exp2's range (the softmax unshifted, as trained models run), and weights of 10 everywhere
+# do not (the softmax shifted by its maximum). Both are served plans: each is read.
+WEIGHT_SCALES = {"bounded": 0.01, "unbounded": 10.0}
+
+
 def engine_readings() -> list[KernelReading]:
     import torch
 
@@ -394,11 +402,12 @@ def engine_readings() -> list[KernelReading]:
     from capsnet.models.config import preset
 
     config = preset("paper")
-    weight = torch.zeros(config.num_primary_caps * config.primary_caps_dim,
-                         config.num_classes * config.digit_caps_dim)
     planned = []
-    for precision in PRECISIONS:
+    for (logits, scale), precision in itertools.product(WEIGHT_SCALES.items(), PRECISIONS):
+        weight = torch.full((config.num_primary_caps * config.primary_caps_dim,
+                             config.num_classes * config.digit_caps_dim), scale)
         engine = FusedDigitCaps(config, weight.view(-1), DTYPES[precision], programs_wanted=4 * SMS)
+        assert engine.shift_free == (logits == "bounded"), logits
         for batch in BATCHES:
             channels = config.primary_caps_channels * config.primary_caps_dim
             primary = torch.zeros((batch, channels, 6, 6), dtype=DTYPES[precision]).contiguous(
@@ -408,12 +417,13 @@ def engine_readings() -> list[KernelReading]:
             for launch in launches_of(functools.partial(engine, primary)):
                 seen.setdefault(launch.compiled.hash, launch)  # the same kernel launched again: read once
                 repeats[launch.compiled.hash] = repeats.get(launch.compiled.hash, 0) + 1
-            planned += [(launch, precision, batch, repeats[key]) for key, launch in seen.items()]
+            planned += [(launch, precision, batch, repeats[key], logits) for key, launch in seen.items()]
     unique = {launch.compiled.hash: launch.compiled for launch, *_ in planned}  # a kernel several plans share
     with ThreadPoolExecutor(max_workers=4) as pool:  # the tools mostly wait on their own start
         list(pool.map(disassembled, unique.values()))
-    readings = [read(launch, precision, batch) for launch, precision, batch, _ in planned]
-    return [dataclasses.replace(r, launches=p[3], modelled_s=r.modelled_s * p[3]) for r, p in zip(readings, planned)]
+    readings = [read(launch, precision, batch) for launch, precision, batch, *_ in planned]
+    return [dataclasses.replace(r, launches=p[3], modelled_s=r.modelled_s * p[3], logits=p[4])
+            for r, p in zip(readings, planned)]
 
 
 # ---------------------------------------------------------------- the report
@@ -470,18 +480,28 @@ def markdown(readings: list[KernelReading], measured: dict[str, float], command:
         cells = [f"{routing_time(readings, precision, b) * 1e6:.1f} µs" for b in BATCHES]
         seen = f"{measured[precision]:g} ms" if precision in measured else "—"
         out.append(f"| {precision} | " + " | ".join(cells) + f" | {seen} |")
+    for precision in PRECISIONS:
+        cells = [f"{routing_time(readings, precision, b, 'unbounded') * 1e6:.1f} µs" for b in BATCHES]
+        out.append(f"| {precision}, shifted softmax | " + " | ".join(cells) + " | — |")
     out += [
         "",
-        "The last GPU check (an H200, `docs/benchmarks/gpu.md`, `gpu_check.json`) timed no kernel on its own: the",
-        "measured column is the whole fused engine at batch 256, numpy in and out (copies, both convolutions and the",
-        "routing), from `--backend auto`'s choice. In that run `torch.compile`'s two bf16 convolutions took 0.67 ms",
-        "at batch 256 and its copies about 0.4 ms, so the fp16 routing took at most about 3 ms there, against about",
-        "0.2 ms modelled for the launch plans it ran (those of commit c3a7af7). In fp32, the fused engine's",
-        "36.69 ms against the torch backend's 19.55 ms with strict-fp32 convolutions too would put about 17 ms in the",
-        "fp32 routing kernels, 40 times the model, if the fused engine's channels-last convolutions cost what the",
-        "torch backend's do; nothing in these counts explains that much. Either the model misses a stall that",
-        "dominates (a wait on every barrier with one CTA an SM), or the time is in the convolutions: the GPU check's",
-        "profile of the fused engine, which separates the kernels' own time, is what settles it.",
+        "The rows are the engine as a CapsNet's weights build it: at its initial scale every routing logit is bounded",
+        "inside exp2's range, so the later passes take the softmax over the classes without its shift by the maximum",
+        "(`fused_routing.logits_bounded`). The shifted-softmax rows are the plans served to weights that bound no",
+        "logit (here 10 everywhere): one more reduction across warps per capsule.",
+        "",
+        "The last GPU check (an H200, 2026-11-27: `docs/benchmarks/gpu.md`, `gpu_check.json`) timed no kernel on its",
+        "own, and none of today's kernels has run on a GPU. The measured column is the whole fused engine at batch",
+        "256, numpy in and out, from `--backend auto`'s choice, when the backends ran the model once per output: a",
+        "batch was three forward passes (probabilities, poses, reconstruction), each with its convolutions and its",
+        "routing, for one copy in and out. Taking the copies (about 0.4 ms) and `torch.compile`'s two bf16",
+        "convolutions of the same run (0.67 ms) as the fused engine's, fp16 routing took at most about 0.56 ms a",
+        "forward pass there, against about 0.2 ms modelled for the launch plans it ran (those of commit c3a7af7). In",
+        "fp32, the fused engine's 36.69 ms against the torch backend's 19.55 ms (strict-fp32 convolutions in both,",
+        "three passes in both) would put about 5.7 ms a forward pass in the fp32 routing kernels, some 13 times their",
+        "model then, if the fused engine's channels-last convolutions cost what the torch backend's do. Either the",
+        "model misses a stall that dominates (a wait on every barrier with one CTA an SM), or the time is in the",
+        "convolutions: the GPU check's profile of the fused engine, which separates the kernels' own time, settles it.",
         "",
     ]
     if baseline is not None:
@@ -492,7 +512,8 @@ def markdown(readings: list[KernelReading], measured: dict[str, float], command:
 def plan_summary(record: dict, precision: str, batch: int) -> dict[str, Any]:
     """One plan's kernels in a --json record, summed up: routing time, launches, the most registers, the least
     occupancy and the spills of any of its kernels."""
-    kernels = [k for k in record["kernels"] if k["precision"] == precision and k["batch"] == batch]
+    kernels = [k for k in record["kernels"] if k["precision"] == precision and k["batch"] == batch
+               and k.get("logits", "bounded") == "bounded"]
     return {
         "routing_s": record["routing_s"][precision][str(batch)],
         "launches": sum(k["launches"] for k in kernels),
@@ -526,8 +547,9 @@ def against_baseline(now: dict, baseline: dict, path: str) -> list[str]:
     return [*out, ""]
 
 
-def routing_time(readings: list[KernelReading], precision: str, batch: int) -> float:
-    return sum(r.modelled_s for r in readings if r.precision == precision and r.batch == batch)
+def routing_time(readings: list[KernelReading], precision: str, batch: int, logits: str = "bounded") -> float:
+    return sum(r.modelled_s for r in readings if r.precision == precision and r.batch == batch
+               and r.logits == logits)
 
 
 def as_json(readings: list[KernelReading], label: str = "") -> dict:
@@ -536,6 +558,8 @@ def as_json(readings: list[KernelReading], label: str = "") -> dict:
         "label": label,
         "kernels": [dataclasses.asdict(r) for r in readings],
         "routing_s": {p: {str(b): routing_time(readings, p, b) for b in BATCHES} for p in PRECISIONS},
+        "routing_unbounded_s": {p: {str(b): routing_time(readings, p, b, "unbounded") for b in BATCHES}
+                                for p in PRECISIONS},
     }
 
 

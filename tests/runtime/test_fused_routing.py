@@ -60,9 +60,26 @@ def squashed_primary(model: CapsNet, primary: torch.Tensor) -> torch.Tensor:
 def test_fp32_routing_matches_the_model_for_every_variant(routing, constant, iterations):
     model = small_model(routing=routing, squash_constant=constant, routing_iterations=iterations)
     primary = primary_output(model, 21)
-    poses, lengths = FusedDigitCaps(model.config, model.digit_caps.weight, torch.float32, programs_wanted=6)(primary)
+    fused = FusedDigitCaps(model.config, model.digit_caps.weight, torch.float32, programs_wanted=6)
+    assert fused.shift_free  # these weights bound the logits: the softmax without its shift is what is checked
+    poses, lengths = fused(primary)
     expected_poses, expected_lengths = unfused(model, primary)
     assert expected_lengths.max() > 0.3  # far from zero: the comparison means something
+    assert (poses - expected_poses).abs().max().item() <= 1e-4
+    assert (lengths - expected_lengths).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("routing", ["sabour", "leaky"])
+def test_votes_long_enough_to_leave_exp2s_range_route_with_the_shifted_softmax(routing):
+    """Weights that bound no logit within exp2's headroom take the softmax shifted by its maximum, alike."""
+    model = small_model(seed=8, routing=routing)
+    with torch.no_grad():
+        model.digit_caps.weight.mul_(8.0)
+    primary = primary_output(model, 13)
+    fused = FusedDigitCaps(model.config, model.digit_caps.weight, torch.float32, programs_wanted=6)
+    assert not fused.shift_free
+    poses, lengths = fused(primary)
+    expected_poses, expected_lengths = unfused(model, primary)
     assert (poses - expected_poses).abs().max().item() <= 1e-4
     assert (lengths - expected_lengths).abs().max().item() <= 1e-4
 
@@ -84,7 +101,7 @@ def test_a_forward_pass_leaves_its_scratch_zeroed_for_the_next():
     model = small_model(seed=7, routing="leaky")
     fused = FusedDigitCaps(model.config, model.digit_caps.weight, torch.float32, programs_wanted=5)
     fused(primary_output(model, 7, seed=8))
-    sums, _, done = fused.scratch[(7, DEVICE)]
+    sums, _, done, _ = fused.scratch[(7, DEVICE)]
     assert not sums.any() and not done.any()
     primary = primary_output(model, 7, seed=9)
     assert (fused(primary)[0] - unfused(model, primary)[0]).abs().max().item() <= 1e-4
