@@ -50,12 +50,27 @@ def pytest_collection_modifyitems(config, items):
         if "cpu_kind" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cpu_kind)  # `pytest -m cpu_kind`: every CPU-kind decision, every kind
     reason = _gpu_skip_reason()
-    if reason is None:
-        return
+    if reason is not None:
+        for item in items:
+            # the marker itself: `"gpu" in item.keywords` also matched every test of a checkout in a folder named gpu
+            if item.get_closest_marker("gpu") is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
+    items[:] = slow_files_first(items)
+
+
+def slow_files_first(items: list) -> list:
+    """The items file by file: files with a slow test that runs here first, then the others by their number of tests.
+
+    scripts/test.sh hands whole files to two workers in this order (`--dist loadfile --no-loadscope-reorder`), each
+    to whichever worker is free. xdist's own order (most tests first) left the files of one or two slow tests to the
+    end, where one worker ran them while the other had nothing left to do."""
+    files: dict[str, list] = {}
     for item in items:
-        # the marker itself: `"gpu" in item.keywords` also matched every test of a checkout in a folder named gpu
-        if item.get_closest_marker("gpu") is not None:
-            item.add_marker(pytest.mark.skip(reason=reason))
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)  # the file, as --dist loadfile groups them
+    slow = {name for name, tests in files.items()
+            if any(test.get_closest_marker("slow") and not test.get_closest_marker("skip") for test in tests)}
+    order = sorted(files, key=lambda name: (name not in slow, -len(files[name])))  # stable: ties keep their order
+    return [item for name in order for item in files[name]]
 
 
 @pytest.fixture(params=list(CPU_KINDS))
