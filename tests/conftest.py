@@ -59,17 +59,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 def slow_files_first(items: list) -> list:
-    """The items file by file: files with a slow test that runs here first, then the others by their number of tests.
+    """The items file by file: files with a slow test that runs here first, in the collection's order, then the others
+    by their number of tests.
 
     scripts/test.sh hands whole files to two workers in this order (`--dist loadfile --no-loadscope-reorder`), each
     to whichever worker is free. xdist's own order (most tests first) left the files of one or two slow tests to the
-    end, where one worker ran them while the other had nothing left to do."""
+    end, where one worker ran them while the other had nothing left to do. The slow files keep the collection's
+    order, by folder: sorted by size, the two largest (training's and the fused backend's) came first together, and
+    one worker waited while the other trained the model both need."""
     files: dict[str, list] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)  # the file, as --dist loadfile groups them
     slow = {name for name, tests in files.items()
             if any(test.get_closest_marker("slow") and not test.get_closest_marker("skip") for test in tests)}
-    order = sorted(files, key=lambda name: (name not in slow, -len(files[name])))  # stable: ties keep their order
+    order = sorted(files, key=lambda name: (0, 0) if name in slow else (1, -len(files[name])))  # stable sort
     return [item for name in order for item in files[name]]
 
 
