@@ -105,6 +105,9 @@ def register(subparsers) -> None:
     serve.add_argument("--max-queue-delay-us", type=int, metavar="US",
                        help="how long a request may wait for batch-mates, in µs "
                             f"(default {defaults['max_queue_delay_us']})")
+    serve.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
+                       help="serve without first running each batch size dynamic batching makes most (powers of two "
+                            "up to --max-batch-size): a quicker start, slower first batches of each size")
     serve.add_argument("--max-queue-size", type=int, metavar="N",
                        help="requests that may wait; more get UNAVAILABLE 'queue full' "
                             f"(default {defaults['max_queue_size']})")
@@ -192,7 +195,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from capsnet.serving.workers import front_ends, supervise
 
     names = ("model_dir model_repository version_policy model_control poll_seconds log_format otlp_endpoint host "
-             "grpc_port http_port http ui metrics_port backend precision gpu max_batch_size max_queue_delay_us "
+             "grpc_port http_port http ui metrics_port backend precision gpu max_batch_size max_queue_delay_us warmup "
              "max_queue_size max_pending_rpcs threads max_message_bytes max_image_scale allow_client_shm "
              "max_shm_regions max_shm_bytes tls_cert tls_key tls_client_ca "
              "drain_window_s grace_period_s workers").split()

@@ -69,6 +69,11 @@ class ServerConfig:
     # requests that queue while the previous batch computes, and a lone request never waits.
     max_queue_delay_us: int = 0
     max_queue_size: int = 256  # requests waiting; beyond it: UNAVAILABLE "queue full"
+    # Run the batch sizes dynamic batching makes most before a version serves, so that its first requests do not pay
+    # for allocations and kernel choices. Off (--no-warmup, as a Triton model without model_warmup) where a quick
+    # start matters more: a slow backend (the fused kernels in Triton's CPU interpreter), a development loop. The
+    # self-check still runs the model before it serves.
+    warmup: bool = True
     # Calls gRPC holds before the server's event loop takes them (its default, 1000 to 3000, cuts calls of a
     # burst with CANCELLED before the server sees them). Far above max_queue_size, so that under a burst the
     # batcher's "queue full" answers the excess, which the server counts.

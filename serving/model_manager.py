@@ -163,7 +163,11 @@ class ModelManager:
     async def warmup(self) -> None:
         for model in self.models.values():
             for service in model.serving.values():
-                await service.warmup()
+                await self._warm_up(service)
+
+    async def _warm_up(self, service: InferenceService) -> None:
+        if self.config.warmup:  # --no-warmup: its first batches of each size warm it
+            await service.warmup()
 
     def services(self) -> list[InferenceService]:
         """Every serving version."""
@@ -384,7 +388,7 @@ class ModelManager:
                 model.status[version] = VersionStatus(VersionState.LOADING)
             try:
                 service = await self._open(model.name, version, on_disk)
-                await service.warmup()
+                await self._warm_up(service)
             except CapsNetError as err:
                 failures.append(self._refused(model, version, files, str(err)))
                 held_back = True

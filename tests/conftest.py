@@ -50,12 +50,30 @@ def pytest_collection_modifyitems(config, items):
         if "cpu_kind" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cpu_kind)  # `pytest -m cpu_kind`: every CPU-kind decision, every kind
     reason = _gpu_skip_reason()
-    if reason is None:
-        return
+    if reason is not None:
+        for item in items:
+            # the marker itself: `"gpu" in item.keywords` also matched every test of a checkout in a folder named gpu
+            if item.get_closest_marker("gpu") is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
+    items[:] = slow_files_first(items)
+
+
+def slow_files_first(items: list) -> list:
+    """The items file by file: files with a slow test that runs here first, in the collection's order, then the others
+    by their number of tests.
+
+    scripts/test.sh hands whole files to two workers in this order (`--dist loadfile --no-loadscope-reorder`), each
+    to whichever worker is free. xdist's own order (most tests first) left the files of one or two slow tests to the
+    end, where one worker ran them while the other had nothing left to do. The slow files keep the collection's
+    order, by folder: sorted by size, the two largest (training's and the fused backend's) came first together, and
+    one worker waited while the other trained the model both need."""
+    files: dict[str, list] = {}
     for item in items:
-        # the marker itself: `"gpu" in item.keywords` also matched every test of a checkout in a folder named gpu
-        if item.get_closest_marker("gpu") is not None:
-            item.add_marker(pytest.mark.skip(reason=reason))
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)  # the file, as --dist loadfile groups them
+    slow = {name for name, tests in files.items()
+            if any(test.get_closest_marker("slow") and not test.get_closest_marker("skip") for test in tests)}
+    order = sorted(files, key=lambda name: (0, 0) if name in slow else (1, -len(files[name])))  # stable sort
+    return [item for name in order for item in files[name]]
 
 
 @pytest.fixture(params=list(CPU_KINDS))
@@ -88,9 +106,8 @@ def random_tiny_export(random_tiny_checkpoint, tmp_path_factory) -> Path:
     servers load, exported once for both (tests read it; those that damage a model work on a copy)."""
     from capsnet.export.exporter import export_model
 
-    out = tmp_path_factory.mktemp("random-tiny-export") / "model"
-    export_model(random_tiny_checkpoint, out, reconstruction=True)
-    return out
+    return built_once(tmp_path_factory, "random-tiny-export", lambda folder: export_model(
+        random_tiny_checkpoint, folder / "model", reconstruction=True)) / "model"
 
 
 @pytest.fixture()
@@ -173,6 +190,25 @@ def em_tiny_export(trained_em_tiny_checkpoint, tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "em-tiny-export", export) / "model"
 
 
+@pytest.fixture(scope="session")
+def full_tiny_export(trained_tiny_checkpoint, tmp_path_factory) -> Path:
+    """`capsnet export` of the trained tiny model with every CPU option: reconstruction, INT8, FP16 and a Triton
+    repository (root/model and root/triton; the root is returned). Shared by the export tests, which check these
+    artifacts, and the fused backend's, which serve them; all only read it.
+
+    The INT8 gate is opened wide: how many points the tiny model's INT8 loses depends on the host's int8 kernels
+    (test_export_int8 checks the gate itself).
+    """
+    from capsnet.cli import main
+
+    def export(root: Path) -> None:
+        code = main(["export", str(trained_tiny_checkpoint), "--out", str(root / "model"), "--reconstruction",
+                     "--int8", "--fp16", "--max-accuracy-drop", "100", "--triton", str(root / "triton")])
+        assert code == 0
+
+    return built_once(tmp_path_factory, "full-tiny-export", export)
+
+
 def train_any_size_tiny(path: Path, preset_name: str) -> Path:
     """`preset_name` (shared-tiny or gap-cnn-tiny) trained for 2 epochs on the embedded digits through the real CLI,
     at a higher rate than the default so that so small a model becomes decisive (shared-tiny: 85% test accuracy)."""
@@ -187,13 +223,15 @@ def train_any_size_tiny(path: Path, preset_name: str) -> Path:
 @pytest.fixture(scope="session")
 def trained_shared_tiny_checkpoint(tmp_path_factory) -> Path:
     """A `shared-tiny` model: any image size, capsules whose transformation is shared across positions."""
-    return train_any_size_tiny(tmp_path_factory.mktemp("trained-shared-tiny") / "model.ckpt", "shared-tiny")
+    return built_once(tmp_path_factory, "trained-shared-tiny",
+                      lambda folder: train_any_size_tiny(folder / "model.ckpt", "shared-tiny")) / "model.ckpt"
 
 
 @pytest.fixture(scope="session")
 def trained_gap_cnn_tiny_checkpoint(tmp_path_factory) -> Path:
     """A `gap-cnn-tiny` model: the same backbone with global average pooling and sigmoids."""
-    return train_any_size_tiny(tmp_path_factory.mktemp("trained-gap-cnn-tiny") / "model.ckpt", "gap-cnn-tiny")
+    return built_once(tmp_path_factory, "trained-gap-cnn-tiny",
+                      lambda folder: train_any_size_tiny(folder / "model.ckpt", "gap-cnn-tiny")) / "model.ckpt"
 
 
 def export_any_size_tiny(checkpoint: Path, root: Path, *options: str) -> Path:
@@ -212,15 +250,16 @@ def export_any_size_tiny(checkpoint: Path, root: Path, *options: str) -> Path:
 def shared_tiny_export(trained_shared_tiny_checkpoint, tmp_path_factory) -> Path:
     """The `shared-tiny` model exported: ONNX graphs with a free height and width, shared by the export and serving
     tests."""
-    return export_any_size_tiny(trained_shared_tiny_checkpoint, tmp_path_factory.mktemp("shared-tiny-export"))
+    return built_once(tmp_path_factory, "shared-tiny-export",
+                      lambda folder: export_any_size_tiny(trained_shared_tiny_checkpoint, folder)) / "model"
 
 
 @pytest.fixture(scope="session")
 def gap_cnn_tiny_export(trained_gap_cnn_tiny_checkpoint, tmp_path_factory) -> Path:
     """The `gap-cnn-tiny` model exported with its FP16 graph too: a CNN baseline of any size, whose only output is
     its probabilities."""
-    return export_any_size_tiny(trained_gap_cnn_tiny_checkpoint, tmp_path_factory.mktemp("gap-cnn-tiny-export"),
-                                "--fp16")
+    return built_once(tmp_path_factory, "gap-cnn-tiny-export",
+                      lambda folder: export_any_size_tiny(trained_gap_cnn_tiny_checkpoint, folder, "--fp16")) / "model"
 
 
 @pytest.fixture()
@@ -268,8 +307,9 @@ def aoti_model_dir(random_tiny_checkpoint, tmp_path_factory) -> Path:
     AOTInductor compile of the suite (about a minute on 2 cores), shared by the export and serving tests."""
     from capsnet.cli import main
 
-    out = tmp_path_factory.mktemp("aoti") / "model"
-    code = main(["export", str(random_tiny_checkpoint), "--out", str(out), "--reconstruction", "--aoti",
-                 "--max-batch", str(AOTI_MAX_BATCH)])
-    assert code == 0
-    return out
+    def export(folder: Path) -> None:
+        code = main(["export", str(random_tiny_checkpoint), "--out", str(folder / "model"), "--reconstruction",
+                     "--aoti", "--max-batch", str(AOTI_MAX_BATCH)])
+        assert code == 0
+
+    return built_once(tmp_path_factory, "aoti", export) / "model"

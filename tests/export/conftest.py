@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from capsnet.cli import main
 from capsnet.training.data import Dataset, load_dataset
 
 
@@ -26,15 +25,7 @@ def embedded() -> Dataset:
 
 
 @pytest.fixture(scope="session")
-def tiny_export(trained_tiny_checkpoint, tmp_path_factory) -> TinyExport:
-    """`capsnet export` with every CPU option: reconstruction, INT8, FP16 and a Triton repository.
-
-    The INT8 gate is opened wide: these tests check the artifacts, and how many points the tiny model's
-    INT8 loses depends on the host's int8 kernels (test_export_int8 checks the gate itself).
-    """
-    root = tmp_path_factory.mktemp("export")
-    out, repo = root / "model", root / "triton"
-    code = main(["export", str(trained_tiny_checkpoint), "--out", str(out), "--reconstruction", "--int8", "--fp16",
-                 "--max-accuracy-drop", "100", "--triton", str(repo)])
-    assert code == 0
+def tiny_export(trained_tiny_checkpoint, full_tiny_export) -> TinyExport:
+    """The trained tiny model exported with every CPU option (tests/conftest.py's full_tiny_export)."""
+    out, repo = full_tiny_export / "model", full_tiny_export / "triton"
     return TinyExport(trained_tiny_checkpoint, out, repo, json.loads((out / "model.json").read_text()))

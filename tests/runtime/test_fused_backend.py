@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from capsnet.cli import main
 from capsnet.errors import CapsNetError
 from capsnet.runtime.cpu import CPU_FLAGS_ENV
 from capsnet.serving.artifacts import load_artifacts
@@ -23,10 +22,10 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(trained_tiny_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("fused") / "model"
-    assert main(["export", str(trained_tiny_checkpoint), "--out", str(out), "--reconstruction"]) == 0
-    return out
+def tiny_model_dir(full_tiny_export):
+    """The trained tiny model through `capsnet export --reconstruction` (and the other CPU options), which the export
+    tests share: its gate entries for the fused kernels are export's defaults."""
+    return full_tiny_export / "model"
 
 
 def test_export_names_the_fused_engine_and_gates_its_precisions(tiny_model_dir):
@@ -37,14 +36,19 @@ def test_export_names_the_fused_engine_and_gates_its_precisions(tiny_model_dir):
         assert gate.accepted and "routing products' inputs in " + precision in gate.computed_by
 
 
+@pytest.mark.slow  # the self-check's 128 images and the test's own in the interpreter
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_fused_backend_serves_as_onnxruntime_does(tiny_model_dir, precision, monkeypatch):
     # The CPU kind decides only whether bf16 convolutions are offered on the CPU (the tests below). Served as a
     # kind with native bf16, a host without it runs torch's emulation of the same arithmetic.
     monkeypatch.setenv(CPU_FLAGS_ENV, CPU_KINDS["avx512-bf16"])
+    # In the interpreter a run costs about 2 s however few images it holds: the self-check's 128 reference images go
+    # in one batch, and there is no warm-up (batch sizes 1 to 16 before the test's own 11 images, on the same path).
+    # On a GPU, batches of up to 16, a CUDA graph each, warmed up as served.
+    settings = {"max_batch_size": 16, "gpu": 0} if ON_GPU else {"max_batch_size": 128, "warmup": False}
     images = np.random.default_rng(3).random((11, 1, 28, 28), dtype=np.float32)
     assert_served_as_onnxruntime(tiny_model_dir, "fused", precision, images, described="routing in the fused kernels",
-                                 max_batch_size=16, gpu=0 if ON_GPU else None)
+                                 **settings)
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the convolutions run in bf16 on the GPU, whatever the CPU")
@@ -64,14 +68,10 @@ def test_bf16_on_a_cpu_with_native_bf16_is_offered(tiny_model_dir, cpu_kind):
     assert backend.precision == "bf16"
 
 
-def test_models_outside_the_kernels_are_refused_with_the_reason(random_checkpoint, tmp_path):
-    from capsnet.models.config import preset
-
-    out = tmp_path / "em"
-    assert main(["export", str(random_checkpoint(preset("em-tiny"))), "--out", str(out)]) == 0
-    artifacts = load_artifacts(out)
+def test_models_outside_the_kernels_are_refused_with_the_reason(em_tiny_export):
+    artifacts = load_artifacts(em_tiny_export)
     assert artifacts.routing["gpu_engine"].startswith("unfused: arch em ")
-    config = server_config(out, backend="fused", gpu=0 if ON_GPU else None)
+    config = server_config(em_tiny_export, backend="fused", gpu=0 if ON_GPU else None)
     with pytest.raises(CapsNetError, match=r"the fused backend cannot run this model: arch em .*--backend torch"):
         create_backend("fused", "fp32", artifacts, config)
 

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from capsnet.errors import CapsNetError
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.artifacts import load_artifacts
 from capsnet.serving.server import IMAGE_OVERHEAD_BYTES, CapsNetServer
-from serving_helpers import server_config
+from serving_helpers import ServerThread, server_config
 
 
 def test_defaults_are_loopback_and_triton_ports():
@@ -41,6 +43,24 @@ def test_environment_then_flags():
                                             "host": "127.0.0.2"}, env=env)
     assert (from_flags.host, from_flags.http_port, from_flags.grpc_port, from_flags.metrics_port) == (
         "127.0.0.2", 7000, 7001, 9002)
+
+
+@pytest.mark.parametrize("flags, warmup", [([], True), (["--no-warmup"], False)])
+def test_no_warmup_serves_without_running_the_batch_sizes_first(model_dir, caplog, flags, warmup):
+    """--no-warmup: the version serves once loaded and self-checked; its first batches of each size warm it."""
+    from capsnet.cli import build_parser
+    from capsnet.serving.client import CapsNetClient
+
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), *flags])
+    assert args.warmup is (None if warmup else False)  # None: not given, the default (on)
+    caplog.set_level(logging.INFO, logger="capsnet.serving.service")
+    running = ServerThread(server_config(model_dir, warmup=warmup))
+    try:
+        with CapsNetClient(running.target) as client:
+            assert len(client.classify([np.zeros((1, 28, 28), dtype=np.float32)] * 3)) == 3
+    finally:
+        running.stop()
+    assert ("warmed up batch sizes [1, 2, 4, 8]" in caplog.text) is warmup
 
 
 @pytest.mark.parametrize("values, env, message", [
