@@ -237,9 +237,15 @@ def fail_self_check(version: Path) -> None:
 
 
 def rss_bytes() -> int:
-    """This process's resident memory."""
+    """This process's resident memory once what it freed is given back: after a collection, and after glibc's
+    malloc_trim (freed memory stays in malloc's arenas, a per-thread one for each thread that allocated, until
+    trimmed: the RSS would follow what earlier tests and the host's load left there, not what is live)."""
+    import ctypes
+    import gc
     import os
 
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 

@@ -4,7 +4,6 @@ request in flight; load/unload cycles do not grow the process."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -24,7 +23,10 @@ from serving_helpers import (
 CLIENTS = 16
 IMAGE = np.random.default_rng(6).random((1, 1, 28, 28), dtype=np.float32)  # (1, 1, 28, 28)
 MEMORY_CYCLES = 100
-MEMORY_GROWTH_BYTES = 50 * 2 ** 20
+WARM_CYCLES = 5
+# 1.6 MB measured over 100 cycles on a 2-core EPYC; a version left alive each cycle holds about 2.6 MB of ONNX
+# Runtime session alone, 260 MB over the cycles
+MEMORY_GROWTH_BYTES = 20 * 2 ** 20
 
 
 @dataclass
@@ -184,12 +186,11 @@ def test_load_unload_cycles_do_not_grow_the_process(served, triton):
         triton.unload_model("cycle")
         triton.load_model("cycle")
 
-    cycle()
-    gc.collect()
-    first = rss_bytes()
-    for _ in range(MEMORY_CYCLES - 1):
+    for _ in range(WARM_CYCLES):  # the allocators' pools and caches reach their size
         cycle()
-    gc.collect()
+    first = rss_bytes()
+    for _ in range(MEMORY_CYCLES):
+        cycle()
     grown = rss_bytes() - first
     assert grown <= MEMORY_GROWTH_BYTES, f"RSS grew {grown / 2 ** 20:.1f} MB over {MEMORY_CYCLES} cycles"
     assert triton.is_model_ready("cycle")
