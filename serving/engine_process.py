@@ -101,7 +101,7 @@ class Engine:
                 kind = message[0]
                 if kind == INFER:
                     assert slots is not None  # sent before any request
-                    requests[message[1]] = asyncio.ensure_future(self._infer(message, slots, outbox, requests))
+                    requests[message[1]] = self._handle(self._infer(message, slots, outbox, requests), message[-1])
                 elif kind == CANCEL:
                     if (request := requests.get(message[1])) is not None:
                         request.cancel()
@@ -126,8 +126,6 @@ class Engine:
                      requests: dict[int, asyncio.Task]) -> None:
         _, request_id, name, version, parts, deadline, arrival = message  # parts: (slot, image shape) per size
         assert self.models is not None
-        handled = Tracked(arrival)  # what the batchers read as the engine's load
-        self.lifecycle.in_flight.add(handled)
         reply: tuple  # (request id, None or the error, None or the answer)
         try:
             with self.models.use(ModelRef(name, version)) as service:
@@ -153,8 +151,18 @@ class Engine:
             reply = (request_id, engine_link.error_of(err), None)
         finally:
             requests.pop(request_id, None)
-            self.lifecycle.in_flight.remove(handled)
         outbox.send(reply)
+
+    def _handle(self, infer, arrival: float) -> asyncio.Task:
+        """A received request's task, counted in the engine's load (what its batchers read) from its receipt to its
+        end, cancelled before it starts or not: requests read together from a front end are known to be handled
+        before the first of them reaches its batcher, so that they queue for one batch instead of each running
+        alone."""
+        handled = Tracked(arrival)
+        self.lifecycle.in_flight.add(handled)
+        task = asyncio.ensure_future(infer)
+        task.add_done_callback(lambda _: self.lifecycle.in_flight.remove(handled))
+        return task
 
     async def _statistics(self, message: tuple, outbox: engine_link.Outbox,
                           requests: dict[int, asyncio.Task]) -> None:

@@ -109,6 +109,24 @@ def test_front_ends_answer_count_and_restart(served, model_dir):
     classes.set_data_from_numpy(np.array([3, 7], np.int64))
     assert connections[1].infer("capsnet-decoder", [poses, classes]).as_numpy("reconstruction").shape == (2, 784)
 
+    # Requests that reach the engine together are batched together: stopped while they arrive, it finds them all
+    # received when it resumes, and none runs alone as a request the engine would be handling by itself.
+    executions = int(stats["execution_count"])
+    os.kill(engine, signal.SIGSTOP)
+    answers: dict[int, np.ndarray] = {}
+    together = [threading.Thread(target=lambda index, client: answers.update({index: infer(client, IMAGES[:1])}),
+                                 args=(index, client)) for index, client in enumerate(connections)]
+    for thread in together:
+        thread.start()
+    time.sleep(1.0)  # the calls reach their front ends, which send them on to the engine's socket
+    os.kill(engine, signal.SIGCONT)
+    for thread in together:
+        thread.join(20)
+    assert len(answers) == len(connections) and all(np.abs(answer - expected[:1]).max() < 1e-4
+                                                   for answer in answers.values())
+    stats = connections[0].get_inference_statistics("capsnet", as_json=True)["model_stats"][0]
+    assert int(stats["execution_count"]) - executions < len(connections), stats["batch_stats"]
+
     # Requests held in the (stopped) engine: one past its deadline ends DEADLINE_EXCEEDED; those whose front ends
     # die end UNAVAILABLE, not in a hang.
     os.kill(engine, signal.SIGSTOP)
