@@ -22,6 +22,5 @@ fi
 # otel too: the tracing tests export spans through the real OpenTelemetry SDK
 EXTRAS=dev,otel source scripts/setup-env.sh
 # Two workers (pytest-xdist); a file's tests stay on one worker, so its module fixtures (a server, a benchmark run)
-# are made once. Files are handed out in tests/conftest.py's order (slow files first), not xdist's (most tests
-# first). `-n 0` as an argument runs everything in this process.
-exec python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -ra "$@"
+# are made once. `-n 0` as an argument runs everything in this process.
+exec python -m pytest -n 2 --dist loadfile -ra "$@"

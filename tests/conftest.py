@@ -50,30 +50,12 @@ def pytest_collection_modifyitems(config, items):
         if "cpu_kind" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cpu_kind)  # `pytest -m cpu_kind`: every CPU-kind decision, every kind
     reason = _gpu_skip_reason()
-    if reason is not None:
-        for item in items:
-            # the marker itself: `"gpu" in item.keywords` also matched every test of a checkout in a folder named gpu
-            if item.get_closest_marker("gpu") is not None:
-                item.add_marker(pytest.mark.skip(reason=reason))
-    items[:] = slow_files_first(items)
-
-
-def slow_files_first(items: list) -> list:
-    """The items file by file: files with a slow test that runs here first, in the collection's order, then the others
-    by their number of tests.
-
-    scripts/test.sh hands whole files to two workers in this order (`--dist loadfile --no-loadscope-reorder`), each
-    to whichever worker is free. xdist's own order (most tests first) left the files of one or two slow tests to the
-    end, where one worker ran them while the other had nothing left to do. The slow files keep the collection's
-    order, by folder: sorted by size, the two largest (training's and the fused backend's) came first together, and
-    one worker waited while the other trained the model both need."""
-    files: dict[str, list] = {}
+    if reason is None:
+        return
     for item in items:
-        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)  # the file, as --dist loadfile groups them
-    slow = {name for name, tests in files.items()
-            if any(test.get_closest_marker("slow") and not test.get_closest_marker("skip") for test in tests)}
-    order = sorted(files, key=lambda name: (0, 0) if name in slow else (1, -len(files[name])))  # stable sort
-    return [item for name in order for item in files[name]]
+        # the marker itself: `"gpu" in item.keywords` also matched every test of a checkout in a folder named gpu
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(params=list(CPU_KINDS))

@@ -13,8 +13,6 @@ from capsnet.serving.backends.torch_backend import bf16_unavailable_reason
 CPU_BACKENDS = ("pytorch", "pytorch-public", "onnxruntime-fp32", "onnxruntime-int8")
 TENSORRT_BACKENDS = ("tensorrt-fp32", "tensorrt-fp16", "tensorrt-int8")
 
-pytestmark = pytest.mark.slow  # the module's one `capsnet bench --quick` takes about a minute on 2 cores
-
 
 @pytest.fixture(scope="module")
 def quick_run(random_tiny_checkpoint, tmp_path_factory):

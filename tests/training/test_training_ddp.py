@@ -6,7 +6,6 @@ import os
 import socket
 from pathlib import Path
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 from group_threads import group_threads
@@ -61,7 +60,6 @@ def run_rank_without_shifts(rank: int, world_size: int, port: int, out: str) -> 
                        threads=1, progress=False))
 
 
-@pytest.mark.slow  # an epoch of training in two processes, then in one
 def test_two_processes_follow_one_process_with_the_same_global_batch_and_learning_rate(tmp_path):
     """--batch-size is the global batch and --lr is not scaled: without shifts (each rank draws its own), 2 processes
     take the 1-process run's steps, and the loss and accuracy summed over the ranks are that run's."""

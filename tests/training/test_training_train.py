@@ -111,7 +111,6 @@ def test_the_best_epoch_is_chosen_on_validation_and_eval_scores_that_split(valid
     assert torch.tensor(report["confusion_matrix"]).sum(dim=1).tolist() == [40] * 10  # stratified: 10% of each class
 
 
-@pytest.mark.slow  # trains the tiny model for 2 epochs or more
 def test_the_test_split_never_chooses_the_best_checkpoint(validated_tiny_checkpoint, idx_dataset, tmp_path, capsys):
     """The same run with test labels that the best epoch's model gets all wrong saves the same best checkpoint."""
     best = load_checkpoint(validated_tiny_checkpoint)
@@ -155,7 +154,6 @@ def test_a_checkpoint_from_before_the_validation_split_evaluates(trained_tiny_ch
     assert f"checkpoint {old} was trained without a validation split" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # trains the tiny model for 2 epochs or more
 def test_resume_continues_the_same_run(trained_tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "model.ckpt"
     assert main([*FIXTURE_ARGS, "--epochs", "1", "--out", str(out)]) == 0
@@ -304,7 +302,6 @@ def linear_schedule_run(tmp_path_factory):
     return path
 
 
-@pytest.mark.slow  # trains the tiny model for 2 epochs or more
 def test_a_linear_schedule_resumes_mid_epoch_and_keeps_its_length(linear_schedule_run, tmp_path, monkeypatch, capsys):
     straight = load_checkpoint(linear_schedule_run.with_name("model.last.ckpt"))
     schedule = (straight.metrics["lr_schedule"], straight.metrics["warmup"], straight.metrics["epochs"])
