@@ -379,7 +379,6 @@ def default_programs(device: torch.device) -> int:
     return 8
 
 
-
 class FusedOutputs(NamedTuple):
     probabilities: torch.Tensor  # (B, J)
     poses: torch.Tensor  # (B, J, D)
