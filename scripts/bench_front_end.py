@@ -1,8 +1,11 @@
-"""One-image KServe gRPC requests against four servers of one ONNX model, in one run: the bare `grpc.aio` floor,
-`capsnet serve` with one process and with N front-end processes, and Triton through PyTriton.
+"""One-image KServe gRPC requests against five servers of one ONNX model, in one run: the bare `grpc.aio` floor with
+and without the engine, `capsnet serve` with one process and with N front-end processes, and Triton through PyTriton.
 
 - floor: a grpc.aio server (this file, `--floor`) that decodes each request's tensor and answers fixed outputs of the
   model's shapes, with no model: what Python gRPC itself costs a request;
+- floor+engine: the same server, answering the outputs of capsnet's engine run on each request's images (`--floor
+  --floor-engine`): the least a Python gRPC server that runs the model costs a request, with no checks, batching,
+  statistics or metrics;
 - capsnet-1 and capsnet-N: `capsnet serve --workers 1|N` on the ONNX Runtime backend (FP32), N front ends beside one
   engine process (serving/workers.py);
 - pytriton: Triton's server through PyTriton, ONNX Runtime in its Python model with dynamic batching (this file,
@@ -133,7 +136,8 @@ def model_io(model_dir: Path) -> tuple[list[int], dict[str, list[int]]]:
 
 # -- the floor: grpc.aio, the tensor decoded, fixed outputs --------------------------------------------------------
 
-def floor(model_dir: Path, port: int) -> None:
+def floor(model_dir: Path, port: int, engine: str | None, gpu: int | None) -> None:
+    """`engine` (BACKEND:PRECISION): each request's outputs are the engine's on its images, else fixed zeros."""
     import grpc
     from google.protobuf import json_format
 
@@ -143,7 +147,10 @@ def floor(model_dir: Path, port: int) -> None:
 
     image, outputs = model_io(model_dir)
     answers = {name: np.zeros(shape, np.float32).tobytes() for name, shape in outputs.items()}
-    count = 0
+    backend = None if engine is None else create_engine(model_dir, engine, gpu)
+    if backend is not None:  # compiled and warm before the first request, as capsnet serve's engine is
+        backend.run(np.zeros((1, *image), np.float32))
+    count = images_run = 0  # requests answered; images the engine ran, each request its own run
 
     class Floor(pb_grpc.GRPCInferenceServiceServicer):
         async def ServerLive(self, request, context):
@@ -174,17 +181,24 @@ def floor(model_dir: Path, port: int) -> None:
             return pb.ModelConfigResponse(config=config)
 
         async def ModelStatistics(self, request, context):
-            return json_format.ParseDict({"model_stats": [{"name": MODEL, "version": "1", "inference_stats": {
-                "success": {"count": count}}}]}, pb.ModelStatisticsResponse())
+            stats = {"name": MODEL, "version": "1", "inference_count": images_run,
+                     "execution_count": 0 if backend is None else count,
+                     "inference_stats": {"success": {"count": count}}}
+            return json_format.ParseDict({"model_stats": [stats]}, pb.ModelStatisticsResponse())
 
         async def ModelInfer(self, request, context):
-            nonlocal count
+            nonlocal count, images_run
             tensor = request.inputs[0]
             images = np.frombuffer(request.raw_input_contents[0], np.float32).reshape(tensor.shape)  # (N, C, H, W)
             response = pb.ModelInferResponse(model_name=MODEL, model_version="1", id=request.id)
+            computed = None
+            if backend is not None:
+                computed = backend.run(images)
+                images_run += len(images)
             for name, shape in outputs.items():
                 response.outputs.add(name=name, datatype="FP32", shape=[len(images), *shape])
-                response.raw_output_contents.append(answers[name] * len(images))
+                response.raw_output_contents.append(answers[name] * len(images) if computed is None
+                                                    else np.ascontiguousarray(computed[name], "<f4").tobytes())
             count += 1
             return response
 
@@ -260,16 +274,21 @@ def loadgen(target: str, concurrency: int, seconds: float, image: list[int]) -> 
     return {key: result[key] for key in ("requests_per_s", "p50_ms", "p99_ms", "errors")}
 
 
-def engine_in_process(model_dir: Path, seconds: float, engine: str, gpu: int | None) -> dict:
-    """The backend called directly (numpy in, numpy out): its p50 ms at batch 1, and the CPU time it takes per image
-    (this process's, its threads') at the batch sizes a server forms."""
+def create_engine(model_dir: Path, engine: str, gpu: int | None):
+    """capsnet's backend `engine` (BACKEND:PRECISION) on the export, as `capsnet serve` creates it."""
     from capsnet.serving.artifacts import load_artifacts
     from capsnet.serving.backends import create_backend
     from capsnet.serving.config import ServerConfig
 
     name, precision = engine.split(":")
     config = ServerConfig(model_dir=model_dir, backend=name, precision=precision, gpu=gpu)
-    backend = create_backend(name, precision, load_artifacts(model_dir), config)
+    return create_backend(name, precision, load_artifacts(model_dir), config)
+
+
+def engine_in_process(model_dir: Path, seconds: float, engine: str, gpu: int | None) -> dict:
+    """The backend called directly (numpy in, numpy out): its p50 ms at batch 1, and the CPU time it takes per image
+    (this process's, its threads') at the batch sizes a server forms."""
+    backend = create_engine(model_dir, engine, gpu)
     image, _ = model_io(model_dir)
     report: dict = {"cpu_ms_per_image": {}}
     for size in BATCH_SIZES:
@@ -305,7 +324,10 @@ def servers(args, model_dir: Path, workers: int) -> list[tuple[str, list[str], i
                precision, *device,
                "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", "--no-allow-client-shm",
                "--max-batch-size", str(args.max_batch_size)]
+    engine_port = free_port()
     chosen = [("floor", [sys.executable, here, "--floor", str(port), "--model-dir", str(model_dir)], port),
+              ("floor+engine", [sys.executable, here, "--floor", str(engine_port), "--model-dir", str(model_dir),
+                                "--floor-engine", args.engine, *device], engine_port),
               ("capsnet-1", [*capsnet, "--workers", "1"], None),
               (f"capsnet-{workers}", [*capsnet, "--workers", str(workers)], None)]
     if args.pytriton_python and args.gpu is None:
@@ -387,7 +409,30 @@ def markdown(report: dict) -> list[str]:
                    f"{cell['mean_batch']:.1f}" if "mean_batch" in cell else "",
                    "" if path is None else f"{path:.3f}"]
             lines.append("| " + " | ".join(row) + " |")
-    lines += ["", *targets(report)]
+    lines += ["", *ratios(report), "", *targets(report)]
+    return lines
+
+
+def ratios(report: dict) -> list[str]:
+    """Each server's CPU per request as a multiple of the floor's and of floor+engine's, level by level: the floor
+    is what gRPC costs, floor+engine what gRPC and the model cost together, the least a Python server pays."""
+    servers = report["servers"]
+    bases = [servers.get(name, {}).get("cells", {}) for name in ("floor", "floor+engine")]
+    levels = list(report["concurrency"])
+    lines = ["Server CPU per request as a multiple of the floor's / of floor+engine's:", "",
+             "| server | " + " | ".join(f"c{level}" for level in levels) + " |", "|---|" + "---|" * len(levels)]
+    for name, server in servers.items():
+        if name == "floor" or "cells" not in server:
+            continue
+        row = [name]
+        for level in levels:
+            mine = server["cells"].get(str(level), server["cells"].get(level, {})).get("server_cpu_ms_per_request")
+            parts = []
+            for base in bases:
+                theirs = base.get(str(level), base.get(level, {})).get("server_cpu_ms_per_request")
+                parts.append(f"{mine / theirs:.2f}×" if mine and theirs else "–")
+            row.append(" / ".join(parts))
+        lines.append("| " + " | ".join(row) + " |")
     return lines
 
 
@@ -442,11 +487,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pytriton-python", metavar="PATH", help="a Python with nvidia-pytriton and onnxruntime")
     parser.add_argument("--model-dir", type=Path, help="an export folder (default: the preset, exported now)")
     parser.add_argument("--floor", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--floor-engine", metavar="BACKEND:PRECISION", help=argparse.SUPPRESS)
     parser.add_argument("--pytriton", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--out", help="OUT.json and OUT.md")
     args = parser.parse_args(argv)
     if args.floor is not None:
-        floor(args.model_dir, args.floor)
+        floor(args.model_dir, args.floor, args.floor_engine, args.gpu)
         return 0
     if args.pytriton is not None:
         pytriton(args.model_dir, args.pytriton, args.max_batch_size)
