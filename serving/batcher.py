@@ -44,6 +44,8 @@ INLINE_RUN_S = 0.0005
 # thousand runs, so a machine busy with other work (whose runs take 1.5-3x as long on a shared 2-core host) does
 # not move a small model's runs to the thread, where each would cost the hand-off on top.
 RUN_ESTIMATE_DRIFT = 1.001
+# what a request past its deadline before its run hears, queued or run at once
+WAITED_PAST_DEADLINE = "deadline exceeded while waiting for the model"
 
 
 class ImageSource(Protocol):
@@ -170,7 +172,7 @@ class Batcher:
             return await asyncio.wait_for(request.future, timeout)
         except asyncio.TimeoutError:  # an alias of TimeoutError only from Python 3.11
             self._drop(request, "deadline")
-            raise DeadlineExceeded("deadline exceeded while waiting for the model") from None
+            raise DeadlineExceeded(WAITED_PAST_DEADLINE) from None
         except asyncio.CancelledError:  # the client cancelled, or gRPC ended the call at its deadline
             past = past_deadline(None if deadline is None else deadline - time.monotonic())
             self._drop(request, "deadline" if past else "cancelled")
@@ -280,7 +282,7 @@ class Batcher:
     async def _run_at_once(self, request: _Request) -> BatchOutput:
         if request.deadline is not None and request.deadline <= time.monotonic():
             self.metrics.dropped["deadline"].inc()
-            raise DeadlineExceeded("deadline exceeded while waiting for the model")
+            raise DeadlineExceeded(WAITED_PAST_DEADLINE)
         request.taken = len(request.images)
         await self._run(asyncio.get_running_loop(), [(request, 0, request.taken)])
         return request.future.result()  # its outputs, or why its batch failed
