@@ -7,12 +7,14 @@ PyTorch, ONNX Runtime and TensorRT results compare with one function.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from capsnet.export.onnx_export import INPUT_NAME
+from capsnet.model_description.precision_gate import compare_outputs
 from capsnet.training.data import to_float
 
 PARITY_BATCH_SIZES = (1, 7, 64)
@@ -108,14 +110,12 @@ def max_abs_diff(reference: np.ndarray, candidate: np.ndarray) -> float:
 
 
 def compare(reference: list[Outputs], candidate: list[Outputs]) -> Parity:
-    names = list(reference[0])
-    diffs = {
-        name: max(max_abs_diff(ref[name], cand[name]) for ref, cand in zip(reference, candidate))
-        for name in names
-    }
-    same_class = [
-        ref["probabilities"].argmax(axis=1) == cand["probabilities"].argmax(axis=1)
-        for ref, cand in zip(reference, candidate)
-    ]
-    matches = np.concatenate(same_class)
-    return Parity(diffs, float(matches.mean()), int(matches.size))
+    """Batch by batch (a model of any size answers each image size in outputs of its own shape), then over them all:
+    each output's largest |difference|, infinite where either side holds a NaN or an infinity, which no tolerance
+    passes."""
+    names = tuple(reference[0])
+    batches = [compare_outputs(ref, cand, names) for ref, cand in zip(reference, candidate)]
+    images = sum(batch.images for batch in batches)
+    diffs = {name: float(np.max([batch.max_abs_diff[name] for batch in batches])) for name in names}  # NaN stays
+    return Parity({name: diff if math.isfinite(diff) else math.inf for name, diff in diffs.items()},
+                  sum(batch.argmax_agreement * batch.images for batch in batches) / images, images)
