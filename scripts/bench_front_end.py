@@ -56,8 +56,9 @@ sys.path.insert(0, str(REPO / "scripts"))  # serving_ab: the same checkpoint, re
 
 MODEL = "capsnet"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-BATCH_SIZES = (1, 4, 16, 64)
-CPU_PARTS = ("total", "main thread", "gRPC threads")  # the engine's CPU time per image is measured at these
+BATCH_SIZES = (1, 4, 16, 64)  # the engine's CPU time per image is measured at these
+CPU_PARTS = ("total", "main thread", "gRPC threads", "engine process")
+ENGINE_ARGV = b"capsnet.serving.workers\0engine\0"  # in the command line of `--workers N`'s engine process
 
 
 # -- the servers -------------------------------------------------------------------------------------------------
@@ -81,13 +82,17 @@ class Served:
 
     def cpu_seconds(self) -> dict[str, float]:
         """User + system time of every process of the server's tree (its children: front ends, engine, Triton): in
-        all, in the processes' main threads (a Python server's event loop), and in gRPC's core threads."""
+        all, in the processes' main threads (a Python server's event loop), in gRPC's core threads, and in capsnet's
+        engine process behind N front ends (the one process every request crosses)."""
         spent = dict.fromkeys(CPU_PARTS, 0.0)
         pids = [self.process.pid]
         while pids:
             pid = pids.pop()
             try:
-                spent["total"] += _ticks(Path(f"/proc/{pid}/stat")) / CLK_TCK  # its threads, ended ones too
+                ticks = _ticks(Path(f"/proc/{pid}/stat")) / CLK_TCK  # its threads, ended ones too
+                spent["total"] += ticks
+                if ENGINE_ARGV in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    spent["engine process"] += ticks
                 for task in Path(f"/proc/{pid}/task").iterdir():
                     pids.extend(int(child) for child in (task / "children").read_text().split())
                     if task.name == str(pid):
@@ -389,10 +394,12 @@ def markdown(report: dict) -> list[str]:
              "Server CPU: user + system time of the server's whole process tree over the cell, over the requests its "
              "statistics counted; of it, the processes' main threads (a Python server's event loop: its request "
              "path, and capsnet's batches that run on the loop) and gRPC's core threads (the rest: backend threads, "
-             "Triton's own). Less the backend's: minus the engine's in-process CPU time per image at the batch "
-             "size nearest the server's mean batch (the cost of the request path itself).", "",
+             "Triton's own); and, behind N front ends, capsnet's engine process, which every request crosses: its "
+             "CPU time a request bounds the requests/s that more front ends can reach. Less the backend's: minus "
+             "the engine's in-process CPU time per image at the batch size nearest the server's mean batch (the cost "
+             "of the request path itself).", "",
              "| server | concurrency | requests/s | p50 ms | p99 ms | server CPU ms/request | of it: main threads / "
-             "gRPC's threads | mean batch | less the backend's CPU ms/request |",
+             "gRPC's threads / engine process | mean batch | less the backend's CPU ms/request |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, server in report["servers"].items():
         if "error" in server:
@@ -437,7 +444,11 @@ def ratios(report: dict) -> list[str]:
 
 
 def _by_thread(parts: dict | None) -> str:
-    return "" if parts is None else f"{parts['main thread']:.3f} / {parts['gRPC threads']:.3f}"
+    if parts is None:
+        return ""
+    engine = parts.get("engine process")
+    return (f"{parts['main thread']:.3f} / {parts['gRPC threads']:.3f} / "
+            + (f"{engine:.3f}" if engine else "–"))
 
 
 def targets(report: dict) -> list[str]:
