@@ -122,7 +122,7 @@ step serve 100 "${check[@]}" serve "${common[@]}" --model "$work/model" --concur
 front_end=(--seconds 1 --concurrency "${concurrency[@]}" --model-dir "$work/model" --out "$out/front-end")
 [ $dry = 1 ] || front_end+=(--gpu 0)
 [ -x "$repo/.perf-analyzer/bin/perf_analyzer" ] && front_end+=(--perf-analyzer "$repo/.perf-analyzer/bin/perf_analyzer")
-step front-end 150 "$python" "$repo/scripts/bench_front_end.py" "${front_end[@]}"
+step front-end 180 "$python" "$repo/scripts/bench_front_end.py" "${front_end[@]}"
 
 # the GPU tests, where pytest is there and time is left
 if (cd "$work" && "$python" -c "import pytest") 2>/dev/null; then
