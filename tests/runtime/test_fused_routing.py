@@ -46,6 +46,15 @@ def unfused(model: CapsNet, primary: torch.Tensor):
     return poses, torch.linalg.vector_norm(poses, dim=-1)
 
 
+def assert_routes_as_the_model(fused: FusedDigitCaps, model: CapsNet, primary: torch.Tensor) -> torch.Tensor:
+    """The fused poses and lengths within 1e-4 of the model's own routing; the model's lengths (B, J)."""
+    poses, lengths = fused(primary)
+    expected_poses, expected_lengths = unfused(model, primary)
+    assert (poses - expected_poses).abs().max().item() <= 1e-4
+    assert (lengths - expected_lengths).abs().max().item() <= 1e-4
+    return expected_lengths
+
+
 def squashed_primary(model: CapsNet, primary: torch.Tensor) -> torch.Tensor:
     """PrimaryCaps.forward after its convolution: the capsules (B, I, P), squashed."""
     batch, _, height, width = primary.shape
@@ -62,11 +71,8 @@ def test_fp32_routing_matches_the_model_for_every_variant(routing, constant, ite
     primary = primary_output(model, 21)
     fused = FusedDigitCaps(model.config, model.digit_caps.weight, torch.float32, programs_wanted=6)
     assert fused.shift_free  # these weights bound the logits: the softmax without its shift is what is checked
-    poses, lengths = fused(primary)
-    expected_poses, expected_lengths = unfused(model, primary)
+    expected_lengths = assert_routes_as_the_model(fused, model, primary)
     assert expected_lengths.max() > 0.3  # far from zero: the comparison means something
-    assert (poses - expected_poses).abs().max().item() <= 1e-4
-    assert (lengths - expected_lengths).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("routing", ["sabour", "leaky"])
@@ -78,10 +84,7 @@ def test_votes_long_enough_to_leave_exp2s_range_route_with_the_shifted_softmax(r
     primary = primary_output(model, 13)
     fused = FusedDigitCaps(model.config, model.digit_caps.weight, torch.float32, programs_wanted=6)
     assert not fused.shift_free
-    poses, lengths = fused(primary)
-    expected_poses, expected_lengths = unfused(model, primary)
-    assert (poses - expected_poses).abs().max().item() <= 1e-4
-    assert (lengths - expected_lengths).abs().max().item() <= 1e-4
+    assert_routes_as_the_model(fused, model, primary)
 
 
 @pytest.mark.parametrize(("batch", "programs"), [(1, 1), (1, 200), (16, 3), (40, 7), (33, 80)])
