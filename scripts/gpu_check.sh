@@ -118,7 +118,8 @@ step flops 30 "${check[@]}" flops "${common[@]}" --model "$work/model"
 step engines 200 "${check[@]}" engines "${common[@]}" --model "$work/model" "${engines[@]}"
 step serve 100 "${check[@]}" serve "${common[@]}" --model "$work/model" --concurrency "${concurrency[@]}" --window "$window"
 # 6. one-image requests against the bare grpc.aio floor (with and without the engine) and capsnet serve with 1 and N
-# front-end processes (the fused engine in fp16 on the GPU), perf_analyzer where carried, else the project's load generator: OUT/front-end.md
+# front-end processes (the fused engine in fp16 on the GPU), perf_analyzer where carried, else the project's load
+# generator: OUT/front-end.md
 front_end=(--seconds 1 --concurrency "${concurrency[@]}" --model-dir "$work/model" --out "$out/front-end")
 [ $dry = 1 ] || front_end+=(--gpu 0)
 [ -x "$repo/.perf-analyzer/bin/perf_analyzer" ] && front_end+=(--perf-analyzer "$repo/.perf-analyzer/bin/perf_analyzer")

@@ -491,7 +491,7 @@ def markdown(readings: list[KernelReading], measured: dict[str, float], command:
         "logit (here 10 everywhere): one more reduction across warps per capsule.",
         "",
         "The last GPU check (an H200, 2026-11-27: `docs/benchmarks/gpu.md`, `gpu_check.json`) timed no kernel on its",
-        "own, and none of today's kernels has run on a GPU. The measured column is the whole fused engine at batch",
+        "own, and none of the current kernels has run on a GPU. The measured column is the whole fused engine at batch",
         "256, numpy in and out, from `--backend auto`'s choice, when the backends ran the model once per output: a",
         "batch was three forward passes (probabilities, poses, reconstruction), each with its convolutions and its",
         "routing, for one copy in and out. Taking the copies (about 0.4 ms) and `torch.compile`'s two bf16",

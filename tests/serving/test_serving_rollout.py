@@ -24,8 +24,8 @@ CLIENTS = 16
 IMAGE = np.random.default_rng(6).random((1, 1, 28, 28), dtype=np.float32)  # (1, 1, 28, 28)
 MEMORY_CYCLES = 100
 WARM_CYCLES = 5
-# 1.6 MB measured over 100 cycles on a 2-core EPYC; a version left alive each cycle holds about 2.6 MB of ONNX
-# Runtime session alone, 260 MB over the cycles
+# A version left alive each cycle would hold its ONNX Runtime session, about 2.6 MB for the served model: some
+# 260 MB over the cycles. Freed versions grow the process by a few MB at most (1.6 MB on a 2-core AMD EPYC with AVX2).
 MEMORY_GROWTH_BYTES = 20 * 2 ** 20
 
 
