@@ -34,7 +34,6 @@ from capsnet.export.fp16 import convert_fp16
 from capsnet.export.metadata import describe, embed_metadata, output_shapes
 from capsnet.export.onnx_export import check_graph, export_onnx, export_program, graph_opset, op_counts
 from capsnet.export.parity import (
-    FP32_TOLERANCE,
     PARITY_BATCH_SIZES,
     Batch,
     Outputs,
@@ -71,7 +70,8 @@ from capsnet.model_description.files import (
     SIDECAR_NAME,
     file_sha256,
 )
-from capsnet.model_description.precision_gate import PrecisionGate, compare_outputs, outputs_in_batches
+from capsnet.model_description.precision_gate import (
+    FP32_TOLERANCE, PrecisionGate, compare_outputs, outputs_in_batches)
 from capsnet.model_description.schema import MODEL_NAME, AotiPackage, ModelDescription
 from capsnet.runtime.tensorrt_runner import unavailable_reason
 from capsnet.runtime.torch_runner import cuda_unavailable_reason

@@ -23,16 +23,20 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, Union, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, Union, cast
 
 import numpy as np
 
+from capsnet.serving.backend_registry import device_input
 from capsnet.serving.backends.base import Backend
 from capsnet.serving.cuda_ipc import DeviceInput
 from capsnet.serving.errors import (BackendUnusable, DeadlineExceeded, InferenceError, QueueFull, ServingError,
                                     past_deadline)
 from capsnet.serving.metrics import VersionMetrics
 from capsnet.serving.statistics import ModelStatistics
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -340,7 +344,8 @@ class Batcher:
         (cuda_ipc.DeviceInput) gets a batch with images from CUDA regions on its device, copied device to device, and
         its outputs go to the sinks from the device."""
         unread: list[tuple[_Request, ServingError]] = []
-        run_device = getattr(self.backend, "run_device", None)
+        device = device_input(self.backend)  # the backend table's row says whether it takes a batch on its GPU
+        run_device = device.run_device if device is not None else None
         if run_device is not None and any(not isinstance(request.images, np.ndarray) and request.images.on_device
                                           for request, _, _ in parts):
             batch = self._gather_on_device(parts, unread)
@@ -388,7 +393,7 @@ class Batcher:
             except ServingError as err:
                 failed.append((request, err))
 
-    def _gather_on_device(self, parts: list[tuple[_Request, int, int]], unread: list) -> object:
+    def _gather_on_device(self, parts: list[tuple[_Request, int, int]], unread: list) -> torch.Tensor:
         """The batch as a float32 CUDA tensor on the backend's device (B, C, H, W)."""
         import torch
 

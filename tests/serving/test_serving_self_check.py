@@ -71,8 +71,9 @@ def test_precision_auto_falls_back_to_fp32_when_the_int8_self_check_fails(int8_m
     try:
         spec = server.server.service.spec
         assert spec.precision == "fp32" and spec.self_check.passed
-        assert "the INT8 self-check failed on this CPU" in spec.choice
-        assert any(r.levelno == logging.WARNING and "precision auto: fp32" in r.message for r in caplog.records)
+        assert "refused: onnxruntime int8: self-check failed: int8 against the FP32 reference" in spec.choice
+        assert any(r.levelno == logging.WARNING and "precision auto: fp32 on onnxruntime" in r.message
+                   for r in caplog.records)
     finally:
         server.stop()
 
@@ -100,7 +101,9 @@ def test_precision_auto_serves_a_checked_precision_and_says_why(int8_model_dir):
         spec = server.server.service.spec
         assert spec.self_check.passed and spec.self_check.precision == spec.precision
         # which one wins depends on this CPU's int8 kernels; the choice says what was measured
-        assert spec.precision in ("fp32", "int8") and "INT8" in spec.choice and "ms" in spec.choice
+        assert spec.precision in ("fp32", "int8") and f"{spec.precision} on onnxruntime, at batch 1/8: " in spec.choice
+        other = "fp32" if spec.precision == "int8" else "int8"
+        assert f"x onnxruntime {other} (" in spec.choice and " ms" in spec.choice
     finally:
         server.stop()
 
