@@ -76,6 +76,11 @@ BACKEND_TABLE: dict[str, BackendRow] = {row.name: row for row in (
     BackendRow("onnxruntime", "capsnet.serving.backends.onnxruntime_backend", "OnnxRuntimeBackend",
                "onnxruntime_onnx", "onnx", ("fp32", "fp16", "int8"), ("fp32", "fp16", "int8"), "onnx",
                auto_gpu=("fp32", "fp16", "int8"), auto_cpu=("fp32", "int8"), cuda_shared_memory=False),
+    # the same graphs compiled by Intel's runtime for the CPU: faster than ONNX Runtime on some CPU kinds and
+    # precisions, slower on others, hence raced (docs/serving.md)
+    BackendRow("openvino", "capsnet.serving.backends.openvino_backend", "OpenVinoBackend", "openvino", "onnx",
+               (), ("fp32", "int8"), "onnx", auto_cpu=("fp32", "int8"), requires="openvino", extra="openvino",
+               cuda_shared_memory=False),
     # chosen before any race wherever its plan and GPU are present (serving/backends/__init__.py)
     BackendRow("tensorrt", "capsnet.serving.backends.tensorrt_backend", "TensorRTBackend", "tensorrt_plan", "plan",
                ("fp32", "fp16", "int8"), (), "onnx", requires="tensorrt", extra="gpu"),

@@ -17,7 +17,7 @@ import importlib.util
 import logging
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -44,6 +44,7 @@ class LoadedBackend:
     backend: Backend
     check: SelfCheck  # the self-check it passed
     why: str  # why this backend and precision
+    race: list[Entrant] = field(default_factory=list)  # auto's: every candidate that passed, as timed
 
 
 def gpu_host() -> bool:
@@ -242,7 +243,7 @@ def race(pairs: list[tuple[str, str]], artifacts: ModelArtifacts, config: Server
     choice = describe_choice(entrants, best) + where + (f"; refused: {'; '.join(refused)}" if refused else "")
     log.log(logging.WARNING if refused else logging.INFO, "precision auto: %s", choice)
     backend, check = passed[best]
-    return LoadedBackend(backend, check, f"{backend.name}, auto: {choice}; {why}"), refused
+    return LoadedBackend(backend, check, f"{backend.name}, auto: {choice}; {why}", entrants), refused
 
 
 def time_entrants(backends: list[Backend], input_shape: tuple[int, int, int],
