@@ -54,6 +54,7 @@ class BackendRow:
     auto_cpu: tuple[str, ...] = ()
     requires: str | None = None  # a module outside the base install it needs, and the extra that installs it
     extra: str | None = None
+    routing_engine: str | None = None  # raced only where model.json's `routing.gpu_engine` names this engine
     # Serving on a GPU, it takes images from CUDA regions: the server then offers Triton's cuda_shared_memory
     # extension. Not ONNX Runtime's GPU providers: a server of them need not hold torch's CUDA, which opens the
     # regions (serving/cuda_ipc.py).
@@ -98,7 +99,7 @@ BACKEND_TABLE: dict[str, BackendRow] = {row.name: row for row in (
     # model.json says the model's routing runs in them.
     BackendRow("fused", "capsnet.serving.backends.fused_backend", "FusedBackend", "pytorch", "checkpoint",
                ("fp32", "fp16", "bf16"), ("fp32", "bf16"), "fused", auto_gpu=("fp32", "fp16", "bf16"),
-               requires="triton", extra="gpu", device_input=True),
+               requires="triton", extra="gpu", routing_engine="fused", device_input=True),
 )}
 
 # The decoder served beside a model (model.json's `decoder`) runs on this row at this precision, on the CPU: a few

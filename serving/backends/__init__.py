@@ -100,8 +100,9 @@ def unavailable(name: str, precision: str, artifacts: ModelArtifacts, device: st
         return f"{row.requires} is not installed (pip install 'capsnet-serve[{row.extra}]')"
     if row.reads == "onnx" and precision not in artifacts.onnx:
         return f"no {precision} ONNX model in the export"
-    if row.gate_family == "fused" and artifacts.routing.get("gpu_engine") != "fused":
-        return f"model.json: its routing does not run in the fused kernels ({artifacts.routing.get('gpu_engine')})"
+    if row.routing_engine is not None and artifacts.routing.get("gpu_engine") != row.routing_engine:
+        return (f"model.json: its routing does not run in the {row.routing_engine} engine "
+                f"({artifacts.routing.get('gpu_engine')})")
     return backend_class(name).unavailable_reason(device)
 
 
