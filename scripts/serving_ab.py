@@ -8,10 +8,11 @@ Both servers run side by side and take turns under the same closed-loop load fro
 Around each run the server's own histograms are read, which splits a request's latency into the backend's compute,
 the batch queue, and the rest: the request path (gRPC, decoding, checks, batcher hand-off, encoding) and the client.
 
-    git worktree add /tmp/base d907b92 && (cd /tmp/base && bash scripts/setup-env.sh)
-    .venv/bin/python scripts/serving_ab.py --baseline /tmp/base --out docs/benchmarks/serving-ab
+    git worktree add "$TMPDIR/base" d907b92 && (cd "$TMPDIR/base" && bash scripts/setup-env.sh)
+    .venv/bin/python scripts/serving_ab.py --baseline "$TMPDIR/base" --out docs/benchmarks/serving-ab
 
-writes OUT.json (every run) and OUT.md (the command, the machine, the table). Needs the dev extra (tritonclient).
+writes OUT.json (every run) and OUT.md (the command, the machine, the table), their paths relative to the repository
+root, the temporary folder written $TMPDIR (capsnet.bench.results.portable). Needs the dev extra (tritonclient).
 `--candidate-env NAME=VALUE` sets a variable for the candidate's server only: with the same tree as baseline, an
 A/B of a setting (OTEL_EXPORTER_OTLP_ENDPOINT: the cost of tracing).
 """
@@ -24,7 +25,6 @@ import json
 import os
 import platform
 import re
-import shlex
 import signal
 import statistics
 import subprocess
@@ -38,6 +38,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from capsnet.bench.results import portable, portable_command
 from capsnet.serving.loadgen import random_images, run_load
 
 REPO = Path(__file__).resolve().parents[1]
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             for server in servers:
                 server.stop()
     load_after = os.getloadavg()
-    command = " ".join(shlex.quote(part) for part in [Path(sys.executable).name, *sys.argv])
+    command = portable_command([sys.executable, *sys.argv], REPO)
     report = [
         f"# KServe gRPC A/B: {servers[0].commit} vs {servers[1].commit}", "",
         f"Measured {started} by:", "", "```", command, "```", "",
@@ -287,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.with_suffix(".json").write_text(json.dumps({
             "command": command, "started": started, "cpu": cpu_kind(), "cores": os.cpu_count(),
             "load_average_before": load_before, "load_average_after": load_after,
-            "servers": {server.label: {"tree": str(server.tree), "commit": server.commit, "env": server.env}
+            "servers": {server.label: {"tree": portable(str(server.tree), REPO), "commit": server.commit,
+                                       "env": server.env}
                         for server in servers},
             "runs": runs}, indent=1) + "\n")
     return 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import signal
 import sys
 from pathlib import Path
@@ -81,6 +80,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from capsnet.bench.analysis import missing
     from capsnet.bench.machine import cores
     from capsnet.bench.report_files import check_out_dir, verdict
+    from capsnet.bench.results import portable_command
     from capsnet.bench.run import Analysis, BenchOptions, run_bench
 
     settings = {name: getattr(args, name) if getattr(args, name) is not None else values[args.quick]
@@ -101,7 +101,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         grpc=args.grpc,
         quick=args.quick,
         data=args.data,
-        command=shlex.join(["capsnet", *sys.argv[1:]]),
+        command=portable_command(["capsnet", *sys.argv[1:]], Path.cwd()),
         **settings,
     )
     if why := missing():

@@ -37,6 +37,7 @@ SERVED_BATCHES = (1, 32)  # images per request
 SERVED_CONCURRENCY = (1, 16, 64)
 CLIENTS_PER_CELL = 4  # load-generator processes for concurrency >= 16: one asyncio client process tops out first
 SERVE_MAX_BATCH = 256
+REPO = Path(__file__).resolve().parents[2]  # the checkout (the GPU check imports it through a tree of links)
 
 
 def device_of(dry_run: bool):
@@ -101,6 +102,7 @@ def peak(args) -> dict:
 
 
 def serve(args) -> dict:
+    from capsnet.bench.results import portable
     from capsnet.bench.server_process import ServerProcess
     from capsnet.serving.client import CapsNetClient
 
@@ -110,7 +112,7 @@ def serve(args) -> dict:
         flags += ["--gpu", "0"]
     started = time.monotonic()
     cells: list[dict] = []
-    result: dict[str, object] = {"flags": flags}
+    result: dict[str, object] = {"flags": [portable(flag, REPO) for flag in flags]}
     with ServerProcess(flags) as server:
         result["startup_s"] = time.monotonic() - started
         with CapsNetClient(server.target) as client:

@@ -16,6 +16,7 @@ from capsnet.bench.grpc_load import run_grpc_load
 from capsnet.bench.inprocess import BackendPlan, Schedule, run_inprocess
 from capsnet.bench.machine import cpu_shares, cpu_times, load_average, machine_facts
 from capsnet.bench.report_files import write_report
+from capsnet.bench.results import portable
 from capsnet.errors import CapsNetError
 
 log = logging.getLogger(__name__)
@@ -129,8 +130,8 @@ def run_bench(options: BenchOptions, analysis: Analysis) -> dict:
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "quick": options.quick,
         "machine": facts,
-        "model": {"source": str(options.model), "data": dataset.name, "config": config.to_dict(),
-                  "int8_export": int8_export},
+        "model": {"source": portable(str(options.model), Path.cwd()), "data": dataset.name,
+                  "config": config.to_dict(), "int8_export": int8_export},
         "inprocess": inprocess,
         "grpc": grpc_results,
         **analysed,
