@@ -1,6 +1,17 @@
-"""Paths in results, written so that a result reads the same on any machine: a command or path names no machine.
-Paths under the repository root (or the folder a command ran in) are written relative to it, the temporary folder as
-$TMPDIR and the home folder as ~.
+"""The one results schema every benchmark writes, and paths written so that a result reads the same on any machine.
+
+A run is {"command", "machine", "measurements": [...], ...its own parts}; each measurement is one engine at one batch
+size timed one way:
+
+    {"engine": "onnxruntime:int8", "batch": 32, "io": "numpy", "figures": {"p50_ms": ..., "images_per_s": ...}}
+
+`engine` is the backend registry's "<kind>:<precision>" (or a reference's name: REFERENCES), `io` whether the images
+came in and went out as numpy arrays (what a server pays) or stayed on the device, and `figures` the timing summary
+(capsnet.bench.timing.summarize) with whatever else the run measured of that cell. The Markdown reports are written
+from these rows (capsnet.bench.report_files, scripts/gpu_check_report.py).
+
+A command or path in a result names no machine: paths under the repository root (or the folder a command ran in) are
+written relative to it, the temporary folder as $TMPDIR and the home folder as ~.
 """
 
 from __future__ import annotations
@@ -11,6 +22,22 @@ import shlex
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+
+NUMPY, ON_DEVICE = "numpy", "device_resident"
+# the references timed beside the served engines: the public formulation (capsnet/bench/analysis/public_reference.py),
+# and on a GPU the model eager and under torch.compile at torch's own defaults
+PUBLIC, EAGER, COMPILE = "public", "eager", "compile"
+REFERENCES = (PUBLIC, EAGER, COMPILE)
+
+
+def measurement(engine: str, batch: int, figures: dict, io: str = NUMPY) -> dict:
+    return {"engine": engine, "batch": batch, "io": io, "figures": figures}
+
+
+def cells(measurements: Iterable[dict], io: str = NUMPY) -> dict[tuple[str, int], dict]:
+    """(engine, batch) -> figures, of the measurements timed `io`."""
+    return {(row["engine"], row["batch"]): row["figures"] for row in measurements if row["io"] == io}
+
 
 # An absolute path inside a command or a value: a "/" that starts a word (not the "//" of a URL, not a ratio "1/2")
 _ABSOLUTE = re.compile(r"(?<![\w:/.~$-])/[^\s\"'=,;|)]+")
