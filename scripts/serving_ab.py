@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import re
 import signal
 import statistics
@@ -32,13 +31,11 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from capsnet.bench.results import portable, portable_command
+from capsnet.bench.server_process import scrape
 from capsnet.serving.loadgen import random_images, run_load
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,13 +119,8 @@ class Server:
                 self.process.wait(10)
 
     def histograms(self) -> dict[str, tuple[float, float]]:
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
-            text = response.read().decode()
-        samples: dict[str, float] = {}  # _sum and _count, summed over the model versions (_bucket has `le`)
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if "le" not in sample.labels:
-                    samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+        """(_sum, _count) of each of HISTOGRAMS, over the model versions."""
+        samples = scrape(self.metrics_url)
         return {name: (samples.get(f"{name}_sum", 0.0), samples.get(f"{name}_count", 0.0)) for name in HISTOGRAMS}
 
 
@@ -138,17 +130,10 @@ def git_commit(tree: Path) -> str:
 
 
 def cpu_kind() -> str:
-    """The CPU's model name and its vector extensions, as /proc/cpuinfo lists them."""
-    model, flags = platform.machine(), []
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            if key.strip() == "flags":
-                flags = [flag for flag in value.split() if re.match(r"avx|amx|.*vnni", flag)]
-                break
-    return f"{model} ({', '.join(flags) or 'no AVX'})"
+    """The CPU's model name and the vector extensions its kernels choose by (capsnet.runtime.cpu.CpuKind)."""
+    from capsnet.runtime.cpu import CpuKind
+
+    return CpuKind.this_host().describe()
 
 
 def mean_ms(before: dict, after: dict, name: str) -> float:
