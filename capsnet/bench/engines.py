@@ -90,8 +90,9 @@ class Engine:
 
 def build_engine(name: str, model_dir: Path, *, threads: int, max_batch: int, gpu: int | None = None,
                  check: bool = False) -> Engine:
-    """Engine `name` on the export in `model_dir`, on CUDA device `gpu` or the CPU; self-checked first where `check`.
-    EngineUnavailable with the reason where it cannot run here."""
+    """Engine `name` on the export in `model_dir`, on CUDA device `gpu` or the CPU, with `threads` compute threads (0:
+    the server's default; torch's for a reference); self-checked first where `check`. EngineUnavailable with the
+    reason where it cannot run here."""
     try:
         if name in REFERENCES:
             return _reference(name, Path(model_dir), threads, gpu)
@@ -131,10 +132,10 @@ def _reference(name: str, model_dir: Path, threads: int, gpu: int | None) -> Eng
     from capsnet.serving.artifacts import load_artifacts
 
     device = torch.device("cpu") if gpu is None else torch.device("cuda", gpu)
-    if device.type == "cpu":
+    if device.type == "cpu" and threads:
         torch.set_num_threads(threads)
     model = load_checkpoint(load_artifacts(model_dir).checkpoint).build_model().to(device).eval()
-    where = f"on {device}" + (f", {threads} threads" if device.type == "cpu" else "")
+    where = f"on {device}" + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else "")
     if name == PUBLIC:
         public = PublicCapsNet(model).to(device).eval()  # CapsNetError for a routing the public code lacks
 
@@ -184,11 +185,11 @@ WARMUP_CALLS = 3
 MIN_CALLS = 20
 
 
-def engine_figures(model_dir: Path, name: str, batches: Iterable[int], seconds: float, *, threads: int,
+def engine_figures(model_dir: Path, name: str, batches: Iterable[int], seconds: float, *, threads: int = 0,
                    gpu: int | None = None) -> list[dict]:
     """Engine `name` timed in this process, numpy in and out, at each of `batches` for `seconds` (at least MIN_CALLS
     calls) after WARMUP_CALLS: one measurement each (capsnet.bench.results), its figures the latency summary and the
-    CPU time this process spent per image (the engine's threads included)."""
+    CPU time this process spent per image (the engine's threads included). `threads` 0: the server's default."""
     batches = tuple(batches)
     engine = build_engine(name, model_dir, threads=threads, max_batch=max(batches), gpu=gpu)
     from capsnet.model_description.schema import ModelDescription

@@ -114,7 +114,9 @@ def run_bench(options: BenchOptions, analysis: Analysis) -> dict:
         inprocess = run_inprocess(plans, options.threads, images, dataset.test.labels,
                                   Schedule(options.seconds, options.rounds), options.accuracy_images or len(images),
                                   after_round=analysis.after_round)
-        inprocess["skipped"] = {**skipped, **inprocess["skipped"]}
+        # the reasons name the temporary export: written as $TMPDIR/..., as every path in a result
+        inprocess["skipped"] = {name: portable(reason, Path.cwd())
+                                for name, reason in {**skipped, **inprocess["skipped"]}.items()}
         analysed = analysis.after_inprocess(inprocess, images, artifacts)
 
         grpc_results = None

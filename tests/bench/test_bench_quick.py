@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -107,6 +108,9 @@ def test_bench_quick_writes_the_report(quick_run):
     out, results, stdout = quick_run
     readme = (out / "README.md").read_text()
     assert results["command"] in readme and results["command"].startswith("capsnet bench ")
+    # the checkpoint, --out and the temporary export named in the skip reasons are written as $TMPDIR/...
+    for text in ((out / "results.json").read_text(), readme):
+        assert f"{tempfile.gettempdir()}/" not in text and "$TMPDIR/" in text
     for heading in ("## Machine", "## The CPU's limit", "## In-process throughput and latency",
                     "## Engines side by side", "## End-to-end gRPC", "## Targets"):
         assert heading in readme

@@ -17,6 +17,9 @@ PUBLIC_SPEEDUP = 3.0
 # int8 dot products: VNNI/AMX hosts multiply-add u8×s8 in one instruction; AVX2 needs three, with an int16 step
 INT8_SPEEDUP = {"vnni": 3.0, "avx2": 2.0}
 MAX_ACCURACY_LOSS_POINTS = 0.3  # a reduced precision against the same backend's fp32
+# what bounds a reduced precision's accuracy, named where its loss is too large
+ROUNDING = {"int8": "the int8 convolutions' rounding and saturation", "bf16": "bf16's 8-bit mantissa in the "
+            "convolutions", "fp16": "fp16's 11-bit mantissa and its range"}
 GRPC_CONCURRENCY, GRPC_SHARE = 16, 0.90
 GRPC_P50_EXTRA_MS = 1.0
 SERVER_CPU_CORES = 1.2  # CPU seconds per second of the server at concurrency 1
@@ -97,10 +100,6 @@ def evaluate(results: dict) -> list[dict]:
     if grpc_results:
         checks += _grpc_checks(grpc_results)
     return checks
-
-
-ROUNDING = {"int8": "the int8 convolutions' rounding and saturation", "bf16": "bf16's 8-bit mantissa in the "
-            "convolutions", "fp16": "fp16's 11-bit mantissa and its range"}
 
 
 def _profile_of(profiles: dict, engines: dict[int, str]) -> dict | None:
