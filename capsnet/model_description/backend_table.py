@@ -45,7 +45,7 @@ class BackendRow:
     class_name: str
     platform: str  # Triton's model configuration `platform`
     reads: str  # what it runs from the export: "onnx" (model[.int8|.fp16].onnx), "checkpoint", "plan", "aoti"
-    gpu_precisions: tuple[str, ...]  # what it serves on a GPU; none: the CPU only
+    precisions: tuple[str, ...]  # every precision it serves: all of them on a GPU, where it serves on one
     cpu_precisions: tuple[str, ...]  # on the CPU; none: a GPU only
     gate_family: str  # a GATE_FAMILIES name: its reduced precisions answer to "<gate_family>_<precision>"
     # the precisions `--backend auto` loads, self-checks and times on each device (where the row can run: see
@@ -62,11 +62,11 @@ class BackendRow:
     # Serving on a GPU, it runs a batch already there (cuda_ipc.DeviceInput's run_device) instead of one copied to
     # host memory and back
     device_input: bool = False
+    on_gpu: bool = True  # serves on a GPU at all
 
     @property
-    def precisions(self) -> tuple[str, ...]:
-        """Every precision it serves, on some device."""
-        return tuple(dict.fromkeys((*self.gpu_precisions, *self.cpu_precisions)))
+    def gpu_precisions(self) -> tuple[str, ...]:
+        return self.precisions if self.on_gpu else ()
 
     def serves(self, precision: str, device: str) -> bool:
         return precision in (self.gpu_precisions if device == "gpu" else self.cpu_precisions)
@@ -80,8 +80,8 @@ BACKEND_TABLE: dict[str, BackendRow] = {row.name: row for row in (
     # the same graphs compiled by Intel's runtime for the CPU: faster than ONNX Runtime on some CPU kinds and
     # precisions, slower on others, hence raced (docs/serving.md)
     BackendRow("openvino", "capsnet.serving.backends.openvino_backend", "OpenVinoBackend", "openvino", "onnx",
-               (), ("fp32", "int8"), "onnx", auto_cpu=("fp32", "int8"), requires="openvino", extra="openvino",
-               cuda_shared_memory=False),
+               ("fp32", "int8"), ("fp32", "int8"), "onnx", auto_cpu=("fp32", "int8"), requires="openvino",
+               extra="openvino", cuda_shared_memory=False, on_gpu=False),
     # chosen before any race wherever its plan and GPU are present (serving/backends/__init__.py)
     BackendRow("tensorrt", "capsnet.serving.backends.tensorrt_backend", "TensorRTBackend", "tensorrt_plan", "plan",
                ("fp32", "fp16", "int8"), (), "onnx", requires="tensorrt", extra="gpu"),
