@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from capsnet.model_description.classes import PRESENT_THRESHOLD  # the one default, which serving uses too
-from capsnet.training.cli import CHECKPOINT_DATA_HELP, DEVICE_HELP
+from capsnet.training.arguments import add_checkpoint, add_data, add_device, add_scoring_batch_size
 
 # The pairs are built in memory at once, about 6 kB each for 28x28 images (200,000: 1.2 GB, 20 s): this many
 # is 6 GB; 10**12 asked numpy for terabytes and ended in a traceback.
@@ -32,15 +31,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "shifts of up to 4 pixels (top-2 accuracy, with and without both lengths > 0.5). "
                     "Every set is rebuilt exactly from --seed.",
     )
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint written by capsnet train")
-    parser.add_argument("--data", metavar="embedded|DIR", help=CHECKPOINT_DATA_HELP)
+    add_checkpoint(parser)
+    add_data(parser)
     parser.add_argument("--pairs", type=int, metavar="N",
                         help=f"overlaid pairs, at most {MAX_PAIRS:,} (default: one per test image)")
     parser.add_argument("--seed", type=int, default=0, metavar="N",
                         help="seed of the distortions and pairs (default 0)")
-    parser.add_argument("--batch-size", type=int, default=256, metavar="B",
-                        help="images per forward pass (default 256)")
-    parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
+    add_scoring_batch_size(parser)
+    add_device(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     parser.set_defaults(handler=run_robustness)
 

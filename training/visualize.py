@@ -26,7 +26,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from capsnet.training.cli import CHECKPOINT_DATA_HELP, DEVICE_HELP
+from capsnet.training.arguments import add_checkpoint, add_data, add_device, add_scoring_batch_size
 
 INSTALL = "pip install 'capsnet-serve[visualize]'"
 
@@ -51,8 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "coupling heat maps, the confusion matrix and the training curves; for a model that takes any "
                     "image size, pairs of digits side by side with their lengths per class.",
     )
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint written by capsnet train")
-    parser.add_argument("--data", metavar="embedded|DIR", help=CHECKPOINT_DATA_HELP)
+    add_checkpoint(parser)
+    add_data(parser)
     # a string, not a Path: Path("") would be the working directory, so an empty --out could not be told apart
     parser.add_argument("--out", default="pictures", metavar="DIR", help="folder for the PNG files (default pictures)")
     parser.add_argument("--images", type=int, default=1000, metavar="N",
@@ -61,9 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--examples", type=int, default=8, metavar="K",
                         help=f"correct and wrong predictions shown in reconstructions.png, at most {MAX_EXAMPLES} "
                              "(default 8 each)")
-    parser.add_argument("--batch-size", type=int, default=256, metavar="B",
-                        help="images per forward pass (default 256)")
-    parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
+    add_scoring_batch_size(parser)
+    add_device(parser)
     parser.set_defaults(handler=run_visualize)
 
 
