@@ -151,9 +151,9 @@ def run_eval(args: argparse.Namespace) -> int:
     from capsnet.errors import CapsNetError
     from capsnet.models.checkpoint import load_checkpoint
     from capsnet.training.distributed import DistributedContext, resolve_device
-    from capsnet.training.evaluate import evaluate, load_checkpoint_data
+    from capsnet.training.evaluate import Scoring, evaluate, load_checkpoint_data
     from capsnet.training.options import SEED_LIMIT
-    from capsnet.training.pairs import build_pairs, score_pairs
+    from capsnet.training.pairs import PairSpec, build_pairs, score_pairs
     from capsnet.training.robustness import MAX_PAIRS
 
     if args.batch_size < 1:
@@ -171,14 +171,14 @@ def run_eval(args: argparse.Namespace) -> int:
     split = {"train": dataset.train, "validation": dataset.validation, "test": dataset.test}[args.split]
     if split is None:  # the validation split of a run that held none out
         raise CapsNetError(f"checkpoint {args.checkpoint} was trained without a validation split")
-    pairs = None
+    pairs = spec = None
     if args.pairs is not None:  # built before the scoring, so a model that cannot take them fails at once
-        pairs = build_pairs(checkpoint.config, split, len(split) if args.pair_count is None else args.pair_count,
-                            args.seed or 0, args.pairs, f"checkpoint {args.checkpoint}")
+        spec = PairSpec(args.pairs, len(split) if args.pair_count is None else args.pair_count, args.seed or 0)
+        pairs = build_pairs(checkpoint.config, split, spec, f"checkpoint {args.checkpoint}")
     model = checkpoint.build_model().to(device)
-    result = evaluate(model, split, tuple(checkpoint.class_names), args.batch_size, device)
-    pair_scores = None if pairs is None else score_pairs(model, pairs, args.pairs, args.seed or 0, args.batch_size,
-                                                         device)[1]
+    scoring = Scoring(args.batch_size, device)
+    result = evaluate(model, split, tuple(checkpoint.class_names), scoring)
+    pair_scores = None if spec is None else score_pairs(model, pairs, spec, scoring)[1]
     if args.json:
         # the checkpoint's share, also where the test split alone needed nothing held out
         print(json.dumps({"checkpoint": str(args.checkpoint), "data": dataset.name, "split": args.split,
