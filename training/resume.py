@@ -206,8 +206,8 @@ def learning_rate_options(options: TrainOptions, arch: str, resumed: Checkpoint 
 
 def batch_plan(options: RunOptions, world_size: int, train_images: int) -> dict[str, Any]:
     """The values of BATCH_PLAN for this run."""
-    run = {"world_size": world_size, "train_images": train_images}
-    return {name: run[name] if name in run else getattr(options, name) for name in BATCH_PLAN}
+    counts = {"world_size": world_size, "train_images": train_images}
+    return {name: counts[name] if name in counts else getattr(options, name) for name in BATCH_PLAN}
 
 
 def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: RunOptions,
