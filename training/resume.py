@@ -85,9 +85,8 @@ SETTINGS: dict[str, Setting] = {
     # through a small inverse temperature λ, so it learns at 10× the rate (0.01, as public EM implementations train;
     # at 0.001 a small EM model barely learns in an epoch).
     "lr": Setting("--lr", ByArch(1e-3, {"em": 1e-2}), Resume.KEEPS, LEARNING_RATE, "initial_lr"),
-    # EM's 3-epoch runs on the embedded digits averaged 96.1% with the rate falling to 0 per step against 94.3% with
-    # the best per-epoch decay tried (five seeds each, docs/experiments); the other models keep the schedule their
-    # figures were measured with.
+    # EM's rate falls to 0 per step: over five seeds it beat the best per-epoch decay tried (docs/experiments/README.md,
+    # "A learning rate that falls to zero"); the other models keep the schedule their figures were measured with.
     "lr_schedule": Setting("--lr-schedule", ByArch("exponential", {"em": "linear"}), Resume.KEEPS, SCHEDULE,
                            "lr_schedule"),
     "lr_decay": Setting("--lr-decay", 0.9, Resume.KEEPS, SCHEDULE, "lr_decay"),  # exponential only
