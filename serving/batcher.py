@@ -1,17 +1,21 @@
 """Dynamic batching: concurrent requests share backend runs, the way Triton's dynamic batcher does.
 
-Requests wait in a bounded FIFO queue. A batch is cut when max_batch_size images are waiting or the
-oldest request has waited max_queue_delay; it takes images from the head of the queue and may split
-a request across two batches, so batches are full under load. One batch runs at a time, in a worker
-thread, so the event loop keeps accepting and queueing requests meanwhile (they form the next batch); a batch that
-holds every request the server is handling, of a size whose runs take under INLINE_RUN_S, runs on the event loop
-instead: nothing else could use the loop meanwhile, and handing it to the thread and back would cost about as much
-CPU and latency as the run (a small model's lone one-image requests on a CPU). Such a request that finds nothing
-queued or running, with no queue delay to wait, is run by its own caller at once, without entering the queue.
-Every image is computed independently of its batch-mates (the model has no cross-sample state), so
-the split and the grouping change nothing in the results. A model of any size gets requests of several image sizes;
-a batch holds one size (the oldest waiting request's), as a batch is one tensor, and padding an image to another size
-changes what a capsule model answers (blank positions vote under some presets).
+Requests wait in a bounded FIFO queue. A batch is cut when max_batch_size images are waiting or the oldest request has
+waited max_queue_delay; it takes images from the head of the queue and may split a request across two batches, so
+batches are full under load. One batch runs at a time: whatever queues while it runs forms the next batch.
+
+Where a batch runs is decided by its run's measured length (docs/serving.md, "Batching"): a batch whose runs take under
+INLINE_RUN_S runs on the event loop, since handing it to the batch thread and back costs about as much CPU as such a
+run; a longer one runs in the batch thread, and the loop keeps decoding requests meanwhile, which queue for the next
+batch. A request that finds nothing queued or running, with no queue delay to wait, leads its own batch at once: it
+lets the loop run what is already ready to run (other calls' handlers, an engine process's burst of requests from its
+front ends), and those that reach the batcher meanwhile join its batch. A lone request so runs at once, one event loop
+iteration later, and requests that arrive together form one batch.
+
+Every image is computed independently of its batch-mates (the model has no cross-sample state), so the split and the
+grouping change nothing in the results. A model of any size gets requests of several image sizes; a batch holds one
+size (the oldest waiting request's), as a batch is one tensor, and padding an image to another size changes what a
+capsule model answers (blank positions vote under some presets).
 """
 
 from __future__ import annotations
@@ -29,16 +33,16 @@ import numpy as np
 
 from capsnet.serving.backends.base import Backend
 from capsnet.serving.cuda_ipc import DeviceInput
-from capsnet.serving.errors import (BackendUnusable, DeadlineExceeded, InferenceError, QueueFull, ServingError,
-                                    past_deadline)
+from capsnet.serving.errors import (BackendUnusable, DeadlineExceeded, InferenceError, QueueFull, RequestTimeout,
+                                    ServingError, past_deadline)
 from capsnet.serving.metrics import VersionMetrics
 from capsnet.serving.statistics import ModelStatistics
 
 log = logging.getLogger(__name__)
 
 # A backend run this short is not worth the hand-off to the batch thread and back (two thread wake-ups and GIL
-# hand-overs, about 50-100 µs of CPU and latency on a 2-core AMD EPYC with AVX2): the event loop runs it. Long enough
-# for a small model's one-image batch on a CPU, short enough that the loop is never held long.
+# hand-overs; measured in docs/serving.md, "Batching"): the event loop runs it. Long enough for a small model's batches
+# of a few images on a CPU, short enough that the loop is never held long.
 INLINE_RUN_S = 0.0005
 # How much one slower run raises a batch size's run estimate: the estimate follows the fastest of about the last
 # thousand runs, so a machine busy with other work (whose runs take 1.5-3x as long on a shared 2-core host) does
@@ -103,11 +107,25 @@ class BatchRun(NamedTuple):
                 "compute_output": self.delivered - self.run_end}
 
 
+class Completion(Protocol):
+    """How a request hears its end: an asyncio.Future for a caller awaiting it (submit()), or an engine process's
+    answer to its front end (post())."""
+
+    def done(self) -> bool:
+        """Whether it has ended (answered, failed, or given up by its caller)."""
+
+    def set_result(self, output: BatchOutput) -> None:
+        """Answered: every output is in `output.outputs` or written into its sink."""
+
+    def set_exception(self, err: BaseException) -> None:
+        """Failed, or dropped (past its deadline, cancelled)."""
+
+
 @dataclass(eq=False)
 class _Request:
     images: Images  # (N, C, H, W) float32
     deadline: float | None  # time.monotonic()
-    future: asyncio.Future
+    future: Completion
     arrival: float = field(default_factory=time.monotonic)
     taken: int = 0  # images handed to batches so far
     done: int = 0  # images computed so far
@@ -132,22 +150,20 @@ class BatchOutput:
 
 class Batcher:
     def __init__(self, backend: Backend, config: BatcherConfig, metrics: VersionMetrics, stats: ModelStatistics,
-                 on_unusable: Callable[[str], Awaitable[None]] | None = None,
-                 handled: Callable[[], int] | None = None):
+                 on_unusable: Callable[[str], Awaitable[None]] | None = None):
         """`metrics` and `stats`: the model version's. `on_unusable(reason)` is awaited when the backend raises
-        BackendUnusable, after the batch's requests fail. `handled()`: the requests the server is handling now (None:
-        unknown), so that a batch runs on the event loop only when it holds all of them."""
+        BackendUnusable, after the batch's requests fail."""
         self.backend = backend
         self.config = config
         self.metrics = metrics
         self.stats = stats
         self._on_unusable = on_unusable
-        self._handled = handled
         self._queue: collections.deque[_Request] = collections.deque()
         self._queued_images = 0  # images of the queue not yet handed to a batch
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()  # set while no batch is queued or running
         self._idle.set()
+        self._leading = False  # a request's own task is gathering or running its batch (_lead): the scheduler waits
         # One thread: batches run one after another; the backend parallelises within a batch.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsnet-backend")
         # batch size -> its backend run's seconds as the fastest recent runs say: a run slowed by other work on the
@@ -163,7 +179,7 @@ class Batcher:
                             f"{self.config.max_queue_size}); retry later or on another replica")
         request = _Request(images, deadline, asyncio.get_running_loop().create_future(), sinks=sinks or {})
         if self._runs_at_once(len(images)):
-            return await self._run_at_once(request)
+            return await self._lead(request)
         self._queue.append(request)
         self._queued_images += len(images)
         self._changed()
@@ -177,6 +193,25 @@ class Batcher:
             past = past_deadline(None if deadline is None else deadline - time.monotonic())
             self._drop(request, "deadline" if past else "cancelled")
             raise
+
+    def post(self, images: Images, deadline: float | None, sinks: dict[str, OutputSink],
+             completion: Completion) -> object:
+        """Queue validated images without waiting: `completion` hears their end; their handle, for withdraw(). An
+        engine process posts the requests its front ends send, many in one wake-up, and the scheduler batches them."""
+        if len(self._queue) >= self.config.max_queue_size:
+            raise QueueFull(f"queue full: {len(self._queue)} requests are waiting (--max-queue-size "
+                            f"{self.config.max_queue_size}); retry later or on another replica")
+        request = _Request(images, deadline, completion, sinks=sinks)
+        self._queue.append(request)
+        self._queued_images += len(images)
+        self._changed()
+        return request
+
+    def withdraw(self, handle: object, reason: str) -> None:
+        """A posted request whose caller gave up (`reason`: "cancelled" or "deadline") leaves the queue if it is
+        still there, failing with its reason; once in a batch it runs to its end."""
+        assert isinstance(handle, _Request)
+        self._drop(handle, reason)
 
     async def submit_sizes(self, groups: list[Images], deadline: float | None = None,
                            sinks: dict[str, OutputSink] | None = None) -> list[BatchOutput]:
@@ -206,15 +241,20 @@ class Batcher:
         return True
 
     def _drop(self, request: _Request, reason: str) -> None:
-        """A request that will not be answered (its caller gave up) leaves the queue uncomputed."""
+        """A request that will not be answered (its caller gave up, or its deadline passed) leaves the queue
+        uncomputed."""
         if self._remove(request):
             self.metrics.dropped[reason].inc()
+            if not request.future.done():
+                request.future.set_exception(DeadlineExceeded(WAITED_PAST_DEADLINE) if reason == "deadline"
+                                             else RequestTimeout("cancelled by its caller"))
 
     async def _schedule(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not self._queue:
-                self._idle.set()
+            if not self._queue or self._leading:
+                if not self._leading:
+                    self._idle.set()
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -235,10 +275,12 @@ class Batcher:
             except asyncio.TimeoutError:  # an alias of TimeoutError only from Python 3.11
                 return
 
-    def _take_batch(self) -> list[tuple[_Request, int, int]]:
-        """Up to max_batch_size images of the oldest request's size, from the head of the queue on: (request, start,
-        stop) slices. A model of any size is run on one size per batch; requests of other sizes keep their place."""
-        parts, count, now, size = [], 0, time.monotonic(), None
+    def _take_batch(self, count: int = 0, size: tuple | None = None) -> list[tuple[_Request, int, int]]:
+        """Up to max_batch_size - `count` images of the oldest request's size (or of `size`), from the head of the
+        queue on: (request, start, stop) slices. A model of any size is run on one size per batch; requests of other
+        sizes keep their place."""
+        parts: list[tuple[_Request, int, int]] = []
+        now = time.monotonic()
         expired: list[_Request] = []  # these two leave the queue after the walk, which must not change it
         taken: list[_Request] = []
         for request in self._queue:
@@ -264,38 +306,63 @@ class Batcher:
         self.metrics.queue_depth.set(len(self._queue))
         return parts
 
-    def _runs_inline(self, size: int, requests: int) -> bool:
-        """Whether a batch of `size` images from `requests` requests runs on the event loop: alone (they are every
-        request the server is handling), the request has nothing to overlap its run with; with others being decoded,
-        the thread lets them queue meanwhile, and they form the next batch."""
+    def _runs_inline(self, size: int) -> bool:
+        """Whether a batch of `size` images runs on the event loop: its runs are known to take under INLINE_RUN_S."""
         estimate = self._run_estimate_s.get(size)
-        return (estimate is not None and estimate < INLINE_RUN_S and self._handled is not None
-                and self._handled() <= requests)
+        return estimate is not None and estimate < INLINE_RUN_S
 
     def _runs_at_once(self, size: int) -> bool:
-        """Whether a request of `size` images is its own batch, run now by its caller: nothing is queued or running,
-        there is no delay to wait for others, and its run is one the loop takes inline. It skips the queue, the
-        scheduler's wake-up and its own wake-up by the future: a lone small request's cost on the loop."""
+        """Whether a request of `size` images leads its own batch (_lead): nothing is queued or running, there is no
+        delay to wait for others, and its run is one the loop takes inline. It skips the queue, the scheduler's
+        wake-up and its own wake-up by the future: a lone small request's cost on the loop."""
         return (not self._queue and self._idle.is_set() and self.config.max_queue_delay_s <= 0
-                and self._runs_inline(size, 1))
+                and self._runs_inline(size))
 
-    async def _run_at_once(self, request: _Request) -> BatchOutput:
-        if request.deadline is not None and request.deadline <= time.monotonic():
-            self.metrics.dropped["deadline"].inc()
-            raise DeadlineExceeded(WAITED_PAST_DEADLINE)
+    async def _lead(self, request: _Request) -> BatchOutput:
+        """Run `request` at once, with whatever reaches the queue while the loop runs what was ready beside it."""
+        self._idle.clear()
+        self._leading = True
+        try:
+            await asyncio.sleep(0)  # one loop iteration: requests ready beside this one queue meanwhile
+            if request.deadline is not None and request.deadline <= time.monotonic():
+                self.metrics.dropped["deadline"].inc()
+                raise DeadlineExceeded(WAITED_PAST_DEADLINE)
+        except BaseException:
+            self._end_lead()
+            raise
         request.taken = len(request.images)
-        await self._run(asyncio.get_running_loop(), [(request, 0, request.taken)])
+        parts = [(request, 0, request.taken), *self._take_batch(len(request.images), request.images.shape[1:])]
+        loop = asyncio.get_running_loop()
+        if self._runs_inline(sum(stop - start for _, start, stop in parts)):
+            try:
+                await self._run(loop, parts)
+            finally:
+                self._end_lead()
+        else:  # a batch of a size not yet known to be short: the thread runs it, to its end whatever its leader does
+            run = loop.create_task(self._run(loop, parts))
+            run.add_done_callback(lambda _: self._end_lead())
+            try:
+                await asyncio.shield(run)
+            except asyncio.CancelledError:
+                request.future.cancel()  # its rows are left unanswered; its batch-mates get theirs
+                raise
         return request.future.result()  # its outputs, or why its batch failed
+
+    def _end_lead(self) -> None:
+        self._leading = False
+        if self._queue:
+            self._changed()  # the scheduler cuts the next batch
+        else:
+            self._idle.set()
 
     async def _run(self, loop: asyncio.AbstractEventLoop, parts: list[tuple[_Request, int, int]]) -> None:
         cut = time.monotonic()
         for request, start, _ in parts:
             if start == 0:
                 request.queue_wait = cut - request.arrival
-                self.metrics.queue_wait.observe(request.queue_wait)
         size = sum(stop - start for _, start, stop in parts)
         try:
-            if self._runs_inline(size, len(parts)):
+            if self._runs_inline(size):
                 outputs, failed, started, ended = self._gather_and_run(parts)
             else:
                 outputs, failed, started, ended = await loop.run_in_executor(self._executor, self._gather_and_run,

@@ -12,6 +12,10 @@ import numpy as np
 import pytest
 
 from capsnet.serving import batcher
+from capsnet.serving.artifacts import load_artifacts
+from capsnet.serving.backends import create_backend
+from capsnet.serving.metrics import Metrics
+from capsnet.serving.statistics import ModelStatistics
 from capsnet.serving.client import image_message
 from capsnet.serving.errors import DeadlineExceeded
 from capsnet.v1 import capsnet_pb2 as pb
@@ -166,3 +170,29 @@ def test_a_lone_request_runs_at_once_on_the_event_loop(model_dir, monkeypatch):
             assert metric(scrape(running.metrics_url), "capsnet_queue_depth") == 0
     finally:
         running.stop()
+
+
+def test_requests_that_arrive_together_form_one_batch_without_a_queue_delay(model_dir, monkeypatch):
+    # Triton's model with no queue delay: the first request runs at once, and those ready to run beside it (other
+    # calls' handlers, a burst from a front end) join its batch; what queues while a batch runs forms the next one.
+    monkeypatch.setattr(batcher, "INLINE_RUN_S", 10.0)  # where runs go is checked here, not how long they take
+    backend = create_backend("onnxruntime", "fp32", load_artifacts(model_dir), server_config(model_dir))
+    images = RNG.random((12, 1, 28, 28), dtype=np.float32)  # (12, 1, 28, 28)
+    expected = backend.run(images)["probabilities"]  # (12, J)
+    stats = ModelStatistics("capsnet", "1")
+
+    async def main() -> list:
+        queue = batcher.Batcher(backend, batcher.BatcherConfig(8, 0.0, 64),
+                                Metrics(8).for_version("capsnet", "1"), stats)
+        lone = await queue.submit(images[:1])  # nothing beside it: its own batch
+        together = await asyncio.gather(*(queue.submit(images[i:i + 1]) for i in range(12)))
+        await queue.drain()
+        return [lone, *together]
+
+    outputs = asyncio.run(main())
+    assert [run.size for run in outputs[0].runs] == [1]
+    # 12 requests ready in one loop iteration: a batch of the 8 that fit, then one of the 4 that waited for it
+    assert [output.runs[0].size for output in outputs[1:]] == [8] * 8 + [4] * 4
+    np.testing.assert_allclose(np.concatenate([output.outputs["probabilities"] for output in outputs[1:]]),
+                               expected, rtol=1e-5, atol=1e-6)
+    assert stats.execution_count == 3 and set(stats.batches) == {1, 4, 8}
