@@ -177,15 +177,16 @@ class Batcher:
         if len(self._queue) >= self.config.max_queue_size:
             raise QueueFull(f"queue full: {len(self._queue)} requests are waiting (--max-queue-size "
                             f"{self.config.max_queue_size}); retry later or on another replica")
-        request = _Request(images, deadline, asyncio.get_running_loop().create_future(), sinks=sinks or {})
+        future: asyncio.Future[BatchOutput] = asyncio.get_running_loop().create_future()
+        request = _Request(images, deadline, future, sinks=sinks or {})
         if self._runs_at_once(len(images)):
-            return await self._lead(request)
+            return await self._lead(request, future)
         self._queue.append(request)
         self._queued_images += len(images)
         self._changed()
         try:
             timeout = None if deadline is None else deadline - time.monotonic()
-            return await asyncio.wait_for(request.future, timeout)
+            return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:  # an alias of TimeoutError only from Python 3.11
             self._drop(request, "deadline")
             raise DeadlineExceeded(WAITED_PAST_DEADLINE) from None
@@ -318,7 +319,7 @@ class Batcher:
         return (not self._queue and self._idle.is_set() and self.config.max_queue_delay_s <= 0
                 and self._runs_inline(size))
 
-    async def _lead(self, request: _Request) -> BatchOutput:
+    async def _lead(self, request: _Request, future: asyncio.Future[BatchOutput]) -> BatchOutput:
         """Run `request` at once, with whatever reaches the queue while the loop runs what was ready beside it."""
         self._idle.clear()
         self._leading = True
@@ -344,9 +345,9 @@ class Batcher:
             try:
                 await asyncio.shield(run)
             except asyncio.CancelledError:
-                request.future.cancel()  # its rows are left unanswered; its batch-mates get theirs
+                future.cancel()  # its rows are left unanswered; its batch-mates get theirs
                 raise
-        return request.future.result()  # its outputs, or why its batch failed
+        return future.result()  # its outputs, or why its batch failed
 
     def _end_lead(self) -> None:
         self._leading = False
