@@ -339,7 +339,7 @@ def servers(args, model_dir: Path, workers: int) -> list[tuple[str, list[str], i
         triton_port = free_port()
         chosen.append(("pytriton", [args.pytriton_python, here, "--pytriton", str(triton_port), "--model-dir",
                                     str(model_dir), "--max-batch-size", str(args.max_batch_size)], triton_port))
-    return chosen
+    return [server for server in chosen if not args.servers or server[0] in args.servers]
 
 
 def measure(args, model_dir: Path, scratch: Path) -> dict:
@@ -497,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--perf-analyzer", type=Path, metavar="PATH", help="perf_analyzer's binary")
     parser.add_argument("--pytriton-python", metavar="PATH", help="a Python with nvidia-pytriton and onnxruntime")
     parser.add_argument("--model-dir", type=Path, help="an export folder (default: the preset, exported now)")
+    parser.add_argument("--servers", nargs="+", metavar="NAME", help="only these servers (default: every one)")
     parser.add_argument("--floor", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--floor-engine", metavar="BACKEND:PRECISION", help=argparse.SUPPRESS)
     parser.add_argument("--pytriton", type=int, metavar="PORT", help=argparse.SUPPRESS)

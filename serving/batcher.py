@@ -4,13 +4,12 @@ Requests wait in a bounded FIFO queue. A batch is cut when max_batch_size images
 waited max_queue_delay; it takes images from the head of the queue and may split a request across two batches, so
 batches are full under load. One batch runs at a time: whatever queues while it runs forms the next batch.
 
-Where a batch runs is decided by its run's measured length (docs/serving.md, "Batching"): a batch whose runs take under
-INLINE_RUN_S runs on the event loop, since handing it to the batch thread and back costs about as much CPU as such a
-run; a longer one runs in the batch thread, and the loop keeps decoding requests meanwhile, which queue for the next
-batch. A request that finds nothing queued or running, with no queue delay to wait, leads its own batch at once: it
-lets the loop run what is already ready to run (other calls' handlers, an engine process's burst of requests from its
-front ends), and those that reach the batcher meanwhile join its batch. A lone request so runs at once, one event loop
-iteration later, and requests that arrive together form one batch.
+Where a batch runs is decided as measured in docs/serving.md ("Batching"): a batch runs on the event loop when its runs
+take under INLINE_RUN_S and the loop has nothing else ready to run meanwhile (a lone request: handing its run to the
+batch thread and back would cost about as much CPU as the run, and nothing could overlap it); otherwise the batch
+thread runs it, as a Triton model instance runs on its own thread, and the loop keeps handling the other calls
+meanwhile, which queue and form the next batch. A lone request that finds nothing queued or running, with no queue
+delay to wait, is run by its own caller at once, without entering the queue.
 
 Every image is computed independently of its batch-mates (the model has no cross-sample state), so the split and the
 grouping change nothing in the results. A model of any size gets requests of several image sizes; a batch holds one
@@ -50,6 +49,14 @@ INLINE_RUN_S = 0.0005
 RUN_ESTIMATE_DRIFT = 1.001
 # what a request past its deadline before its run hears, queued or run at once
 WAITED_PAST_DEADLINE = "deadline exceeded while waiting for the model"
+
+
+def _loop_busy() -> bool:
+    """Whether the running event loop has other callbacks ready to run (other calls' steps). asyncio's own loops keep
+    them in `_ready`, a deque every CPython release has had; a loop without it counts as busy, so that its batches
+    take the batch thread, as Triton's model instances do."""
+    ready = getattr(asyncio.get_running_loop(), "_ready", None)
+    return ready is None or bool(ready)
 
 
 class ImageSource(Protocol):
@@ -163,7 +170,6 @@ class Batcher:
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()  # set while no batch is queued or running
         self._idle.set()
-        self._leading = False  # a request's own task is gathering or running its batch (_lead): the scheduler waits
         # One thread: batches run one after another; the backend parallelises within a batch.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsnet-backend")
         # batch size -> its backend run's seconds as the fastest recent runs say: a run slowed by other work on the
@@ -180,7 +186,7 @@ class Batcher:
         future: asyncio.Future[BatchOutput] = asyncio.get_running_loop().create_future()
         request = _Request(images, deadline, future, sinks=sinks or {})
         if self._runs_at_once(len(images)):
-            return await self._lead(request, future)
+            return await self._run_at_once(request, future)
         self._queue.append(request)
         self._queued_images += len(images)
         self._changed()
@@ -253,9 +259,8 @@ class Batcher:
     async def _schedule(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not self._queue or self._leading:
-                if not self._leading:
-                    self._idle.set()
+            if not self._queue:
+                self._idle.set()
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -276,12 +281,11 @@ class Batcher:
             except asyncio.TimeoutError:  # an alias of TimeoutError only from Python 3.11
                 return
 
-    def _take_batch(self, count: int = 0, size: tuple | None = None) -> list[tuple[_Request, int, int]]:
-        """Up to max_batch_size - `count` images of the oldest request's size (or of `size`), from the head of the
-        queue on: (request, start, stop) slices. A model of any size is run on one size per batch; requests of other
-        sizes keep their place."""
+    def _take_batch(self) -> list[tuple[_Request, int, int]]:
+        """Up to max_batch_size images of the oldest request's size, from the head of the queue on: (request, start,
+        stop) slices. A model of any size is run on one size per batch; requests of other sizes keep their place."""
         parts: list[tuple[_Request, int, int]] = []
-        now = time.monotonic()
+        count, now, size = 0, time.monotonic(), None
         expired: list[_Request] = []  # these two leave the queue after the walk, which must not change it
         taken: list[_Request] = []
         for request in self._queue:
@@ -308,53 +312,27 @@ class Batcher:
         return parts
 
     def _runs_inline(self, size: int) -> bool:
-        """Whether a batch of `size` images runs on the event loop: its runs are known to take under INLINE_RUN_S."""
+        """Whether a batch of `size` images runs on the event loop: its runs are known to take under INLINE_RUN_S,
+        and the loop has nothing else ready to run meanwhile. Otherwise the batch thread runs it, and the loop's other
+        work (other calls being decoded, answers being encoded) overlaps the run: those calls queue, and form the next
+        batch."""
         estimate = self._run_estimate_s.get(size)
-        return estimate is not None and estimate < INLINE_RUN_S
+        return estimate is not None and estimate < INLINE_RUN_S and not _loop_busy()
 
     def _runs_at_once(self, size: int) -> bool:
-        """Whether a request of `size` images leads its own batch (_lead): nothing is queued or running, there is no
-        delay to wait for others, and its run is one the loop takes inline. It skips the queue, the scheduler's
-        wake-up and its own wake-up by the future: a lone small request's cost on the loop."""
+        """Whether a request of `size` images is its own batch, run now by its caller: nothing is queued or running,
+        there is no delay to wait for others, and its run is one the loop takes inline. It skips the queue, the
+        scheduler's wake-up and its own wake-up by the future: a lone small request's cost on the loop."""
         return (not self._queue and self._idle.is_set() and self.config.max_queue_delay_s <= 0
                 and self._runs_inline(size))
 
-    async def _lead(self, request: _Request, future: asyncio.Future[BatchOutput]) -> BatchOutput:
-        """Run `request` at once, with whatever reaches the queue while the loop runs what was ready beside it."""
-        self._idle.clear()
-        self._leading = True
-        try:
-            await asyncio.sleep(0)  # one loop iteration: requests ready beside this one queue meanwhile
-            if request.deadline is not None and request.deadline <= time.monotonic():
-                self.metrics.dropped["deadline"].inc()
-                raise DeadlineExceeded(WAITED_PAST_DEADLINE)
-        except BaseException:
-            self._end_lead()
-            raise
+    async def _run_at_once(self, request: _Request, future: asyncio.Future[BatchOutput]) -> BatchOutput:
+        if request.deadline is not None and request.deadline <= time.monotonic():
+            self.metrics.dropped["deadline"].inc()
+            raise DeadlineExceeded(WAITED_PAST_DEADLINE)
         request.taken = len(request.images)
-        parts = [(request, 0, request.taken), *self._take_batch(len(request.images), request.images.shape[1:])]
-        loop = asyncio.get_running_loop()
-        if self._runs_inline(sum(stop - start for _, start, stop in parts)):
-            try:
-                await self._run(loop, parts)
-            finally:
-                self._end_lead()
-        else:  # a batch of a size not yet known to be short: the thread runs it, to its end whatever its leader does
-            run = loop.create_task(self._run(loop, parts))
-            run.add_done_callback(lambda _: self._end_lead())
-            try:
-                await asyncio.shield(run)
-            except asyncio.CancelledError:
-                future.cancel()  # its rows are left unanswered; its batch-mates get theirs
-                raise
+        await self._run(asyncio.get_running_loop(), [(request, 0, request.taken)])
         return future.result()  # its outputs, or why its batch failed
-
-    def _end_lead(self) -> None:
-        self._leading = False
-        if self._queue:
-            self._changed()  # the scheduler cuts the next batch
-        else:
-            self._idle.set()
 
     async def _run(self, loop: asyncio.AbstractEventLoop, parts: list[tuple[_Request, int, int]]) -> None:
         cut = time.monotonic()

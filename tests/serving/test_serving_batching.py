@@ -173,8 +173,9 @@ def test_a_lone_request_runs_at_once_on_the_event_loop(model_dir, monkeypatch):
 
 
 def test_requests_that_arrive_together_form_one_batch_without_a_queue_delay(model_dir, monkeypatch):
-    # Triton's model with no queue delay: the first request runs at once, and those ready to run beside it (other
-    # calls' handlers, a burst from a front end) join its batch; what queues while a batch runs forms the next one.
+    # Triton's model with no queue delay: a request alone on the loop runs at once; requests ready to run together
+    # (other calls' handlers, a burst from a front end) queue and form one batch; what queues while a batch runs
+    # forms the next one.
     monkeypatch.setattr(batcher, "INLINE_RUN_S", 10.0)  # where runs go is checked here, not how long they take
     backend = create_backend("onnxruntime", "fp32", load_artifacts(model_dir), server_config(model_dir))
     images = RNG.random((12, 1, 28, 28), dtype=np.float32)  # (12, 1, 28, 28)
