@@ -170,6 +170,7 @@ class Batcher:
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()  # set while no batch is queued or running
         self._idle.set()
+        self._depth_due = False  # the queue-depth gauge is to be written this loop iteration
         # One thread: batches run one after another; the backend parallelises within a batch.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsnet-backend")
         # batch size -> its backend run's seconds as the fastest recent runs say: a run slowed by other work on the
@@ -233,10 +234,19 @@ class Batcher:
         self._executor.shutdown(wait=True)
 
     def _changed(self) -> None:
-        self.metrics.queue_depth.set(len(self._queue))
+        self._depth_changed()
         if self._queue:
             self._idle.clear()
         self._wakeup.set()
+
+    def _depth_changed(self) -> None:
+        if not self._depth_due:  # the gauge is written once per loop iteration, not once per request of a burst
+            self._depth_due = True
+            asyncio.get_running_loop().call_soon(self._publish_depth)
+
+    def _publish_depth(self) -> None:
+        self._depth_due = False
+        self.metrics.queue_depth.set(len(self._queue))
 
     def _remove(self, request: _Request) -> bool:
         """Take a request out of the queue (freeing its slot); False if it was not there."""
@@ -308,7 +318,7 @@ class Batcher:
             self._drop(request, "deadline")
         for request in taken:  # from the head of the queue unless another size waits before it
             self._queue.remove(request)
-        self.metrics.queue_depth.set(len(self._queue))
+        self._depth_changed()
         return parts
 
     def _runs_inline(self, size: int) -> bool:
@@ -458,7 +468,15 @@ class Batcher:
 
     @staticmethod
     def _copy_rows(parts: list[tuple[_Request, int, int]], outputs: dict[str, np.ndarray]) -> list[_Request]:
-        """Copy each request's rows of the batch outputs into its own arrays; the requests still waiting for them."""
+        """Copy each request's rows of the batch outputs into its own arrays; the requests still waiting for them. A
+        batch of one whole request hands it the batch's outputs, which are the batcher's to keep (Backend.run)."""
+        if len(parts) == 1 and parts[0][1] == 0 and parts[0][2] == len(parts[0][0].images):
+            request = parts[0][0]
+            if request.future.done():
+                return []
+            request.outputs = {name: array for name, array in outputs.items() if name not in request.sinks}
+            request.done = len(request.images)
+            return [request]
         offset = 0
         copied = []
         for request, start, stop in parts:

@@ -218,7 +218,6 @@ class TensorSlots:
             self._map = mmap.mmap(fd, count * size)
         finally:
             os.close(fd)
-        self._memory = np.frombuffer(self._map, dtype=np.uint8)
 
     @classmethod
     def for_specs(cls, name: str, specs: list[ModelSpec], requests: int) -> "TensorSlots":
@@ -227,9 +226,7 @@ class TensorSlots:
 
     def array(self, slot: int, offset: int, shape: tuple[int, ...]) -> np.ndarray:
         """A float32 view of `shape` at `offset` of `slot`."""
-        count = math.prod(shape)
-        start = slot * self.size + offset
-        return self._memory[start:start + 4 * count].view(np.float32).reshape(shape)
+        return np.ndarray(shape, np.float32, self._map, slot * self.size + offset)
 
     def images(self, slot: int, shape: tuple[int, ...]) -> np.ndarray:
         return self.array(slot, 0, shape)
@@ -245,7 +242,6 @@ class TensorSlots:
         return offsets
 
     def close(self) -> None:
-        self._memory = np.empty(0, np.uint8)  # drops the view, so the map can close
         try:
             self._map.close()
         except BufferError:  # a view still exported (an array still held): the map goes with the process

@@ -143,8 +143,9 @@ def test_service_raises_deadline_exceeded_for_a_request_that_waited_too_long(slo
 
 
 def test_a_lone_request_runs_at_once_on_the_event_loop(model_dir, monkeypatch):
-    # With no queue delay, a request that finds nothing queued or running is its own batch, run by its caller (the
-    # batches of requests that meet, and those a queue delay waits for, are tested above).
+    # With no queue delay, a request that finds nothing queued or running, and nothing else ready on the event loop,
+    # is its own batch, run by its caller (the batches of requests that meet, and those a queue delay waits for, are
+    # tested above and below).
     # Every run counts as short here, whatever the host's load: this checks where runs go, not how long they take.
     monkeypatch.setattr(batcher, "INLINE_RUN_S", 10.0)
     running = ServerThread(server_config(model_dir, max_batch_size=8, max_queue_delay_us=0))
@@ -161,7 +162,10 @@ def test_a_lone_request_runs_at_once_on_the_event_loop(model_dir, monkeypatch):
         with grpc.insecure_channel(running.target) as channel:
             stub = capsnet_pb2_grpc.CapsNetServiceStub(channel)
             images = RNG.random((1, 1, 28, 28), dtype=np.float32)  # (1, 1, 28, 28)
-            alone = [probabilities(stub.Classify(request(images), timeout=10)) for _ in range(4)]
+            alone = []
+            for _ in range(4):  # one at a time, each once the loop has finished the last one's answer
+                alone.append(probabilities(stub.Classify(request(images), timeout=10)))
+                time.sleep(0.05)
             # the first run of a size has no estimate yet, so it goes to the thread; later ones run on the loop, in
             # the call's own task rather than the batcher's scheduler
             assert runs[0] == "capsnet-backend_0" and len(runs) == 4, runs
