@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))  # serving_ab: the same checkpoint, ready line and machine facts, imported
 # where used, as the floor, PyTriton and KServe run in Pythons without the project's dependencies
 from front_end_servers import (COUNTS, MODEL, create_engine, floor, free_port, kserve_server,  # noqa: E402
-                               model_io, pytriton)
+                               model_config_response, model_io, pytriton)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 BATCH_SIZES = (1, 4, 16, 64)  # the engine's CPU time per image is measured at these
@@ -213,6 +213,7 @@ def servers(args, model_dir: Path, workers: list[int], scratch: Path) -> list[tu
                                     str(model_dir), "--max-batch-size", str(args.max_batch_size)], triton_port, None))
     if args.kserve_python and args.gpu is None:
         kserve_port, counts = free_port(), scratch / "kserve-counts"
+        counts.with_suffix(".config").write_bytes(model_config_response(model_dir))
         chosen.append(("kserve", [args.kserve_python, here, "--kserve", str(kserve_port), "--model-dir",
                                   str(model_dir), "--counts", str(counts)], kserve_port, counts))
     return [server for server in chosen if not args.servers or server[0] in args.servers]

@@ -51,7 +51,6 @@ def floor(model_dir: Path, port: int, engine: str | None, gpu: int | None) -> No
 
     from capsnet.kserve import grpc_service_pb2 as pb
     from capsnet.kserve import grpc_service_pb2_grpc as pb_grpc
-    from capsnet.kserve import model_config_pb2 as config_pb
 
     image, outputs = model_io(model_dir)
     answers = {name: np.zeros(shape, np.float32).tobytes() for name, shape in outputs.items()}
@@ -81,12 +80,7 @@ def floor(model_dir: Path, port: int, engine: str | None, gpu: int | None) -> No
                             for name, shape in outputs.items()]}, pb.ModelMetadataResponse())
 
         async def ModelConfig(self, request, context):
-            config = json_format.ParseDict({
-                "name": MODEL, "platform": "onnxruntime_onnx", "max_batch_size": 64,
-                "input": [{"name": "images", "data_type": "TYPE_FP32", "dims": image}],
-                "output": [{"name": name, "data_type": "TYPE_FP32", "dims": shape} for name, shape in outputs.items()],
-                "dynamic_batching": {}}, config_pb.ModelConfig())
-            return pb.ModelConfigResponse(config=config)
+            return pb.ModelConfigResponse.FromString(model_config_response(model_dir))
 
         async def ModelStatistics(self, request, context):
             stats = {"name": MODEL, "version": "1", "inference_count": images_run,
@@ -163,16 +157,51 @@ def create_engine(model_dir: Path, engine: str, gpu: int | None):
     return create_backend(name, precision, load_artifacts(model_dir), config)
 
 
+def model_config_response(model_dir: Path) -> bytes:
+    """Triton's ModelConfigResponse for the export, serialised: what perf_analyzer asks a server first."""
+    from google.protobuf import json_format
+
+    from capsnet.kserve import grpc_service_pb2 as pb
+    from capsnet.kserve import model_config_pb2 as config_pb
+
+    image, outputs = model_io(model_dir)
+    config = json_format.ParseDict({
+        "name": MODEL, "platform": "onnxruntime_onnx", "max_batch_size": 64,
+        "input": [{"name": "images", "data_type": "TYPE_FP32", "dims": image}],
+        "output": [{"name": name, "data_type": "TYPE_FP32", "dims": shape} for name, shape in outputs.items()],
+        "dynamic_batching": {}}, config_pb.ModelConfig())
+    return pb.ModelConfigResponse(config=config).SerializeToString()
+
+
 # -- KServe: its Python model server, ONNX Runtime in a kserve.Model ----------------------------------------------
 
 def kserve_server(model_dir: Path, port: int, counts: Path) -> None:
     """KServe 0.21's ModelServer on gRPC `port` (REST on a free one); `counts` receives COUNTS after every request,
-    as KServe serves no statistics."""
+    as KServe serves no statistics. KServe serves no model config either, which perf_analyzer asks first: its gRPC
+    server answers the one in `counts`.config (model_config_response(), written by the benchmark, whose Python has
+    the protocol's messages), as raw bytes."""
+    import logging
+
+    import grpc
     import kserve
     import onnxruntime
     from kserve import InferOutput, InferRequest, InferResponse
+    from kserve.protocol.grpc import grpc_predict_v2_pb2_grpc as services
 
-    _, outputs = model_io(model_dir)
+    config = counts.with_suffix(".config").read_bytes()
+    add_servicer = services.add_GRPCInferenceServiceServicer_to_server
+
+    async def model_config(request: bytes, context) -> bytes:
+        return config
+
+    def add_with_config(servicer, server) -> None:
+        add_servicer(servicer, server)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "inference.GRPCInferenceService", {"ModelConfig": grpc.unary_unary_rpc_method_handler(model_config)}),))
+
+    services.add_GRPCInferenceServiceServicer_to_server = add_with_config
+
+    image, outputs = model_io(model_dir)
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1
     fd = os.open(counts, os.O_RDWR | os.O_CREAT, 0o600)
@@ -186,6 +215,12 @@ def kserve_server(model_dir: Path, port: int, counts: Path) -> None:
             self.ready = True
             return self.ready
 
+        def get_input_types(self) -> list[dict]:
+            return [{"name": "images", "datatype": "FP32", "shape": [-1, *image]}]
+
+        def get_output_types(self) -> list[dict]:
+            return [{"name": name, "datatype": "FP32", "shape": [-1, *outputs[name]]} for name in self.names]
+
         def predict(self, payload: InferRequest, headers=None, response_headers=None) -> InferResponse:
             nonlocal answered, images_run
             images = payload.inputs[0].as_numpy()  # (N, C, H, W)
@@ -193,15 +228,20 @@ def kserve_server(model_dir: Path, port: int, counts: Path) -> None:
             answered += 1
             images_run += len(images)
             os.pwrite(fd, COUNTS.pack(answered, images_run), 0)
-            return InferResponse(model_name=self.name, infer_outputs=[
-                InferOutput(name=name, shape=list(result.shape), datatype="FP32", data=result)
-                for name, result in zip(self.names, results)], response_id=payload.id, use_binary_outputs=True)
+            answers = []
+            for name, result in zip(self.names, results):
+                answers.append(InferOutput(name=name, shape=list(result.shape), datatype="FP32"))
+                answers[-1].set_data_from_numpy(result)
+            return InferResponse(model_name=self.name, infer_outputs=answers, response_id=payload.id,
+                                 use_binary_outputs=True)
 
     model = OnnxModel(MODEL)
     model.load()
+    server = kserve.ModelServer(grpc_port=port, http_port=free_port(), enable_grpc=True, workers=1,
+                                enable_latency_logging=False, access_log_format=None)
+    logging.getLogger("kserve").setLevel(logging.WARNING)  # its interceptor logs every call at INFO
     threading.Thread(target=_print_ready_when_listening, args=(port,), daemon=True).start()
-    kserve.ModelServer(grpc_port=port, http_port=free_port(), enable_grpc=True, workers=1,
-                       enable_latency_logging=False, access_log_format=None).start([model])
+    server.start([model])
 
 
 def _print_ready_when_listening(port: int) -> None:
