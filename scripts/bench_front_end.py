@@ -313,7 +313,9 @@ def markdown(report: dict) -> list[str]:
 
 
 def _cell(server: dict, level) -> dict:
-    return server.get("cells", {}).get(str(level), server.get("cells", {}).get(level, {}))
+    """A server's cell at `level`, keyed by int in a run and by str once read back from its JSON."""
+    cells = server.get("cells", {})
+    return cells.get(str(level)) or cells.get(int(level)) or {}
 
 
 def engine_process(report: dict) -> list[str]:
