@@ -39,7 +39,6 @@ import asyncio
 import csv
 import json
 import os
-import shlex
 import signal
 import statistics
 import subprocess
@@ -230,6 +229,8 @@ def front_end_counts(args) -> list[int]:
 
 
 def measure(args, model_dir: Path, scratch: Path) -> dict:
+    from capsnet.bench.results import portable_command
+
     image, _ = model_io(model_dir)
     engine = engine_in_process(model_dir, args.seconds, args.engine, args.gpu)
     report: dict = {"engine_p50_ms": engine["p50_ms"], "engine": engine, "servers": {}}
@@ -265,7 +266,7 @@ def measure(args, model_dir: Path, scratch: Path) -> dict:
                 print(name, concurrency, cell, flush=True)
         finally:
             served.stop()
-        report["servers"][name] = {"command": shlex.join(command), "cells": cells}
+        report["servers"][name] = {"command": portable_command(command, REPO), "cells": cells}
     return report
 
 
@@ -443,12 +444,14 @@ def main(argv: list[str] | None = None) -> int:
     from measure_shared_memory import export  # the preset's seeded checkpoint, exported
     from serving_ab import cpu_kind
 
+    from capsnet.bench.results import portable_command  # here: the reference servers run without the project
+
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = args.model_dir or export(args.preset, Path(scratch))
         report = measure(args, model_dir, Path(scratch))
     report.update({
-        "command": shlex.join(["python", "scripts/bench_front_end.py", *(argv or sys.argv[1:])]),
+        "command": portable_command(["python", "scripts/bench_front_end.py", *(argv or sys.argv[1:])], REPO),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_kind(),
         "cores": len(os.sched_getaffinity(0)), "load_before": load_before, "load_after": os.getloadavg(),
         "preset": args.preset, "concurrency": args.concurrency, "engine_spec": args.engine,

@@ -128,7 +128,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from capsnet.training.distributed import ReportedError
-    from capsnet.training.train import TrainOptions, last_checkpoint_path, train
+    from capsnet.training.options import TrainOptions, last_checkpoint_path
+    from capsnet.training.train import train
 
     if args.resume is None:
         resume = None
@@ -158,7 +159,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from capsnet.training.evaluate import evaluate, load_checkpoint_data
     from capsnet.training.pairs import build_pairs, score_pairs
     from capsnet.training.robustness import MAX_PAIRS
-    from capsnet.training.train import SEED_LIMIT
+    from capsnet.training.options import SEED_LIMIT
 
     if args.batch_size < 1:
         raise CapsNetError("--batch-size must be at least 1")

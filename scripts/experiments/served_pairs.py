@@ -27,6 +27,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
+from capsnet.bench.results import portable
 from capsnet.cli import main as capsnet
 from capsnet.serving.client import CapsNetClient
 from capsnet.models.checkpoint import load_checkpoint
@@ -35,6 +36,7 @@ from capsnet.training.pairs import build_pairs
 from capsnet.training.robustness import overlap_scores
 
 MODEL = "capsnet"
+REPO = Path(__file__).resolve().parents[2]  # the result's paths are written relative to it
 
 
 def write_pngs(images: np.ndarray, folder: Path) -> list[Path]:
@@ -109,7 +111,7 @@ def main() -> None:
     reference, _ = score_pairs(checkpoint.build_model().eval(), pairs, args.layout, args.seed, 256, torch.device("cpu"))
     figures = {name: overlap_scores(lengths, pairs.labels) for name, lengths in served.items()}
     result = {
-        "checkpoint": args.checkpoint, "layout": args.layout, "pairs": args.count, "seed": args.seed,
+        "checkpoint": portable(args.checkpoint, REPO), "layout": args.layout, "pairs": args.count, "seed": args.seed,
         "image_shape": list(pairs.images.shape[1:]),
         "capsnet_eval": {key: eval_figures[key] for key in ("top2_accuracy", "top2_both_present_accuracy")},
         **figures,
