@@ -165,6 +165,10 @@ class Batcher:
         self.metrics = metrics
         self.stats = stats
         self._on_unusable = on_unusable
+        # A short batch takes the thread when the loop has other work ready, so that the work overlaps the run (a
+        # server's request path). An engine process sets it False: its loop only moves messages, and what its front
+        # ends send during an inline run waits in the socket and forms the next batch, without the hand-off.
+        self.overlap_loop_work = True
         self._queue: collections.deque[_Request] = collections.deque()
         self._queued_images = 0  # images of the queue not yet handed to a batch
         self._wakeup = asyncio.Event()
@@ -327,7 +331,8 @@ class Batcher:
         work (other calls being decoded, answers being encoded) overlaps the run: those calls queue, and form the next
         batch."""
         estimate = self._run_estimate_s.get(size)
-        return estimate is not None and estimate < INLINE_RUN_S and not _loop_busy()
+        return (estimate is not None and estimate < INLINE_RUN_S
+                and not (self.overlap_loop_work and _loop_busy()))
 
     def _runs_at_once(self, size: int) -> bool:
         """Whether a request of `size` images is its own batch, run now by its caller: nothing is queued or running,

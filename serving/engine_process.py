@@ -74,6 +74,8 @@ class Engine:
             self.versions = self.models.services()
             self.batchers = [service.batcher for service in self.versions
                              if isinstance(service.batcher, Batcher)]  # every one: this process runs them
+            for batcher in self.batchers:
+                batcher.overlap_loop_work = False
             try:
                 metrics_http = self.metrics.serve_http(config.host, config.metrics_port)
             except OSError as err:
