@@ -32,7 +32,7 @@ from capsnet.cli import main as capsnet
 from capsnet.serving.client import CapsNetClient
 from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset
-from capsnet.training.pairs import build_pairs
+from capsnet.training.pairs import PairSpec, build_pairs
 from capsnet.training.robustness import overlap_scores
 
 MODEL = "capsnet"
@@ -95,7 +95,8 @@ def main() -> None:
 
     checkpoint = load_checkpoint(args.checkpoint)
     split = load_dataset(args.data).test
-    pairs = build_pairs(checkpoint.config, split, args.count, args.seed, args.layout, args.checkpoint)
+    spec = PairSpec(args.layout, args.count, args.seed)
+    pairs = build_pairs(checkpoint.config, split, spec, args.checkpoint)
     with tempfile.TemporaryDirectory() as folder:
         paths = write_pngs(pairs.images, Path(folder))
         started = time.perf_counter()
@@ -106,9 +107,10 @@ def main() -> None:
     # eval's own lengths on the same pairs, for the differences (eval reports only its figures)
     import torch
 
+    from capsnet.training.evaluate import Scoring
     from capsnet.training.pairs import score_pairs
 
-    reference, _ = score_pairs(checkpoint.build_model().eval(), pairs, args.layout, args.seed, 256, torch.device("cpu"))
+    reference, _ = score_pairs(checkpoint.build_model().eval(), pairs, spec, Scoring(256, torch.device("cpu")))
     figures = {name: overlap_scores(lengths, pairs.labels) for name, lengths in served.items()}
     result = {
         "checkpoint": portable(args.checkpoint, REPO), "layout": args.layout, "pairs": args.count, "seed": args.seed,
