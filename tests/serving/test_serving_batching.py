@@ -163,13 +163,15 @@ def test_a_lone_request_runs_at_once_on_the_event_loop(model_dir, monkeypatch):
             stub = capsnet_pb2_grpc.CapsNetServiceStub(channel)
             images = RNG.random((1, 1, 28, 28), dtype=np.float32)  # (1, 1, 28, 28)
             alone = []
-            for _ in range(4):  # one at a time, each once the loop has finished the last one's answer
+            for _ in range(8):  # one at a time, each once the loop has finished the last one's answer
                 alone.append(probabilities(stub.Classify(request(images), timeout=10)))
                 time.sleep(0.05)
             # the first run of a size has no estimate yet, so it goes to the thread; later ones run on the loop, in
-            # the call's own task rather than the batcher's scheduler
-            assert runs[0] == "capsnet-backend_0" and len(runs) == 4, runs
-            assert all(task not in {"capsnet-batcher", "capsnet-backend_0"} for task in runs[1:]), runs
+            # the call's own task rather than the batcher's scheduler, unless gRPC happened to have another callback
+            # ready at that moment (on a busy host, its own housekeeping): then the thread, never the scheduler inline
+            assert runs[0] == "capsnet-backend_0" and len(runs) == 8, runs
+            at_once = [task for task in runs[1:] if task not in {"capsnet-batcher", "capsnet-backend_0"}]
+            assert len(at_once) >= 5 and "capsnet-batcher" not in runs, runs
             assert all(np.array_equal(answer, alone[0]) for answer in alone)
             assert metric(scrape(running.metrics_url), "capsnet_queue_depth") == 0
     finally:
@@ -189,15 +191,21 @@ def test_requests_that_arrive_together_form_one_batch_without_a_queue_delay(mode
     async def main() -> list:
         queue = batcher.Batcher(backend, batcher.BatcherConfig(8, 0.0, 64),
                                 Metrics(8).for_version("capsnet", "1"), stats)
-        lone = await queue.submit(images[:1])  # nothing beside it: its own batch
+        lone = await queue.submit(images[:1])  # nothing beside it: its own batch (in the thread: no estimate yet)
         together = await asyncio.gather(*(queue.submit(images[i:i + 1]) for i in range(12)))
+        threads.clear()
+        await queue.submit(images[:1])  # alone on an idle loop, its size's run known: run by this task, at once
+        assert threads == [threading.current_thread().name]
         await queue.drain()
         return [lone, *together]
 
+    threads: list[str] = []
+    run = backend.run
+    backend.run = lambda batch: threads.append(threading.current_thread().name) or run(batch)
     outputs = asyncio.run(main())
     assert [run.size for run in outputs[0].runs] == [1]
     # 12 requests ready in one loop iteration: a batch of the 8 that fit, then one of the 4 that waited for it
     assert [output.runs[0].size for output in outputs[1:]] == [8] * 8 + [4] * 4
     np.testing.assert_allclose(np.concatenate([output.outputs["probabilities"] for output in outputs[1:]]),
                                expected, rtol=1e-5, atol=1e-6)
-    assert stats.execution_count == 3 and set(stats.batches) == {1, 4, 8}
+    assert stats.execution_count == 4 and set(stats.batches) == {1, 4, 8}  # the 4th: the lone request at once
