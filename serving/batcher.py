@@ -2,7 +2,8 @@
 
 Requests wait in a bounded FIFO queue. A batch is cut when max_batch_size images are waiting or the oldest request has
 waited max_queue_delay; it takes images from the head of the queue and may split a request across two batches, so
-batches are full under load. One batch runs at a time: whatever queues while it runs forms the next batch.
+batches are full under load. One batch runs at a time: whatever queues while it runs forms the next batch. Its
+rows are gathered, run and handed back by serving/batch_rows.py.
 
 Where a batch runs is decided as measured in docs/serving.md ("Batching"): a batch runs on the event loop when its runs
 take under INLINE_RUN_S and the loop has nothing else ready to run meanwhile (a lone request: handing its run to the
@@ -26,20 +27,16 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol, Union, cast
+from typing import NamedTuple, Protocol, Union
 
 import numpy as np
 
-from capsnet.serving.backend_registry import device_input
 from capsnet.serving.backends.base import Backend
-from capsnet.serving.cuda_ipc import DeviceInput
+from capsnet.serving.batch_rows import copy_rows, gather_and_run
 from capsnet.serving.errors import (BackendUnusable, DeadlineExceeded, InferenceError, QueueFull, RequestTimeout,
-                                    ServingError, past_deadline)
+                                    past_deadline)
 from capsnet.serving.metrics import VersionMetrics
 from capsnet.serving.statistics import ModelStatistics
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +130,7 @@ class Completion(Protocol):
 
 
 @dataclass(eq=False)
-class _Request:
+class QueuedRequest:
     images: Images  # (N, C, H, W) float32
     deadline: float | None  # time.monotonic()
     future: Completion
@@ -173,7 +170,7 @@ class Batcher:
         # server's request path). An engine process sets it False: its loop only moves messages, and what its front
         # ends send during an inline run waits in the socket and forms the next batch, without the hand-off.
         self.overlap_loop_work = True
-        self._queue: collections.deque[_Request] = collections.deque()
+        self._queue: collections.deque[QueuedRequest] = collections.deque()
         self._queued_images = 0  # images of the queue not yet handed to a batch
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()  # set while no batch is queued or running
@@ -193,7 +190,7 @@ class Batcher:
             raise QueueFull(f"queue full: {len(self._queue)} requests are waiting (--max-queue-size "
                             f"{self.config.max_queue_size}); retry later or on another replica")
         future: asyncio.Future[BatchOutput] = asyncio.get_running_loop().create_future()
-        request = _Request(images, deadline, future, sinks=sinks or {})
+        request = QueuedRequest(images, deadline, future, sinks=sinks or {})
         if self._runs_at_once(len(images)):
             return await self._run_at_once(request, future)
         self._queue.append(request)
@@ -217,7 +214,7 @@ class Batcher:
         if len(self._queue) >= self.config.max_queue_size:
             raise QueueFull(f"queue full: {len(self._queue)} requests are waiting (--max-queue-size "
                             f"{self.config.max_queue_size}); retry later or on another replica")
-        request = _Request(images, deadline, completion, sinks=sinks)
+        request = QueuedRequest(images, deadline, completion, sinks=sinks)
         self._queue.append(request)
         self._queued_images += len(images)
         self._changed()
@@ -226,7 +223,7 @@ class Batcher:
     def withdraw(self, handle: object, reason: str) -> None:
         """A posted request whose caller gave up (`reason`: "cancelled" or "deadline") leaves the queue if it is
         still there, failing with its reason; once in a batch it runs to its end."""
-        assert isinstance(handle, _Request)
+        assert isinstance(handle, QueuedRequest)
         self._drop(handle, reason)
 
     async def submit_sizes(self, groups: list[Images], deadline: float | None = None,
@@ -256,7 +253,7 @@ class Batcher:
         self._depth_due = False
         self.metrics.queue_depth.set(len(self._queue))
 
-    def _remove(self, request: _Request) -> bool:
+    def _remove(self, request: QueuedRequest) -> bool:
         """Take a request out of the queue (freeing its slot); False if it was not there."""
         if request not in self._queue:
             return False
@@ -265,7 +262,7 @@ class Batcher:
         self._changed()
         return True
 
-    def _drop(self, request: _Request, reason: str) -> None:
+    def _drop(self, request: QueuedRequest, reason: str) -> None:
         """A request that will not be answered (its caller gave up, or its deadline passed) leaves the queue
         uncomputed."""
         if self._remove(request):
@@ -299,13 +296,13 @@ class Batcher:
             except asyncio.TimeoutError:  # an alias of TimeoutError only from Python 3.11
                 return
 
-    def _take_batch(self) -> list[tuple[_Request, int, int]]:
+    def _take_batch(self) -> list[tuple[QueuedRequest, int, int]]:
         """Up to max_batch_size images of the oldest request's size, from the head of the queue on: (request, start,
         stop) slices. A model of any size is run on one size per batch; requests of other sizes keep their place."""
-        parts: list[tuple[_Request, int, int]] = []
+        parts: list[tuple[QueuedRequest, int, int]] = []
         count, now, size = 0, time.monotonic(), None
-        expired: list[_Request] = []  # these two leave the queue after the walk, which must not change it
-        taken: list[_Request] = []
+        expired: list[QueuedRequest] = []  # these two leave the queue after the walk, which must not change it
+        taken: list[QueuedRequest] = []
         for request in self._queue:
             if count >= self.config.max_batch_size:
                 break
@@ -345,7 +342,7 @@ class Batcher:
         return (not self._queue and self._idle.is_set() and self.config.max_queue_delay_s <= 0
                 and self._runs_inline(size))
 
-    async def _run_at_once(self, request: _Request, future: asyncio.Future[BatchOutput]) -> BatchOutput:
+    async def _run_at_once(self, request: QueuedRequest, future: asyncio.Future[BatchOutput]) -> BatchOutput:
         if request.deadline is not None and request.deadline <= time.monotonic():
             self.metrics.dropped["deadline"].inc()
             raise DeadlineExceeded(WAITED_PAST_DEADLINE)
@@ -353,7 +350,7 @@ class Batcher:
         await self._run(asyncio.get_running_loop(), [(request, 0, request.taken)])
         return future.result()  # its outputs, or why its batch failed
 
-    async def _run(self, loop: asyncio.AbstractEventLoop, parts: list[tuple[_Request, int, int]]) -> None:
+    async def _run(self, loop: asyncio.AbstractEventLoop, parts: list[tuple[QueuedRequest, int, int]]) -> None:
         cut = time.monotonic()
         for request, start, _ in parts:
             if start == 0:
@@ -361,17 +358,17 @@ class Batcher:
         size = sum(stop - start for _, start, stop in parts)
         try:
             if self._runs_inline(size):
-                outputs, failed, started, ended = self._gather_and_run(parts)
+                outputs, failed, started, ended = gather_and_run(self.backend, parts)
             else:
-                outputs, failed, started, ended = await loop.run_in_executor(self._executor, self._gather_and_run,
-                                                                             parts)
+                outputs, failed, started, ended = await loop.run_in_executor(self._executor, gather_and_run,
+                                                                             self.backend, parts)
             ran, estimate = ended - started, self._run_estimate_s.get(size)
             self._run_estimate_s[size] = ran if estimate is None else min(ran, estimate * RUN_ESTIMATE_DRIFT)
             for request, err in failed:  # its images could not be read, or its outputs written: it alone fails
                 self._remove(request)
                 if not request.future.done():
                     request.future.set_exception(err)
-            copied = self._copy_rows(parts, outputs)
+            copied = copy_rows(parts, outputs)
         except Exception as err:  # the batch's requests fail; the scheduler, and the server, carry on
             log.exception("backend %s failed on a batch of %d", self.backend.name, size)
             message = f"the {self.backend.name} backend failed: {err}"
@@ -397,109 +394,3 @@ class Batcher:
         self.metrics.batch_size.observe(size)
         self.metrics.images.inc(size)
         self.stats.record_batch(size, run.phases())
-
-    def _gather_and_run(self, parts: list[tuple[_Request, int, int]]):
-        """In the worker thread: the batch's images in one array, read from memory or from their regions, the
-        backend's run on it, and the outputs requests sink; (outputs, [(request, why it failed)], run start, run end).
-        A whole request already in memory is run as it is, without a copy. A backend that takes device input
-        (cuda_ipc.DeviceInput) gets a batch with images from CUDA regions on its device, copied device to device, and
-        its outputs go to the sinks from the device."""
-        unread: list[tuple[_Request, ServingError]] = []
-        device = device_input(self.backend)  # the backend table's row says whether it takes a batch on its GPU
-        run_device = device.run_device if device is not None else None
-        if run_device is not None and any(not isinstance(request.images, np.ndarray) and request.images.on_device
-                                          for request, _, _ in parts):
-            batch = self._gather_on_device(parts, unread)
-            started = time.monotonic()
-            on_device = run_device(batch)
-            ended = time.monotonic()
-            self._sink(parts, on_device, unread)
-            return {name: tensor.cpu().numpy() for name, tensor in on_device.items()}, unread, started, ended
-        first, start, stop = parts[0]
-        if len(parts) == 1 and isinstance(first.images, np.ndarray) and stop - start == len(first.images):
-            images = first.images
-        else:
-            size = sum(stop - start for _, start, stop in parts)
-            images = np.empty((size, *first.images.shape[1:]), dtype=np.float32)  # (B, C, H, W)
-            offset = 0
-            for request, start, stop in parts:
-                rows = images[offset:offset + stop - start]
-                offset += stop - start
-                if isinstance(request.images, np.ndarray):
-                    rows[...] = request.images[start:stop]
-                    continue
-                try:
-                    request.images.read(rows, start, stop)
-                except ServingError as err:
-                    rows[...] = 0  # run with the batch, its rows unanswered
-                    unread.append((request, err))
-        started = time.monotonic()
-        outputs = self.backend.run(images)
-        ended = time.monotonic()
-        self._sink(parts, outputs, unread)
-        return outputs, unread, started, ended
-
-    @staticmethod
-    def _sink(parts: list[tuple[_Request, int, int]], outputs: dict, failed: list) -> None:
-        """Each request's rows of the outputs it sinks, written there (numpy or CUDA tensors, as the backend gave)."""
-        offset = 0
-        for request, start, stop in parts:
-            rows = slice(offset, offset + stop - start)
-            offset += stop - start
-            if not request.sinks or any(request is done for done, _ in failed):
-                continue
-            try:
-                for name, sink in request.sinks.items():
-                    sink.write(outputs[name][rows], start)
-            except ServingError as err:
-                failed.append((request, err))
-
-    def _gather_on_device(self, parts: list[tuple[_Request, int, int]], unread: list) -> torch.Tensor:
-        """The batch as a float32 CUDA tensor on the backend's device (B, C, H, W)."""
-        import torch
-
-        first = parts[0][0].images
-        size = sum(stop - start for _, start, stop in parts)
-        device = cast(DeviceInput, self.backend).device
-        batch = torch.empty((size, *first.shape[1:]), dtype=torch.float32, device=device)
-        offset = 0
-        for request, start, stop in parts:
-            rows = batch[offset:offset + stop - start]
-            offset += stop - start
-            if isinstance(request.images, np.ndarray):
-                rows.copy_(torch.from_numpy(np.ascontiguousarray(request.images[start:stop])))
-                continue
-            try:
-                request.images.read_device(rows, start, stop)
-            except ServingError as err:
-                rows.zero_()
-                unread.append((request, err))
-        return batch
-
-    @staticmethod
-    def _copy_rows(parts: list[tuple[_Request, int, int]], outputs: dict[str, np.ndarray]) -> list[_Request]:
-        """Copy each request's rows of the batch outputs into its own arrays; the requests still waiting for them. A
-        batch of one whole request hands it the batch's outputs, which are the batcher's to keep (Backend.run)."""
-        if len(parts) == 1 and parts[0][1] == 0 and parts[0][2] == len(parts[0][0].images):
-            request = parts[0][0]
-            if request.future.done():
-                return []
-            request.outputs = {name: array for name, array in outputs.items() if name not in request.sinks}
-            request.done = len(request.images)
-            return [request]
-        offset = 0
-        copied = []
-        for request, start, stop in parts:
-            rows = slice(offset, offset + stop - start)
-            offset += stop - start
-            if request.future.done():  # cancelled or timed out meanwhile
-                continue
-            for name, array in outputs.items():
-                if name in request.sinks:
-                    continue
-                if name not in request.outputs:
-                    request.outputs[name] = np.empty((len(request.images), *array.shape[1:]), dtype=array.dtype)
-                request.outputs[name][start:stop] = array[rows]
-            request.done += stop - start
-            copied.append(request)
-        return copied
