@@ -15,8 +15,9 @@ without --perf-analyzer, the project's load generator (serving/loadgen.py, trito
 process) applies the load instead. Around each cell the server's process tree's CPU time (user + system, every
 process of it) and its request count (its ModelStatistics, or what KServe's model wrote) give the server CPU time per
 request, and its images over its backend runs the mean batch. Behind N front ends, the engine process's CPU time per
-request, and 1 ÷ it: the requests/s one engine can take. The engine's in-process time is the backend's p50 at batch
-1, called directly.
+request, and 1 ÷ it: the requests/s one engine can take. The engine's in-process time is its p50 at batch 1, called
+directly, built and timed by the project's in-process harness (capsnet/bench/engines.py), which also builds
+floor+engine's.
 
     python3 -m venv /opt/perf-analyzer && /opt/perf-analyzer/bin/pip install tritonclient==2.41.0 \\
         nvidia-cuda-runtime-cu12   # and apt-get install libb64-0d
@@ -40,20 +41,18 @@ import csv
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))  # serving_ab: the same checkpoint, ready line and machine facts, imported
 # where used, as the floor, PyTriton and KServe run in Pythons without the project's dependencies
-from front_end_servers import (COUNTS, MODEL, create_engine, floor, free_port, kserve_server,  # noqa: E402
-                               model_config_response, model_io, pytriton)
+from front_end_servers import (COUNTS, MODEL, floor, free_port, kserve_server, model_config_response,  # noqa: E402
+                               model_io, pytriton)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 BATCH_SIZES = (1, 4, 16, 64)  # the engine's CPU time per image is measured at these
@@ -161,25 +160,17 @@ def loadgen(target: str, concurrency: int, seconds: float, image: list[int]) -> 
 
 
 def engine_in_process(model_dir: Path, seconds: float, engine: str, gpu: int | None) -> dict:
-    """The backend called directly (numpy in, numpy out): its p50 ms at batch 1, and the CPU time it takes per image
-    (this process's, its threads') at the batch sizes a server forms."""
-    backend = create_engine(model_dir, engine, gpu)
-    image, _ = model_io(model_dir)
-    report: dict = {"cpu_ms_per_image": {}}
-    for size in BATCH_SIZES:
-        images = np.zeros((size, *image), np.float32)
-        backend.run(images)
-        times: list[float] = []
-        cpu = time.process_time()
-        end = time.monotonic() + seconds
-        while time.monotonic() < end or len(times) < 20:
-            started = time.perf_counter()
-            backend.run(images)
-            times.append(time.perf_counter() - started)
-        report["cpu_ms_per_image"][size] = (time.process_time() - cpu) * 1e3 / (size * len(times))
-        if size == 1:
-            report["p50_ms"] = statistics.median(times) * 1e3
-    return report
+    """The engine called directly (numpy in, numpy out), timed by capsnet.bench.engines: its p50 ms at batch 1, and
+    the CPU time it takes per image (this process's, its threads') at the batch sizes a server forms."""
+    from capsnet.bench.engines import EngineUnavailable, engine_figures
+
+    try:
+        rows = engine_figures(model_dir, engine, BATCH_SIZES, seconds, gpu=gpu)
+    except EngineUnavailable as err:  # a precision this host cannot run, an engine not exported: one line
+        raise SystemExit(f"bench_front_end.py: --engine {engine}: {err}") from None
+    figures = {row["batch"]: row["figures"] for row in rows}
+    return {"cpu_ms_per_image": {size: figures[size]["cpu_ms_per_image"] for size in BATCH_SIZES},
+            "p50_ms": figures[1]["p50_ms"]}
 
 
 def backend_cpu_ms(engine: dict, mean_batch: float) -> float:
@@ -203,7 +194,8 @@ def servers(args, model_dir: Path, workers: list[int], scratch: Path) -> list[tu
     engine_port = free_port()
     chosen = [("floor", [sys.executable, here, "--floor", str(port), "--model-dir", str(model_dir)], port, None),
               ("floor+engine", [sys.executable, here, "--floor", str(engine_port), "--model-dir", str(model_dir),
-                                "--floor-engine", args.engine, *device], engine_port, None),
+                                "--floor-engine", args.engine, "--max-batch-size", str(args.max_batch_size), *device],
+               engine_port, None),
               ("capsnet-1", [*capsnet, "--workers", "1"], None, None)]
     chosen += [(f"capsnet-{count}", [*capsnet, "--workers", str(count)], None, None) for count in workers]
     if args.pytriton_python and args.gpu is None:
@@ -430,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="OUT.json and OUT.md")
     args = parser.parse_args(argv)
     if args.floor is not None:
-        floor(args.model_dir, args.floor, args.floor_engine, args.gpu)
+        floor(args.model_dir, args.floor, args.floor_engine, args.gpu, args.max_batch_size)
         return 0
     if args.pytriton is not None:
         pytriton(args.model_dir, args.pytriton, args.max_batch_size)

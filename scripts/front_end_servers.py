@@ -44,8 +44,9 @@ def model_io(model_dir: Path) -> tuple[list[int], dict[str, list[int]]]:
 
 # -- the floor: grpc.aio, the tensor decoded, fixed outputs --------------------------------------------------------
 
-def floor(model_dir: Path, port: int, engine: str | None, gpu: int | None) -> None:
-    """`engine` (BACKEND:PRECISION): each request's outputs are the engine's on its images, else fixed zeros."""
+def floor(model_dir: Path, port: int, engine: str | None, gpu: int | None, max_batch: int) -> None:
+    """`engine` (BACKEND:PRECISION, built by capsnet.bench.engines as `capsnet serve --max-batch-size max_batch` builds
+    it): each request's outputs are the engine's on its images, else fixed zeros."""
     import grpc
     from google.protobuf import json_format
 
@@ -54,8 +55,12 @@ def floor(model_dir: Path, port: int, engine: str | None, gpu: int | None) -> No
 
     image, outputs = model_io(model_dir)
     answers = {name: np.zeros(shape, np.float32).tobytes() for name, shape in outputs.items()}
-    backend = None if engine is None else create_engine(model_dir, engine, gpu)
-    if backend is not None:  # compiled and warm before the first request, as capsnet serve's engine is
+    backend = None
+    if engine is not None:
+        from capsnet.bench.engines import build_engine
+
+        backend = build_engine(engine, model_dir, threads=0, max_batch=max_batch, gpu=gpu)
+        # compiled and warm before the first request, as capsnet serve's engine is
         backend.run(np.zeros((1, *image), np.float32))
     count = images_run = 0  # requests answered; images the engine ran, each request its own run
 
@@ -144,17 +149,6 @@ def pytriton(model_dir: Path, port: int, max_batch_size: int) -> None:
                     config=ModelConfig(max_batch_size=max_batch_size, batcher=DynamicBatcher()))
         print("ready", flush=True)
         triton.serve()
-
-
-def create_engine(model_dir: Path, engine: str, gpu: int | None):
-    """capsnet's backend `engine` (BACKEND:PRECISION) on the export, as `capsnet serve` creates it."""
-    from capsnet.serving.artifacts import load_artifacts
-    from capsnet.serving.backends import create_backend
-    from capsnet.serving.config import ServerConfig
-
-    name, precision = engine.split(":")
-    config = ServerConfig(model_dir=model_dir, backend=name, precision=precision, gpu=gpu)
-    return create_backend(name, precision, load_artifacts(model_dir), config)
 
 
 def model_config_response(model_dir: Path) -> bytes:

@@ -5,7 +5,7 @@ An engine is a row of the server's backend registry at one precision it serves, 
 (capsnet.bench.results.REFERENCES): the public formulation (capsnet/bench/analysis/public_reference.py), and the model
 eager or under torch.compile at torch's own defaults. `capsnet bench` builds each in a worker process of its own
 (capsnet.bench.worker), the GPU check all of them in one (capsnet.bench.harness), and the front-end benchmark times one
-with engine_figures.
+with engine_figures and serves one behind its bare gRPC floor (scripts/front_end_servers.py).
 
 The registry is read through engine_names and served_here only, so a row added to it is benchmarked without an edit
 here. Heavy imports stay inside the builders: an ONNX Runtime engine never imports torch.

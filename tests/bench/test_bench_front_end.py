@@ -1,5 +1,6 @@
 """The front-end benchmark's reference servers (scripts/bench_front_end.py): the bare floor answers zeros of the
-model's shapes, floor+engine the engine's own outputs; both count what they served as the benchmark reads it."""
+model's shapes, floor+engine the engine's own outputs; both count what they served as the benchmark reads it. The
+engine's in-process figures come from the project's harness (capsnet/bench/engines.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from capsnet.bench.engines import build_engine
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -46,12 +49,21 @@ def test_the_floor_answers_every_output_and_counts_its_runs(random_tiny_export, 
             assert all(not array.any() for array in answers.values())
             assert served.counts() == (1, 0, 0)
         else:
-            expected = bench_front_end.create_engine(random_tiny_export, engine, None).run(images)
+            expected = build_engine(engine, random_tiny_export, threads=0, max_batch=64).run(images)
             for name, array in answers.items():
                 np.testing.assert_allclose(array, expected[name], rtol=1e-5, atol=1e-6)
             assert served.counts() == (1, 3, 1)  # one request, its 3 images, one run
     finally:
         served.stop()
+
+
+def test_the_engine_in_process_is_timed_at_every_batch_size_a_server_forms(random_tiny_export):
+    engine = bench_front_end.engine_in_process(random_tiny_export, 0.01, "onnxruntime:fp32", None)
+    assert list(engine["cpu_ms_per_image"]) == list(bench_front_end.BATCH_SIZES)
+    assert engine["p50_ms"] > 0 and all(value > 0 for value in engine["cpu_ms_per_image"].values())
+    assert bench_front_end.backend_cpu_ms(engine, 13.0) == engine["cpu_ms_per_image"][16]
+    with pytest.raises(SystemExit, match=r"--engine torch:fp16: .*runs on a GPU"):
+        bench_front_end.engine_in_process(random_tiny_export, 0.01, "torch:fp16", None)
 
 
 def test_ratios_divide_each_cell_by_both_floors():
