@@ -81,6 +81,7 @@ from capsnet.models.checkpoint import Checkpoint, load_checkpoint
 from capsnet.models.config import CAPSULE_ARCHITECTURES
 from capsnet.training.data import Dataset
 from capsnet.training.evaluate import load_checkpoint_data
+from capsnet.training.pose import measure_pose
 
 if TYPE_CHECKING:
     from onnxruntime import InferenceSession
@@ -273,8 +274,10 @@ def _write_decoder(fp32: _Fp32Stage) -> DecoderDescription:
     model = fp32.checkpoint.build_model()
     export_decoder(model, fp32.staging, fp32.config.opset)
     outputs = fp32.reference.outputs
+    pose = measure_pose(model, fp32.dataset)
+    log.info("%s", pose.describe())
     decoder = check_decoder(model, fp32.staging, outputs["poses"], outputs["probabilities"],
-                            outputs["reconstruction"])
+                            outputs["reconstruction"], pose)
     log.info("decoder ONNX Runtime vs PyTorch on %d poses: max |diff| %.2e", decoder.parity["rows"],
              decoder.parity["max_abs_diff"])
     return decoder

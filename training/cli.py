@@ -123,6 +123,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pairs.add_argument("--pair-count", type=int, metavar="N",
                        help=f"pairs, at most {MAX_PAIRS:,} (default: one per image of the split)")
     pairs.add_argument("--seed", type=int, metavar="N", help="seed of the pairs (default 0)")
+    pose = evaluate.add_argument_group("how far the poses show in the decoder's drawings")
+    pose.add_argument("--pose", action="store_true",
+                      help="also measure, on the split: fidelity (reconstruction MSE / class-template MSE) and how "
+                           "many grey levels moving each pose dimension by ±0.25 changes the drawing")
+    pose.add_argument("--pose-images", type=int, default=1000, metavar="N", help="images measured (default 1000)")
+    pose.add_argument("--pose-out", type=Path, metavar="FILE", help="also write the pose figures to FILE as JSON")
     evaluate.set_defaults(handler=run_eval)
 
 
@@ -157,6 +163,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from capsnet.training.distributed import DistributedContext, resolve_device
     from capsnet.training.evaluate import evaluate, load_checkpoint_data
     from capsnet.training.pairs import build_pairs, score_pairs
+    from capsnet.training.pose import pose_report
     from capsnet.training.robustness import MAX_PAIRS
     from capsnet.training.train import SEED_LIMIT
 
@@ -183,14 +190,18 @@ def run_eval(args: argparse.Namespace) -> int:
     result = evaluate(model, split, tuple(checkpoint.class_names), args.batch_size, device)
     pair_scores = None if pairs is None else score_pairs(model, pairs, args.pairs, args.seed or 0, args.batch_size,
                                                          device)[1]
+    pose = pose_report(model, dataset, args.split, args.pose_images, device, args.pose_out) if args.pose else None
     if args.json:
         # the checkpoint's share, also where the test split alone needed nothing held out
         print(json.dumps({"checkpoint": str(args.checkpoint), "data": dataset.name, "split": args.split,
                           "validation_fraction": checkpoint.metrics.get("validation_fraction", 0.0),
-                          **result.to_dict(), **({"pairs": pair_scores.to_dict()} if pair_scores else {})}))
+                          **result.to_dict(), **({"pairs": pair_scores.to_dict()} if pair_scores else {}),
+                          **({"pose": pose.to_json()} if pose else {})}))
     else:
         print(f"checkpoint {args.checkpoint} (epoch {checkpoint.epoch}) on {dataset.name}, {args.split} split")
         print(result.format_report())
         if pair_scores:
             print(pair_scores.format_report())
+        if pose:
+            print(pose.describe())
     return 0
