@@ -17,7 +17,9 @@ import torch
 from capsnet.errors import CapsNetError
 from capsnet.model_description.decoder import LENGTH_SLACK, UNIT_LENGTH
 from capsnet.model_description.pose import GREY_LEVELS, POSE_STEP, PoseFigures
+from capsnet.models.capsnet import CapsNet
 from capsnet.models.checkpoint import Model
+from capsnet.models.em import EMCapsNet
 from capsnet.models.config import CAPSULE_ARCHITECTURES, CapsNetConfig
 from capsnet.training.data import Dataset, Split, to_float
 
@@ -51,7 +53,7 @@ def measure_pose(model: Model, dataset: Dataset, split_name: str = "test", image
                  batch_size: int = 100, device: torch.device | None = None) -> PoseFigures:
     """The pose figures of `model` on the first `images` images of `dataset`'s `split_name` split."""
     config: CapsNetConfig = model.config
-    if config.arch not in CAPSULE_ARCHITECTURES:
+    if not isinstance(model, (CapsNet, EMCapsNet)):  # the CAPSULE_ARCHITECTURES, which have a decoder
         raise CapsNetError(f"a {config.arch} model has no decoder, so its poses draw nothing: --pose is for "
                            f"{' and '.join(CAPSULE_ARCHITECTURES)} models")
     split = getattr(dataset, split_name)
@@ -75,14 +77,14 @@ def measure_pose(model: Model, dataset: Dataset, split_name: str = "test", image
             target = batch.flatten(1)  # (B, C*H*W)
             squared[0] += (output.reconstruction.float() - target).square().sum().double().cpu()
             squared[1] += (templates[labels] - target).square().sum().double().cpu()
-            change += dimension_changes(model, output.poses.float(), labels, steps, limit).double().cpu()
+            change += dimension_changes(model.decoder, output.poses.float(), labels, steps, limit).double().cpu()
     pixels = count * config.input_size
     return PoseFigures(images=count, split=split_name, dataset=dataset.name,
                        reconstruction_mse=float(squared[0] / pixels), template_mse=float(squared[1] / pixels),
                        sensitivity=tuple(float(level) for level in change / count * GREY_LEVELS))
 
 
-def dimension_changes(model: Model, poses: torch.Tensor, labels: torch.Tensor, steps: torch.Tensor,
+def dimension_changes(decoder: torch.nn.Module, poses: torch.Tensor, labels: torch.Tensor, steps: torch.Tensor,
                       limit: float | None) -> torch.Tensor:
     """Summed over the batch, per dimension: the mean |drawing at +step − drawing at −step| of each image's own
     capsule moved along that dimension alone, held within `limit` as the explorer's sliders and grid hold it:
@@ -99,7 +101,7 @@ def dimension_changes(model: Model, poses: torch.Tensor, labels: torch.Tensor, s
     moved[:, every, :, every] = values.permute(1, 0, 2)  # (D, B, S): dimension k of row k
     drawn_poses = poses[:, None, None].repeat(1, dims, len(steps), 1, 1)  # (B, D, S, J, D)
     drawn_poses[torch.arange(batch), :, :, labels] = moved
-    drawn = model.decoder(drawn_poses.flatten(0, 2), labels.repeat_interleave(dims * len(steps)))  # (B*D*S, C*H*W)
+    drawn = decoder(drawn_poses.flatten(0, 2), labels.repeat_interleave(dims * len(steps)))  # (B*D*S, C*H*W)
     drawn = drawn.float().view(batch, dims, len(steps), -1)  # (B, D, S, C*H*W)
     return (drawn[:, :, -1] - drawn[:, :, 0]).abs().mean(dim=2).sum(dim=0)  # (D,)
 

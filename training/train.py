@@ -43,6 +43,7 @@ from capsnet.training.distributed import DistributedContext
 from capsnet.training.evaluate import Evaluation, check_dataset_fits, evaluate
 from capsnet.training.history import EpochRecord, SplitScore
 from capsnet.training.loss import capsnet_loss
+from capsnet.training.optimizer import parameter_groups
 from capsnet.models.capsnet import count_parameters
 from capsnet.training.resume import (LR_SCHEDULES, MODEL_FLAGS, EpochProgress, batch_plan, check_linear_schedule_steps,
                                      check_resumable, default, learning_rate_options, run_options)
@@ -448,7 +449,7 @@ def new_state(options: RunOptions, config: CapsNetConfig, steps_per_epoch: int, 
     """A model initialised from --seed, with a fresh optimizer, schedule and loss scaling."""
     torch.manual_seed(options.seed)
     model = create_model(config).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=options.lr)
+    optimizer = torch.optim.Adam(parameter_groups(model, options.lr), lr=options.lr)
     scheduler = learning_rate_scheduler(optimizer, options, steps_per_epoch)
     scaler = torch.amp.GradScaler(device.type, enabled=options.amp and device.type == "cuda")
     return TrainingState(model, optimizer, scheduler, scaler)

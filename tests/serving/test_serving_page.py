@@ -555,7 +555,7 @@ def test_a_slider_on_a_trained_model_moves_the_drawing_by_the_figure_the_export_
     expected = measure_pose(model, digits, images=len(measured_on)).sensitivity[dim]
     assert np.mean(changes) == pytest.approx(expected, rel=0.05)  # the same measurement, end to end
     assert np.mean(changes) >= 0.5 * pose["sensitivity"][dim] > 0  # and of the size recorded over 1,000 digits
-    if EXPLORER_MODEL:
+    if EXPLORER_MODEL and 2 * pose["visible_dimensions"] >= len(pose["sensitivity"]):  # a model whose poses show
         assert np.mean(changes) >= pose["visible_grey_levels"]
 
 

@@ -108,3 +108,21 @@ def test_a_model_without_a_decoder_or_images_is_refused_in_one_line(random_check
     assert main(["eval", str(trained_tiny_checkpoint), "--pose", "--pose-images", "2",
                  "--pose-out", str(tmp_path / "missing" / "pose.json")]) != 0
     assert "cannot write --pose-out" in capsys.readouterr().err
+
+
+def test_the_decoder_learns_at_its_own_scale_of_the_rate_and_every_parameter_is_in_one_group():
+    from capsnet.models.checkpoint import create_model
+    from capsnet.training.optimizer import parameter_groups
+
+    model = create_model(preset("tiny", decoder_lr_scale=5.0))
+    groups = parameter_groups(model, 1e-3)
+    decoder = {id(p) for p in model.decoder.parameters()}
+    assert [group["lr"] for group in groups] == [1e-3, pytest.approx(5e-3)]
+    assert {id(p) for p in groups[1]["params"]} == decoder
+    assert sorted(id(p) for group in groups for p in group["params"]) == sorted(id(p) for p in model.parameters())
+    optimizer = torch.optim.Adam(groups, lr=1e-3)
+    assert [group["lr"] for group in optimizer.param_groups] == [1e-3, pytest.approx(5e-3)]
+    assert len(parameter_groups(create_model(preset("tiny")), 1e-3)) == 1  # the paper's: one rate for all
+    assert len(parameter_groups(create_model(preset("gap-cnn-tiny", decoder_lr_scale=5.0)), 1e-3)) == 1
+    with pytest.raises(CapsNetError, match="decoder_lr_scale must be > 0"):
+        preset("tiny", decoder_lr_scale=0.0)
