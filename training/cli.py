@@ -134,7 +134,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from capsnet.training.distributed import ReportedError
-    from capsnet.training.train import TrainOptions, last_checkpoint_path, train
+    from capsnet.training.options import TrainOptions, last_checkpoint_path
+    from capsnet.training.train import train
 
     if args.resume is None:
         resume = None
@@ -165,7 +166,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from capsnet.training.pairs import build_pairs, score_pairs
     from capsnet.training.pose import pose_report
     from capsnet.training.robustness import MAX_PAIRS
-    from capsnet.training.train import SEED_LIMIT
+    from capsnet.training.options import SEED_LIMIT
 
     if args.batch_size < 1:
         raise CapsNetError("--batch-size must be at least 1")

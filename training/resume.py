@@ -20,7 +20,7 @@ from capsnet.errors import CapsNetError
 if TYPE_CHECKING:
     from capsnet.models.checkpoint import Checkpoint
     from capsnet.models.config import CapsNetConfig
-    from capsnet.training.train import RunOptions, TrainOptions
+    from capsnet.training.options import RunOptions, TrainOptions
 
 
 class Resume(enum.Enum):

@@ -73,7 +73,7 @@ def run_robustness(args: argparse.Namespace) -> int:
     from capsnet.models.checkpoint import load_checkpoint
     from capsnet.training.distributed import DistributedContext, resolve_device
     from capsnet.training.evaluate import evaluate, load_checkpoint_data
-    from capsnet.training.train import SEED_LIMIT
+    from capsnet.training.options import SEED_LIMIT
     from capsnet.training.transforms import MAX_ROTATION_DEGREES, MAX_SHEAR, OVERLAY_MAX_SHIFT, SCALE_RANGE, \
         affine_split, overlay_pairs
 

@@ -7,7 +7,7 @@ import onnx
 from onnx import numpy_helper
 
 from capsnet.cli import main
-from capsnet.export import exporter
+from capsnet.export import reduced_stage
 from capsnet.export.cli import EXIT_REFUSED
 from capsnet.export.fp16 import FP32_OPS
 from capsnet.export.onnx_export import check_graph
@@ -54,7 +54,7 @@ def test_export_fp16_runs_and_agrees_with_fp32(tiny_export, embedded):
 
 
 def test_export_refuses_a_broken_fp16_model(trained_tiny_checkpoint, tmp_path, monkeypatch, capsys):
-    convert = exporter.convert_fp16
+    convert = reduced_stage.convert_fp16
 
     def broken(model):  # a converter bug that halves the primary capsules' weights
         fp16 = convert(model)
@@ -64,7 +64,7 @@ def test_export_refuses_a_broken_fp16_model(trained_tiny_checkpoint, tmp_path, m
                 fp16.graph.initializer[index].CopyFrom(halved)
         return fp16
 
-    monkeypatch.setattr(exporter, "convert_fp16", broken)
+    monkeypatch.setattr(reduced_stage, "convert_fp16", broken)
     code = main(["export", str(trained_tiny_checkpoint), "--out", str(tmp_path / "model"), "--fp16"])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("capsnet export:")]
     assert code == EXIT_REFUSED and len(lines) == 1, lines

@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 from group_threads import group_threads
 
 from capsnet.models.checkpoint import load_checkpoint
-from capsnet.training.train import TrainOptions, train
+from capsnet.training.options import TrainOptions
+from capsnet.training.train import train
 
 
 def free_port() -> int:

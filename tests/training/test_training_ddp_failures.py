@@ -18,7 +18,8 @@ import pytest
 import torch
 from group_threads import group_threads
 
-from capsnet.training.train import TrainOptions, train
+from capsnet.training.options import TrainOptions
+from capsnet.training.train import train
 
 WORLD_SIZE = 2
 # a spawned process imports torch and joins the group in a few seconds; a gloo group waits 30 minutes for a peer

@@ -14,6 +14,7 @@ from capsnet.errors import CapsNetError
 from capsnet.training import train as train_module
 from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset
+from capsnet.training.options import TrainOptions
 
 # 200 random training images make an epoch of 7 steps at batch 32 and 4 at batch 64, in well under a second
 TRAIN = ["train", "--preset", "tiny", "--no-progress", "--threads", "1", "--val-fraction", "0"]
@@ -83,7 +84,7 @@ def test_a_validation_share_that_takes_every_image_of_a_class_is_refused(idx_dat
 
 def test_threads_beyond_any_cpu_are_a_one_line_error(tmp_path):
     with pytest.raises(CapsNetError, match=r"^--threads must be at most 1024$"):
-        train_module.TrainOptions(threads=100_000)
+        TrainOptions(threads=100_000)
     # before: torch's thread pool failed to start that many threads and the process died of a segmentation fault
     result = subprocess.run([sys.executable, "-m", "capsnet", *TRAIN, "--epochs", "1", "--threads", "100000",
                              "--out", str(tmp_path / "m.ckpt")], capture_output=True, text=True, timeout=120)

@@ -8,7 +8,7 @@ import dataclasses
 
 from capsnet.cli import build_parser
 from capsnet.training.resume import SETTINGS, Resume, default_help
-from capsnet.training.train import TrainOptions
+from capsnet.training.options import TrainOptions
 
 # what is not a setting of the run: how this invocation starts (--resume) and shows progress (--no-progress)
 INVOCATION = {"resume", "progress"}

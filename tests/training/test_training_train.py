@@ -14,6 +14,8 @@ from capsnet.training import train as train_module
 from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_embedded, to_float
 from capsnet.training.history import EpochRecord
+from capsnet.training.options import RunOptions, TrainOptions
+from capsnet.training.run import learning_rate_scheduler
 
 # Measured with the conftest command (tiny, 2 epochs, batch 64, seed 0, all 4,000 training digits): 73.5% test
 # accuracy; with 400 of them held out for validation, 73.8%. Chance is 10%.
@@ -281,9 +283,9 @@ def test_cuda_mixed_precision_resume_mid_epoch_keeps_the_loss_scale(cuda_amp_run
 def test_the_linear_schedule_warms_up_then_falls_towards_zero():
     weight = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.Adam([weight], lr=0.01)
-    given = train_module.TrainOptions(epochs=3, lr_schedule="linear", warmup=0.1)
-    options = train_module.RunOptions.completed(given, {})
-    scheduler = train_module.learning_rate_scheduler(optimizer, options, steps_per_epoch=10)  # 30 steps, 3 rising
+    given = TrainOptions(epochs=3, lr_schedule="linear", warmup=0.1)
+    options = RunOptions.completed(given, {})
+    scheduler = learning_rate_scheduler(optimizer, options, steps_per_epoch=10)  # 30 steps, 3 rising
     rates = []
     for _ in range(30):
         rates.append(optimizer.param_groups[0]["lr"])
