@@ -42,9 +42,11 @@ def move_program(program: torch.export.ExportedProgram, device: str) -> torch.ex
     return move_to_device_pass(program, device)
 
 
-def compile_package(program: torch.export.ExportedProgram, path: Path, device: str, precision: str, gpu: int,
-                    min_batch: int, max_batch: int) -> AotiPackage:
-    """Compile `program` (already on its device) into the package `path`; returns its description (no parity yet)."""
+def compile_package(program: torch.export.ExportedProgram, path: Path, target: torch.device, precision: str,
+                    max_batch: int) -> AotiPackage:
+    """Compile `program` (already on `target`, the CPU or a CUDA device) for batches of 1 to `max_batch` into the
+    package `path`; returns its description (no parity yet)."""
+    device = target.type
     if precision not in AOTI_PRECISIONS[device]:
         raise CapsNetError(f"AOTInductor {device} packages are {', '.join(AOTI_PRECISIONS[device])}, not {precision}")
     started = time.monotonic()
@@ -59,11 +61,11 @@ def compile_package(program: torch.export.ExportedProgram, path: Path, device: s
     log.info("AOTInductor %s %s package compiled in %.1f s (%.1f MB)", device, precision, time.monotonic() - started,
              path.stat().st_size / 1e6)
     if device == "cuda":
-        built_on, capability = gpu_facts(gpu)
+        built_on, capability = gpu_facts(target.index)
     else:
         built_on, capability = CpuKind.this_host().describe(), None
     return AotiPackage(file=path.name, device=device, precision=precision, torch_version=torch.__version__,
-                       min_batch=min_batch, max_batch=max_batch, built_on=built_on, compute_capability=capability,
+                       min_batch=1, max_batch=max_batch, built_on=built_on, compute_capability=capability,
                        parity={})
 
 

@@ -53,8 +53,7 @@ def compile_aoti(fp32: Fp32Stage, gates: dict[str, PrecisionGate]) -> AotiStage:
     packages = []
     refused: dict[str, str] = {}
     for device, precision in config.aoti_targets():
-        gpu = config.engine().gpu
-        target = f"cuda:{gpu}" if device == "cuda" else "cpu"
+        target = torch.device(f"cuda:{config.engine().gpu}" if device == "cuda" else "cpu")
         path = aoti.package_path(job.staging, device, precision)
         if precision != "fp32" and not gates[f"torch_{precision}"].accepted:
             refused[path.name] = f"{precision.upper()} package refused: {gates[f'torch_{precision}'].refusal()}"
@@ -67,11 +66,11 @@ def compile_aoti(fp32: Fp32Stage, gates: dict[str, PrecisionGate]) -> AotiStage:
             convolutions_in(model, precision)
             source = export_program(model, job.names, config.max_batch)
         if device == "cuda":
-            source = aoti.move_program(source, target)
-        package = aoti.compile_package(source, path, device, precision, gpu, 1, config.max_batch)
+            source = aoti.move_program(source, str(target))
+        package = aoti.compile_package(source, path, target, precision, config.max_batch)
         model_config = checkpoint.config
         row_shape = (model_config.in_channels, model_config.height, model_config.width)
-        runner = TorchRunner(package_forward(path, torch.device(target)), torch.device(target), row_shape,
+        runner = TorchRunner(package_forward(path, target), target, row_shape,
                              output_shapes(model_config, config.reconstruction), config.max_batch)
         if precision == "fp32":
             result = _check_fp32_package(fp32, runner, device)

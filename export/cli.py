@@ -9,6 +9,7 @@ import sys
 
 from capsnet.errors import CapsNetError
 from capsnet.export.config import DEFAULT_OPSET, MAX_INT8_OPSET, MAX_OPSET, MIN_OPSET, PRECISIONS, ExportConfig
+from capsnet.training.arguments import add_checkpoint, add_data
 
 DEFAULTS = ExportConfig()
 # The export was written, but without a variant it was asked for: the precision gate refused it (named on stderr and
@@ -40,14 +41,13 @@ def register(subparsers) -> None:
         "checked against PyTorch on real images. Written atomically: a failed export leaves DIR as it was.",
         epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("checkpoint", help="checkpoint written by `capsnet train`")
+    add_checkpoint(parser)
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="output directory (new, empty, or a previous export)")
     parser.add_argument("--reconstruction", action="store_true", help="also output the decoder's reconstruction")
-    parser.add_argument("--data", default=DEFAULTS.data, metavar="embedded|DIR",
-                        help="real images for parity and the self-check set (test split), INT8 calibration (train) "
-                        "and accuracy (test); its classes must be the checkpoint's (default: the data the checkpoint "
-                        "was trained on)")
+    add_data(parser, DEFAULTS.data, "real images for parity and the self-check set (test split), INT8 calibration "
+             "(train) and accuracy (test); its classes must be the checkpoint's (default: the data the checkpoint was "
+             "trained on)")
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET,
                         help=f"ONNX opset, {MIN_OPSET}-{MAX_OPSET}; with INT8 at most {MAX_INT8_OPSET} "
                         "(default: %(default)s)")

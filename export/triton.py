@@ -31,11 +31,19 @@ def _tensor_entry(name: str, datatype: str, dims: list[int]) -> str:
 def config_pbtxt(description: ModelDescription, model_format: str, config: TritonConfig) -> str:
     inputs = [_tensor_entry(description.input_name, "FP32", description.input_dims)]
     outputs = [_tensor_entry(name, "FP32", list(shape)) for name, shape in description.output_shapes.items()]
-    return _config(description.name, model_format, inputs, outputs, description.class_names, config)
+    lines = _config_lines(description.name, model_format, inputs, outputs, config)
+    parameters = class_names_parameters(description.class_names) if description.class_names else {}
+    for key, value in parameters.items():
+        text = value["string_value"].replace("\\", "\\\\").replace('"', '\\"')  # a protobuf text-format string
+        lines.append(f'parameters {{\n  key: "{key}"\n  value: {{ string_value: "{text}" }}\n}}')
+    if model_format == "plan":
+        lines.append("instance_group [\n  {\n    kind: KIND_GPU\n    count: 1\n  }\n]")  # engines run on GPUs only
+    return "\n".join(lines) + "\n"
 
 
-def _config(name: str, model_format: str, inputs: list[str], outputs: list[str], class_names: tuple[str, ...] | None,
-            config: TritonConfig) -> str:
+def _config_lines(name: str, model_format: str, inputs: list[str], outputs: list[str],
+                  config: TritonConfig) -> list[str]:
+    """What every model's config.pbtxt says: its name and platform, its tensors and its dynamic batching."""
     platform, _ = PLATFORMS[model_format]
     preferred = sorted({size for size in config.preferred_batch_sizes if size <= config.max_batch_size})
     lines = [
@@ -49,13 +57,7 @@ def _config(name: str, model_format: str, inputs: list[str], outputs: list[str],
         f"  max_queue_delay_microseconds: {config.max_queue_delay_us}\n"
         "}",
     ]
-    parameters = class_names_parameters(class_names) if class_names else {}  # the decoder's output is no class
-    for key, value in parameters.items():
-        text = value["string_value"].replace("\\", "\\\\").replace('"', '\\"')  # a protobuf text-format string
-        lines.append(f'parameters {{\n  key: "{key}"\n  value: {{ string_value: "{text}" }}\n}}')
-    if model_format == "plan":
-        lines.append("instance_group [\n  {\n    kind: KIND_GPU\n    count: 1\n  }\n]")  # engines run on GPUs only
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def write_model_directory(model_dir: Path, description: ModelDescription, model_file: Path, model_format: str,
@@ -68,9 +70,10 @@ def write_decoder_directory(model_dir: Path, name: str, decoder: DecoderDescript
                             config: TritonConfig) -> None:
     """Fill `model_dir` (REPO/<name>) with the decoder alone: poses and a class index in, its reconstruction out."""
     inputs, outputs = decoder.tensors()
-    text = _config(name, "onnx", [_tensor_entry(t["name"], t["datatype"], t["shape"]) for t in inputs],
-                   [_tensor_entry(t["name"], t["datatype"], t["shape"]) for t in outputs], None, config)
-    _write(model_dir, model_file, "onnx", text)
+    # no class names: the decoder's output is no class
+    lines = _config_lines(name, "onnx", [_tensor_entry(t["name"], t["datatype"], t["shape"]) for t in inputs],
+                          [_tensor_entry(t["name"], t["datatype"], t["shape"]) for t in outputs], config)
+    _write(model_dir, model_file, "onnx", "\n".join(lines) + "\n")
 
 
 def _write(model_dir: Path, model_file: Path, model_format: str, config_text: str) -> None:

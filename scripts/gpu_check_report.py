@@ -14,7 +14,8 @@ from pathlib import Path
 
 from capsnet.bench.analysis.targets import evaluate_gpu
 from capsnet.bench.gpu_check import SERVE_MAX_BATCH
-from capsnet.bench.harness import REFERENCE_SPECS, ratios
+from capsnet.bench.harness import ratios
+from capsnet.bench.results import COMPILE, EAGER, NUMPY, ON_DEVICE, PUBLIC, cells
 
 
 def report(args) -> None:
@@ -40,17 +41,15 @@ def report(args) -> None:
 
 
 def _cells(parts: dict) -> dict[tuple[str, int], dict]:
-    """(engine spec, batch) -> result (numpy in and out) of the engines steps, the public formulation as
-    "public:fp32"; the model eager or compiled are left out."""
-    cells = {}
+    """(engine, batch) -> figures (numpy in and out) of the engines steps, with the engine's name and the step; the
+    model eager or compiled are left out."""
+    found = {}
     for name in sorted(parts):
         if name.startswith("engines"):
-            for row in parts[name]["results"]:
-                spec = "public:fp32" if row["engine"] == "public" else row["engine"]
-                if spec not in REFERENCE_SPECS:
-                    cells[spec, row["batch_size"]] = {"backend": spec, "batch_size": row["batch_size"],
-                                                      **row["numpy"], "step": name}
-    return cells
+            for (engine, batch), figures in cells(parts[name]["measurements"], NUMPY).items():
+                if engine not in (EAGER, COMPILE):
+                    found[engine, batch] = {"engine": engine, **figures, "step": name}
+    return found
 
 
 def _f(value, spec: str) -> str:
@@ -61,19 +60,19 @@ def _f(value, spec: str) -> str:
 def _analysis(parts: dict, flops: float | None) -> dict:
     cells = _cells(parts)
     peak, analysis = parts.get("peak", {}), {}
-    ours = {key: row for key, row in cells.items() if not key[0].startswith("public")}
+    ours = {key: row for key, row in cells.items() if key[0] != PUBLIC}
     for batch in sorted({batch for _, batch in cells}):
-        public = cells.get(("public:fp32", batch))
+        public = cells.get((PUBLIC, batch))
         candidates = [row for (spec, b), row in ours.items() if b == batch]
         if not candidates:
             continue
         best = max(candidates, key=lambda row: row["images_per_s"])
-        entry = {"best": best["backend"], "best_images_per_s": best["images_per_s"], "best_p50_ms": best["p50_ms"]}
+        entry = {"best": best["engine"], "best_images_per_s": best["images_per_s"], "best_p50_ms": best["p50_ms"]}
         if public:
             entry["public_images_per_s"] = public["images_per_s"]
             entry["speedup_vs_public"] = best["images_per_s"] / public["images_per_s"]
         if flops and peak:
-            precision = best["backend"].split(":")[1]
+            precision = best["engine"].split(":")[1]
             tflops = peak.get(f"matmul_{precision}_tflops") or peak.get("matmul_fp32_tflops")
             entry["achieved_tflops"] = flops * best["images_per_s"] / 1e12
             entry["share_of_matmul_peak"] = entry["achieved_tflops"] / tflops if tflops else None
@@ -119,7 +118,7 @@ def _markdown(summary: dict, parts: dict) -> str:
         batches = sorted({batch for _, batch in cells})
         lines += ["", "## In process (numpy in, numpy out: copies to and from the device included)", "",
                   "p50 ms per batch / images per second", "",
-                  "| backend | " + " | ".join(f"batch {b}" for b in batches) + " |",
+                  "| engine | " + " | ".join(f"batch {b}" for b in batches) + " |",
                   "|---|" + "---|" * len(batches)]
         for spec in specs:
             row = [f"{cells[spec, b]['p50_ms']:.3f} / {cells[spec, b]['images_per_s']:,.0f}" if (spec, b) in cells
@@ -159,21 +158,21 @@ def _markdown(summary: dict, parts: dict) -> str:
 
 def engines_markdown(part: dict) -> str:
     """The engines table (p50 ms device-resident / numpy, and images/s), the ratios, and the profiler tables."""
-    results = part.get("results", [])
-    if not results:
+    measurements = part.get("measurements", [])
+    if not measurements:
         return "\n## Engines\n\nnot measured" + (f": {part.get('failed')}" if part.get("failed") else "") + "\n"
-    batches = sorted({row["batch_size"] for row in results})
-    cells = {(row["engine"], row["batch_size"]): row for row in results}
+    batches = sorted({row["batch"] for row in measurements})
+    resident, numpy = cells(measurements, ON_DEVICE), cells(measurements, NUMPY)
     text = ("\n## Engines, one process, one GPU\n\np50 ms device-resident / numpy in and out (images/s numpy)\n\n"
             f"| engine | {' | '.join(f'batch {b}' for b in batches)} |\n|---|{'---|' * len(batches)}\n")
-    for spec in dict.fromkeys(row["engine"] for row in results):
+    for engine in dict.fromkeys(row["engine"] for row in measurements):
         row_cells = []
         for batch in batches:
-            cell = cells.get((spec, batch))
+            on_device, cell = resident.get((engine, batch)), numpy.get((engine, batch))
             row_cells.append("—" if cell is None else
-                             f"{cell['device_resident']['p50_ms']:.3f} / {cell['numpy']['p50_ms']:.3f} "
-                             f"({cell['numpy']['images_per_s']:,.0f}/s)")
-        text += f"| {spec} | {' | '.join(row_cells)} |\n"
+                             f"{'—' if on_device is None else format(on_device['p50_ms'], '.3f')} / "
+                             f"{cell['p50_ms']:.3f} ({cell['images_per_s']:,.0f}/s)")
+        text += f"| {engine} | {' | '.join(row_cells)} |\n"
     text += "\n" + "\n".join(f"- {spec}: {info['description']}"
                              + (f"; self-check {'passed' if info['self_check']['passed'] else 'FAILED'}"
                                 if info.get("self_check") else "")

@@ -25,6 +25,7 @@ import grpc
 import numpy as np
 
 from capsnet.bench.server_process import ServerProcess
+from capsnet.runtime.cpu import CpuKind
 from capsnet.serving import loadgen
 from capsnet.serving.client import image_message
 from capsnet.v1 import capsnet_pb2 as pb
@@ -106,9 +107,7 @@ def main() -> None:
     parser.add_argument("--drain-runs", type=int, default=3)
     parser.add_argument("--only", choices=("memory", "drain", "burst"), help="one part only")
     args = parser.parse_args()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    print(f"CPU: {cpu}; Python {platform.python_version()}, grpcio {grpc.__version__}\n")
+    print(f"CPU: {CpuKind.this_host().describe()}; Python {platform.python_version()}, grpcio {grpc.__version__}\n")
     if args.only in (None, "memory"):
         print("| refused load | statuses | RSS MiB before | peak | 10 s after each round |\n|---|---|---:|---:|---:|")
         for transport in ("grpc", "rest"):

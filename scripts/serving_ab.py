@@ -8,10 +8,11 @@ Both servers run side by side and take turns under the same closed-loop load fro
 Around each run the server's own histograms are read, which splits a request's latency into the backend's compute,
 the batch queue, and the rest: the request path (gRPC, decoding, checks, batcher hand-off, encoding) and the client.
 
-    git worktree add /tmp/base d907b92 && (cd /tmp/base && bash scripts/setup-env.sh)
-    .venv/bin/python scripts/serving_ab.py --baseline /tmp/base --out docs/benchmarks/serving-ab
+    git worktree add "$TMPDIR/base" d907b92 && (cd "$TMPDIR/base" && bash scripts/setup-env.sh)
+    .venv/bin/python scripts/serving_ab.py --baseline "$TMPDIR/base" --out docs/benchmarks/serving-ab
 
-writes OUT.json (every run) and OUT.md (the command, the machine, the table). Needs the dev extra (tritonclient).
+writes OUT.json (every run) and OUT.md (the command, the machine, the table), their paths relative to the repository
+root, the temporary folder written $TMPDIR (capsnet.bench.results.portable). Needs the dev extra (tritonclient).
 `--candidate-env NAME=VALUE` sets a variable for the candidate's server only: with the same tree as baseline, an
 A/B of a setting (OTEL_EXPORTER_OTLP_ENDPOINT: the cost of tracing).
 """
@@ -22,9 +23,7 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import re
-import shlex
 import signal
 import statistics
 import subprocess
@@ -32,12 +31,11 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from capsnet.bench.results import portable, portable_command
+from capsnet.bench.server_process import scrape
 from capsnet.serving.loadgen import random_images, run_load
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,13 +119,8 @@ class Server:
                 self.process.wait(10)
 
     def histograms(self) -> dict[str, tuple[float, float]]:
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
-            text = response.read().decode()
-        samples: dict[str, float] = {}  # _sum and _count, summed over the model versions (_bucket has `le`)
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if "le" not in sample.labels:
-                    samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+        """(_sum, _count) of each of HISTOGRAMS, over the model versions."""
+        samples = scrape(self.metrics_url)
         return {name: (samples.get(f"{name}_sum", 0.0), samples.get(f"{name}_count", 0.0)) for name in HISTOGRAMS}
 
 
@@ -137,17 +130,10 @@ def git_commit(tree: Path) -> str:
 
 
 def cpu_kind() -> str:
-    """The CPU's model name and its vector extensions, as /proc/cpuinfo lists them."""
-    model, flags = platform.machine(), []
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            if key.strip() == "flags":
-                flags = [flag for flag in value.split() if re.match(r"avx|amx|.*vnni", flag)]
-                break
-    return f"{model} ({', '.join(flags) or 'no AVX'})"
+    """The CPU's model name and the vector extensions its kernels choose by (capsnet.runtime.cpu.CpuKind)."""
+    from capsnet.runtime.cpu import CpuKind
+
+    return CpuKind.this_host().describe()
 
 
 def mean_ms(before: dict, after: dict, name: str) -> float:
@@ -262,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             for server in servers:
                 server.stop()
     load_after = os.getloadavg()
-    command = " ".join(shlex.quote(part) for part in [Path(sys.executable).name, *sys.argv])
+    command = portable_command([sys.executable, *sys.argv], REPO)
     report = [
         f"# KServe gRPC A/B: {servers[0].commit} vs {servers[1].commit}", "",
         f"Measured {started} by:", "", "```", command, "```", "",
@@ -287,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.with_suffix(".json").write_text(json.dumps({
             "command": command, "started": started, "cpu": cpu_kind(), "cores": os.cpu_count(),
             "load_average_before": load_before, "load_average_after": load_after,
-            "servers": {server.label: {"tree": str(server.tree), "commit": server.commit, "env": server.env}
+            "servers": {server.label: {"tree": portable(str(server.tree), REPO), "commit": server.commit,
+                                       "env": server.env}
                         for server in servers},
             "runs": runs}, indent=1) + "\n")
     return 0

@@ -4,6 +4,7 @@ handlers."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -194,12 +195,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from capsnet.serving.server import serve
     from capsnet.serving.workers import front_ends, supervise
 
-    names = ("model_dir model_repository version_policy model_control poll_seconds log_format otlp_endpoint host "
-             "grpc_port http_port http ui metrics_port backend precision gpu max_batch_size max_queue_delay_us warmup "
-             "max_queue_size max_pending_rpcs threads max_message_bytes max_image_scale allow_client_shm "
-             "max_shm_regions max_shm_bytes tls_cert tls_key tls_client_ca "
-             "drain_window_s grace_period_s workers").split()
-    config = ServerConfig.from_sources({name: getattr(args, name) for name in names})
+    # every setting has a flag of its name (None: not given, so the environment's or the default)
+    flags = {setting.name: getattr(args, setting.name) for setting in dataclasses.fields(ServerConfig)}
+    config = ServerConfig.from_sources(flags)
     if config.log_format == "json":
         use_json_logs()
     if (workers := front_ends(config)) > 1:

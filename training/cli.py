@@ -6,11 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-
-# shared by train and eval
-DATA_HELP = "'embedded' (5,000 MNIST digits shipped in the package) or a folder of MNIST-format IDX files"
-CHECKPOINT_DATA_HELP = DATA_HELP + "; its classes must be the checkpoint's (default: the data it was trained on)"
-DEVICE_HELP = "auto (CUDA if present, else CPU), cpu, cuda or cuda:N"
+from capsnet.training.arguments import DATA_HELP, add_checkpoint, add_data, add_device, add_scoring_batch_size
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "Under torchrun every process runs this command (DistributedDataParallel).",
     )
     # Defaults and what a resume keeps come from resume.SETTINGS; a flag a resume keeps is None when left out.
-    train.add_argument("--data", default=default("data"), metavar="embedded|DIR", help=DATA_HELP)
+    add_data(train, default("data"), DATA_HELP)
     train.add_argument("--val-fraction", type=float, metavar="F",
                        help="share of the training images held out (per class, with a fixed seed) as the validation "
                             "split that chooses the best epoch; the test split is only reported "
@@ -90,7 +86,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="standardise inputs with the training split's per-channel mean/std "
                             "(default: mean 0, std 1)")
     execution = train.add_argument_group("execution")
-    execution.add_argument("--device", default=default("device"), metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
+    add_device(execution, default("device"))
     execution.add_argument("--amp", action="store_true",
                            help="mixed precision: fp16 on CUDA; bf16 on a CPU with native bf16 (AVX512_BF16 or AMX), "
                            "else fp32 with a note")
@@ -105,14 +101,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="accuracy, per-class accuracy and confusion matrix of a checkpoint",
         description="Evaluate a checkpoint on a data split: accuracy, per-class accuracy, confusion matrix.",
     )
-    evaluate.add_argument("checkpoint", type=Path, help="a checkpoint written by capsnet train")
-    evaluate.add_argument("--data", metavar="embedded|DIR", help=CHECKPOINT_DATA_HELP)
+    add_checkpoint(evaluate)
+    add_data(evaluate)
     evaluate.add_argument("--split", choices=("train", "validation", "test"), default="test",
                           help="which split (default test); validation and train are the checkpoint's: the "
                                "training images less the share its training run held out (--val-fraction)")
-    evaluate.add_argument("--batch-size", type=int, default=256, metavar="B",
-                          help="images per forward pass (default 256)")
-    evaluate.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
+    add_scoring_batch_size(evaluate)
+    add_device(evaluate)
     evaluate.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     pairs = evaluate.add_argument_group("pairs of digits in one image")
     pairs.add_argument("--pairs", choices=PAIR_LAYOUTS,
@@ -162,11 +157,11 @@ def run_eval(args: argparse.Namespace) -> int:
     from capsnet.errors import CapsNetError
     from capsnet.models.checkpoint import load_checkpoint
     from capsnet.training.distributed import DistributedContext, resolve_device
-    from capsnet.training.evaluate import evaluate, load_checkpoint_data
-    from capsnet.training.pairs import build_pairs, score_pairs
+    from capsnet.training.evaluate import Scoring, evaluate, load_checkpoint_data
     from capsnet.training.pose import pose_report
-    from capsnet.training.robustness import MAX_PAIRS
     from capsnet.training.options import SEED_LIMIT
+    from capsnet.training.pairs import PairSpec, build_pairs, score_pairs
+    from capsnet.training.robustness import MAX_PAIRS
 
     if args.batch_size < 1:
         raise CapsNetError("--batch-size must be at least 1")
@@ -183,14 +178,14 @@ def run_eval(args: argparse.Namespace) -> int:
     split = {"train": dataset.train, "validation": dataset.validation, "test": dataset.test}[args.split]
     if split is None:  # the validation split of a run that held none out
         raise CapsNetError(f"checkpoint {args.checkpoint} was trained without a validation split")
-    pairs = None
+    pairs = spec = None
     if args.pairs is not None:  # built before the scoring, so a model that cannot take them fails at once
-        pairs = build_pairs(checkpoint.config, split, len(split) if args.pair_count is None else args.pair_count,
-                            args.seed or 0, args.pairs, f"checkpoint {args.checkpoint}")
+        spec = PairSpec(args.pairs, len(split) if args.pair_count is None else args.pair_count, args.seed or 0)
+        pairs = build_pairs(checkpoint.config, split, spec, f"checkpoint {args.checkpoint}")
     model = checkpoint.build_model().to(device)
-    result = evaluate(model, split, tuple(checkpoint.class_names), args.batch_size, device)
-    pair_scores = None if pairs is None else score_pairs(model, pairs, args.pairs, args.seed or 0, args.batch_size,
-                                                         device)[1]
+    scoring = Scoring(args.batch_size, device)
+    result = evaluate(model, split, tuple(checkpoint.class_names), scoring)
+    pair_scores = None if spec is None else score_pairs(model, pairs, spec, scoring)[1]
     pose = pose_report(model, dataset, args.split, args.pose_images, device, args.pose_out) if args.pose else None
     if args.json:
         # the checkpoint's share, also where the test split alone needed nothing held out

@@ -24,6 +24,16 @@ from capsnet.training.loss import capsnet_loss
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """How a model is scored: images per forward pass, on which device, among which ranks (each takes every
+    world_size-th image, and the counts are summed), under which autocast."""
+    batch_size: int
+    device: torch.device
+    context: DistributedContext = DistributedContext()
+    autocast: contextlib.AbstractContextManager = contextlib.nullcontext()
+
+
 @dataclass
 class Evaluation:
     confusion: np.ndarray  # (J, J) counts: rows are true classes, columns predicted classes
@@ -118,10 +128,9 @@ def check_dataset_fits(config: CapsNetConfig, dataset: Dataset, what: str, class
 
 
 @torch.no_grad()
-def evaluate(model: Model, split: Split, class_names: tuple[str, ...], batch_size: int, device: torch.device,
-             context: DistributedContext = DistributedContext(),
-             autocast: contextlib.AbstractContextManager = contextlib.nullcontext()) -> Evaluation:
+def evaluate(model: Model, split: Split, class_names: tuple[str, ...], scoring: Scoring) -> Evaluation:
     """Score `split`; each rank takes every world_size-th image and the counts are summed over ranks."""
+    batch_size, device, context = scoring.batch_size, scoring.device, scoring.context
     was_training = model.training
     model.eval()
     num_classes = len(class_names)
@@ -132,7 +141,7 @@ def evaluate(model: Model, split: Split, class_names: tuple[str, ...], batch_siz
         indices = shard[start : start + batch_size]
         images = to_float(split.images[indices]).to(device)  # (B, C, H, W)
         labels = torch.as_tensor(split.labels[indices]).to(device)  # (B,)
-        with autocast:
+        with scoring.autocast:
             output = model(images, labels)
         loss_sum += capsnet_loss(output, images, labels, model.config).total.double() * len(indices)
         predicted = output.probabilities.argmax(dim=1)  # (B,)

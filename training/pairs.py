@@ -12,12 +12,24 @@ numpy and torch are imported inside the functions, so `capsnet --help` stays fas
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from capsnet.errors import CapsNetError
+
+if TYPE_CHECKING:
+    from capsnet.training.evaluate import Scoring
 
 # How two digits share one image: side by side (H × 2W), one above the other (2H × W), or overlaid with shifts
 # (H × W, transforms.overlay_pairs)
 PAIR_LAYOUTS = ("side-by-side", "stacked", "overlap")
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """Which pairs: how two digits share an image (PAIR_LAYOUTS), how many, drawn from which seed."""
+    layout: str
+    count: int
+    seed: int
 
 
 @dataclass(frozen=True)
@@ -45,11 +57,12 @@ class PairScores:
                 f"  ... with both lengths > {PRESENT_THRESHOLD:g}      {100 * self.top2_both_present_accuracy:6.2f}%")
 
 
-def build_pairs(config, split, count: int, seed: int, layout: str, what: str):
-    """`count` pair images of `split`'s digits (transforms.digit_pairs), after checking that the model of `config`
-    takes their size: a fixed-size model takes overlaid pairs only."""
+def build_pairs(config, split, spec: PairSpec, what: str):
+    """`spec.count` pair images of `split`'s digits (transforms.digit_pairs), after checking that the model of
+    `config` (named `what` in an error) takes their size: a fixed-size model takes overlaid pairs only."""
     from capsnet.training.transforms import digit_pairs
 
+    layout, count = spec.layout, spec.count
     channels, height, width = split.images.shape[1:]
     shape = {"side-by-side": (channels, height, 2 * width), "stacked": (channels, 2 * height, width),
              "overlap": (channels, height, width)}[layout]
@@ -59,17 +72,17 @@ def build_pairs(config, split, count: int, seed: int, layout: str, what: str):
         raise CapsNetError(f"{what} takes {sizes.describe()}{' images' if sizes.fixed else ''}; {layout} pairs are "
                            f"{'x'.join(map(str, shape))}{hint}")
     try:
-        return digit_pairs(split, count, seed, layout)
+        return digit_pairs(split, count, spec.seed, layout)
     except MemoryError:
         raise CapsNetError(f"not enough memory for {count:,} pairs of {'x'.join(map(str, shape))} images; ask for "
                            "fewer with --pair-count") from None
 
 
-def score_pairs(model, pairs, layout: str, seed: int, batch_size: int, device):
+def score_pairs(model, pairs, spec: PairSpec, scoring: Scoring):
     """The model's (N, J) lengths on `pairs` (a transforms.PairSet) and its PairScores."""
     from capsnet.training.robustness import class_probabilities, overlap_scores
 
-    probabilities = class_probabilities(model, pairs.images, batch_size, device)  # (N, J)
+    probabilities = class_probabilities(model, pairs.images, scoring)  # (N, J)
     scores = overlap_scores(probabilities, pairs.labels)
-    return probabilities, PairScores(layout, len(pairs.labels), seed, tuple(pairs.images.shape[1:]),
+    return probabilities, PairScores(spec.layout, len(pairs.labels), spec.seed, tuple(pairs.images.shape[1:]),
                                      scores["top2_accuracy"], scores["top2_both_present_accuracy"])

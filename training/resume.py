@@ -85,9 +85,8 @@ SETTINGS: dict[str, Setting] = {
     # through a small inverse temperature λ, so it learns at 10× the rate (0.01, as public EM implementations train;
     # at 0.001 a small EM model barely learns in an epoch).
     "lr": Setting("--lr", ByArch(1e-3, {"em": 1e-2}), Resume.KEEPS, LEARNING_RATE, "initial_lr"),
-    # EM's 3-epoch runs on the embedded digits averaged 96.1% with the rate falling to 0 per step against 94.3% with
-    # the best per-epoch decay tried (five seeds each, docs/experiments); the other models keep the schedule their
-    # figures were measured with.
+    # EM's rate falls to 0 per step: over five seeds it beat the best per-epoch decay tried (docs/experiments/README.md,
+    # "A learning rate that falls to zero"); the other models keep the schedule their figures were measured with.
     "lr_schedule": Setting("--lr-schedule", ByArch("exponential", {"em": "linear"}), Resume.KEEPS, SCHEDULE,
                            "lr_schedule"),
     "lr_decay": Setting("--lr-decay", 0.9, Resume.KEEPS, SCHEDULE, "lr_decay"),  # exponential only
@@ -206,8 +205,8 @@ def learning_rate_options(options: TrainOptions, arch: str, resumed: Checkpoint 
 
 def batch_plan(options: RunOptions, world_size: int, train_images: int) -> dict[str, Any]:
     """The values of BATCH_PLAN for this run."""
-    run = {"world_size": world_size, "train_images": train_images}
-    return {name: run[name] if name in run else getattr(options, name) for name in BATCH_PLAN}
+    counts = {"world_size": world_size, "train_images": train_images}
+    return {name: counts[name] if name in counts else getattr(options, name) for name in BATCH_PLAN}
 
 
 def check_resumable(resumed: Checkpoint, config: CapsNetConfig, options: RunOptions,

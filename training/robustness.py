@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from capsnet.model_description.classes import PRESENT_THRESHOLD  # the one default, which serving uses too
-from capsnet.training.cli import CHECKPOINT_DATA_HELP, DEVICE_HELP
+from capsnet.training.arguments import add_checkpoint, add_data, add_device, add_scoring_batch_size
+
+if TYPE_CHECKING:
+    from capsnet.training.evaluate import Scoring
 
 # The pairs are built in memory at once, about 6 kB each for 28x28 images (200,000: 1.2 GB, 20 s): this many
 # is 6 GB; 10**12 asked numpy for terabytes and ended in a traceback.
@@ -32,29 +35,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "shifts of up to 4 pixels (top-2 accuracy, with and without both lengths > 0.5). "
                     "Every set is rebuilt exactly from --seed.",
     )
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint written by capsnet train")
-    parser.add_argument("--data", metavar="embedded|DIR", help=CHECKPOINT_DATA_HELP)
+    add_checkpoint(parser)
+    add_data(parser)
     parser.add_argument("--pairs", type=int, metavar="N",
                         help=f"overlaid pairs, at most {MAX_PAIRS:,} (default: one per test image)")
     parser.add_argument("--seed", type=int, default=0, metavar="N",
                         help="seed of the distortions and pairs (default 0)")
-    parser.add_argument("--batch-size", type=int, default=256, metavar="B",
-                        help="images per forward pass (default 256)")
-    parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
+    add_scoring_batch_size(parser)
+    add_device(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     parser.set_defaults(handler=run_robustness)
 
 
-def class_probabilities(model, images, batch_size: int, device):
+def class_probabilities(model, images, scoring: Scoring):
     """uint8 (N, C, H, W) images -> (N, J) float32 numpy probabilities (capsule lengths), in batches."""
     import torch
 
     from capsnet.training.data import to_float
 
+    batch_size = scoring.batch_size
     model.eval()
     with torch.no_grad():
-        chunks = [model(to_float(images[start : start + batch_size]).to(device)).probabilities.float().cpu()  # (B, J)
-                  for start in range(0, len(images), batch_size)]
+        chunks = [model(to_float(images[start : start + batch_size]).to(scoring.device)).probabilities.float().cpu()
+                  for start in range(0, len(images), batch_size)]  # (B, J) each
     return torch.cat(chunks).numpy()  # (N, J)
 
 
@@ -72,7 +75,7 @@ def run_robustness(args: argparse.Namespace) -> int:
     from capsnet.errors import CapsNetError
     from capsnet.models.checkpoint import load_checkpoint
     from capsnet.training.distributed import DistributedContext, resolve_device
-    from capsnet.training.evaluate import evaluate, load_checkpoint_data
+    from capsnet.training.evaluate import Scoring, evaluate, load_checkpoint_data
     from capsnet.training.options import SEED_LIMIT
     from capsnet.training.transforms import MAX_ROTATION_DEGREES, MAX_SHEAR, OVERLAY_MAX_SHIFT, SCALE_RANGE, \
         affine_split, overlay_pairs
@@ -90,8 +93,9 @@ def run_robustness(args: argparse.Namespace) -> int:
     dataset = load_checkpoint_data(checkpoint, args.checkpoint, args.data, hold_out=False)  # the test split only
     model = checkpoint.build_model().to(device)
     names = tuple(checkpoint.class_names)
-    clean = evaluate(model, dataset.test, names, args.batch_size, device)
-    affine = evaluate(model, affine_split(dataset.test, args.seed)[0], names, args.batch_size, device)
+    scoring = Scoring(args.batch_size, device)
+    clean = evaluate(model, dataset.test, names, scoring)
+    affine = evaluate(model, affine_split(dataset.test, args.seed)[0], names, scoring)
     pairs = args.pairs or len(dataset.test)
     try:
         overlay = overlay_pairs(dataset.test, pairs, args.seed)
@@ -99,7 +103,7 @@ def run_robustness(args: argparse.Namespace) -> int:
         shape = "x".join(map(str, dataset.image_shape))
         raise CapsNetError(f"not enough memory for {pairs:,} overlaid pairs of {shape} images; ask for fewer with "
                            "--pairs") from None
-    overlap = overlap_scores(class_probabilities(model, overlay.images, args.batch_size, device), overlay.labels)
+    overlap = overlap_scores(class_probabilities(model, overlay.images, scoring), overlay.labels)
     report = {
         "checkpoint": str(args.checkpoint), "arch": checkpoint.config.arch, "data": dataset.name, "seed": args.seed,
         "split": "test", "test_images": len(dataset.test), "pairs": len(overlay.labels),  # as eval --json names it

@@ -34,7 +34,7 @@ from capsnet.training.checkpoint import remove_leftover_temporaries, save_checkp
 from capsnet.training.data import load_dataset
 from capsnet.training.distributed import DistributedContext
 from capsnet.training.epoch import autocast_context, epoch_steps, train_one_epoch
-from capsnet.training.evaluate import Evaluation, check_dataset_fits, evaluate
+from capsnet.training.evaluate import Evaluation, Scoring, check_dataset_fits, evaluate
 from capsnet.training.history import EpochRecord, SplitScore
 from capsnet.training.options import RunOptions, TrainOptions, last_checkpoint_path, model_config
 from capsnet.training.resume import (EpochProgress, batch_plan, check_linear_schedule_steps, check_resumable,
@@ -189,10 +189,10 @@ def is_new_best(scored: dict[str, Evaluation], best: EpochRecord | None, out: Pa
 def score(training: Training) -> dict[str, Evaluation]:
     """The model on the validation split (where there is one) and the test split."""
     run = training.run
-    dataset, device = run.dataset, run.device
-    return {name: evaluate(training.state.model, split, dataset.class_names, run.per_rank_batch, device, run.context,
-                           autocast_context(device, run.options.amp))
-            for name, split in (("validation", dataset.validation), ("test", dataset.test)) if split is not None}
+    scoring = Scoring(run.per_rank_batch, run.device, run.context, autocast_context(run.device, run.options.amp))
+    splits = (("validation", run.dataset.validation), ("test", run.dataset.test))
+    return {name: evaluate(training.state.model, split, run.dataset.class_names, scoring)
+            for name, split in splits if split is not None}
 
 
 def epoch_record(epoch: int, lr: float, trained: EpochResult, scored: dict[str, Evaluation],

@@ -24,9 +24,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from capsnet.training.cli import CHECKPOINT_DATA_HELP, DEVICE_HELP
+from capsnet.training.arguments import add_checkpoint, add_data, add_device, add_scoring_batch_size
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from capsnet.training.pairs import PairScores
+    from capsnet.training.transforms import PairSet
 
 INSTALL = "pip install 'capsnet-serve[visualize]'"
 
@@ -42,6 +50,27 @@ DPI = 100
 MAX_EXAMPLES = 32
 
 
+@dataclass(frozen=True)
+class VisualizeOptions:
+    """What `capsnet visualize` draws, from what, and where."""
+    checkpoint: Path
+    data: str | None  # None: the data the checkpoint was trained on
+    out: Path  # the folder for the pictures
+    images: int  # test images scored, and pairs for a model that takes any size
+    examples: int  # correct and wrong predictions shown in reconstructions.png
+    batch_size: int
+    device: str
+
+
+@dataclass(frozen=True)
+class Labelled:
+    """Images as a picture shows them, each with its true and its predicted class."""
+    images: np.ndarray  # (K, C, H, W) floats in [0, 1]
+    labels: np.ndarray  # (K,)
+    predicted: np.ndarray  # (K,)
+    names: tuple[str, ...]  # the class names
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "visualize",
@@ -51,8 +80,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "coupling heat maps, the confusion matrix and the training curves; for a model that takes any "
                     "image size, pairs of digits side by side with their lengths per class.",
     )
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint written by capsnet train")
-    parser.add_argument("--data", metavar="embedded|DIR", help=CHECKPOINT_DATA_HELP)
+    add_checkpoint(parser)
+    add_data(parser)
     # a string, not a Path: Path("") would be the working directory, so an empty --out could not be told apart
     parser.add_argument("--out", default="pictures", metavar="DIR", help="folder for the PNG files (default pictures)")
     parser.add_argument("--images", type=int, default=1000, metavar="N",
@@ -61,9 +90,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--examples", type=int, default=8, metavar="K",
                         help=f"correct and wrong predictions shown in reconstructions.png, at most {MAX_EXAMPLES} "
                              "(default 8 each)")
-    parser.add_argument("--batch-size", type=int, default=256, metavar="B",
-                        help="images per forward pass (default 256)")
-    parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]", help=DEVICE_HELP)
+    add_scoring_batch_size(parser)
+    add_device(parser)
     parser.set_defaults(handler=run_visualize)
 
 
@@ -77,7 +105,8 @@ def run_visualize(args: argparse.Namespace) -> int:
     if not args.out:  # `--out "$UNSET"`: the pictures would land in the working directory unasked
         raise CapsNetError("--out needs a folder for the pictures, got an empty path")
     out = Path(args.out)
-    written = visualize(args.checkpoint, args.data, out, args.images, args.examples, args.batch_size, args.device)
+    written = visualize(VisualizeOptions(args.checkpoint, args.data, out, args.images, args.examples, args.batch_size,
+                                         args.device))
     for path in written:
         print(f"wrote {path}")
     # A picture of an earlier run into this folder that this checkpoint did not get (a cnn-baseline has no
@@ -99,8 +128,8 @@ def picture_names() -> list[str]:
             *(f"pose-perturbation-{k}.png" for k in range(PERTURBED_DIGITS))]
 
 
-def visualize(checkpoint_path: Path, data: str | None, out: Path, images: int, examples: int, batch_size: int,
-              device_name: str) -> list[Path]:
+def visualize(options: VisualizeOptions) -> list[Path]:
+    """Draw every picture the checkpoint has what it takes for into `options.out`; returns the files written."""
     import tempfile
 
     import numpy as np
@@ -111,18 +140,19 @@ def visualize(checkpoint_path: Path, data: str | None, out: Path, images: int, e
     from capsnet.models.config import ANY_SIZE_ARCHITECTURES, CAPSULE_ARCHITECTURES
     from capsnet.training.data import Split, to_float
     from capsnet.training.distributed import DistributedContext, resolve_device
-    from capsnet.training.evaluate import evaluate, load_checkpoint_data
-    from capsnet.training.pairs import build_pairs, score_pairs
+    from capsnet.training.evaluate import Scoring, evaluate, load_checkpoint_data
+    from capsnet.training.pairs import PairSpec, build_pairs, score_pairs
     from capsnet.training.robustness import class_probabilities
 
-    for flag, value in (("--images", images), ("--examples", examples), ("--batch-size", batch_size)):
+    checkpoint_path, out, examples, batch_size = options.checkpoint, options.out, options.examples, options.batch_size
+    for flag, value in (("--images", options.images), ("--examples", examples), ("--batch-size", batch_size)):
         if value < 1:
             raise CapsNetError(f"{flag} must be at least 1")
     if examples > MAX_EXAMPLES:
         raise CapsNetError(f"--examples must be at most {MAX_EXAMPLES}, got {examples}")
-    device = resolve_device(device_name, DistributedContext())
+    device = resolve_device(options.device, DistributedContext())
     checkpoint = load_checkpoint(checkpoint_path)
-    dataset = load_checkpoint_data(checkpoint, checkpoint_path, data, hold_out=False)  # the test split only
+    dataset = load_checkpoint_data(checkpoint, checkpoint_path, options.data, hold_out=False)  # the test split only
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -134,21 +164,21 @@ def visualize(checkpoint_path: Path, data: str | None, out: Path, images: int, e
         raise CapsNetError(f"cannot write to --out {out}: {err.strerror or err}") from None
     # A fixed random choice, not the first N: test splits are often sorted by class (the embedded digits are, so
     # their first 300 were 0s, 1s and 2s only); all of them, in their order, when N covers the split.
-    chosen = np.sort(np.random.default_rng(0).permutation(len(dataset.test))[:images])
+    chosen = np.sort(np.random.default_rng(0).permutation(len(dataset.test))[:options.images])
     split = Split(dataset.test.images[chosen], dataset.test.labels[chosen])
     names = tuple(checkpoint.class_names)
     model = checkpoint.build_model().to(device)
 
-    written = [draw_confusion(evaluate(model, split, names, batch_size, device), out / "confusion.png")]
+    scoring = Scoring(batch_size, device)
+    written = [draw_confusion(evaluate(model, split, names, scoring), out / "confusion.png")]
     if checkpoint.history:
         written.append(draw_training_curves(checkpoint.history, out / "training-curves.png"))
     arch = checkpoint.config.arch
     if arch in ANY_SIZE_ARCHITECTURES:
-        pairs = build_pairs(checkpoint.config, dataset.test, images, 0, PAIRS_LAYOUT, f"checkpoint {checkpoint_path}")
-        lengths, scores = score_pairs(model, pairs, PAIRS_LAYOUT, 0, batch_size, device)
-        first = slice(PAIRS_SHOWN)
-        written.append(draw_pairs(pairs.images[first], lengths[first], pairs.labels[first], names, scores, arch,
-                                  out / "pairs.png"))
+        spec = PairSpec(PAIRS_LAYOUT, options.images, 0)
+        pairs = build_pairs(checkpoint.config, dataset.test, spec, f"checkpoint {checkpoint_path}")
+        lengths, scores = score_pairs(model, pairs, spec, scoring)
+        written.append(_save(pairs_figure(pairs, lengths, scores, names, arch), out / "pairs.png"))
     if arch not in CAPSULE_ARCHITECTURES:
         # said, not only left out: the help promises reconstructions, perturbations and routing
         what = "decoder or fixed capsule grid" if arch == "shared-capsnet" else "capsules"
@@ -156,7 +186,7 @@ def visualize(checkpoint_path: Path, data: str | None, out: Path, images: int, e
                                          "or routing", checkpoint_path, arch, what)
         return written
 
-    predicted = class_probabilities(model, split.images, batch_size, device).argmax(axis=1)  # (N,)
+    predicted = class_probabilities(model, split.images, scoring).argmax(axis=1)  # (N,)
     # Examples in a fixed shuffled order: test splits are often sorted by class.
     order = np.random.default_rng(0).permutation(len(split))
     correct = order[predicted[order] == split.labels[order]]
@@ -166,8 +196,8 @@ def visualize(checkpoint_path: Path, data: str | None, out: Path, images: int, e
         pixels = to_float(split.images[shown])  # (K, C, H, W)
         flat = model(pixels.to(device)).reconstruction.cpu()  # (K, C*H*W)
         reconstructions = flat.reshape(pixels.shape)  # (K, C, H, W)
-        written.append(draw_reconstructions(pixels.numpy(), reconstructions.numpy(), split.labels[shown],
-                                            predicted[shown], min(examples, len(correct)), names,
+        written.append(draw_reconstructions(Labelled(pixels.numpy(), split.labels[shown], predicted[shown], names),
+                                            reconstructions.numpy(), min(examples, len(correct)),
                                             out / "reconstructions.png"))
         for k, index in enumerate(correct[:PERTURBED_DIGITS]):
             grid = pose_perturbations(model, to_float(split.images[index : index + 1]).to(device))  # (D, S, C, H, W)
@@ -176,8 +206,8 @@ def visualize(checkpoint_path: Path, data: str | None, out: Path, images: int, e
         routed = np.concatenate([correct[:ROUTED_CORRECT], wrong[:ROUTED_WRONG]])
         pixels = to_float(split.images[routed])  # (B, C, H, W)
         maps = coupling_maps(model(pixels.to(device)).coupling, model.config)  # (B, J, grid_h, grid_w)
-        written.append(draw_routing(pixels.numpy(), maps.cpu().numpy(), split.labels[routed], predicted[routed],
-                                    names, out / "routing.png"))
+        written.append(draw_routing(Labelled(pixels.numpy(), split.labels[routed], predicted[routed], names),
+                                    maps.cpu().numpy(), out / "routing.png"))
     return written
 
 
@@ -244,8 +274,10 @@ def _show(axes, image, title: str = "") -> None:
     axes.set_title(title, fontsize=8)
 
 
-def draw_reconstructions(images, reconstructions, labels, predicted, num_correct: int, names, path: Path) -> Path:
-    """images and reconstructions (K, C, H, W): the first `num_correct` correctly classified, then the wrong ones."""
+def draw_reconstructions(shown: Labelled, reconstructions, num_correct: int, path: Path) -> Path:
+    """`shown` and their reconstructions (K, C, H, W): the first `num_correct` correctly classified, then the wrong
+    ones."""
+    images, labels, predicted, names = shown.images, shown.labels, shown.predicted, shown.names
     columns = max(num_correct, len(images) - num_correct, 1)
     figure = _figure(1.1 * columns, 5.2)
     sections = {"correct predictions": range(num_correct),
@@ -284,8 +316,9 @@ def draw_perturbations(grid, name: str, path: Path) -> Path:
     return _save(figure, path)
 
 
-def draw_routing(images, maps, labels, predicted, names, path: Path) -> Path:
-    """images (B, C, H, W) and their coupling maps (B, J, grid_h, grid_w)."""
+def draw_routing(shown: Labelled, maps, path: Path) -> Path:
+    """`shown` (B images) and their coupling maps (B, J, grid_h, grid_w)."""
+    images, labels, predicted, names = shown.images, shown.labels, shown.predicted, shown.names
     batch, num_classes = maps.shape[:2]
     figure = _figure(1.0 * (num_classes + 1) + 0.8, 1.15 * batch + 0.6)
     axes = figure.subplots(batch, num_classes + 1, squeeze=False)
@@ -303,13 +336,15 @@ def draw_routing(images, maps, labels, predicted, names, path: Path) -> Path:
     return _save(figure, path)
 
 
-def pairs_figure(images, lengths, labels, names, scores, arch: str):
-    """images (K, C, H, W) of two digits each, their lengths (K, J) and labels (K, 2): a row a pair, the image beside
-    a bar per class; the pair's classes in orange, bars above the threshold (present) outlined and marked."""
+def pairs_figure(pairs: PairSet, lengths: np.ndarray, scores: PairScores, names: tuple[str, ...], arch: str):
+    """The first PAIRS_SHOWN of `pairs` (images of two digits each, their labels (N, 2)) and their lengths (N, J): a
+    row a pair, the image beside a bar per class; the pair's classes in orange, bars above the threshold (present)
+    outlined and marked; `scores` (of all of them) in the title."""
     import numpy as np
 
     from capsnet.training.robustness import PRESENT_THRESHOLD
 
+    images, labels, lengths = pairs.images[:PAIRS_SHOWN], pairs.labels[:PAIRS_SHOWN], lengths[:PAIRS_SHOWN]
     count, num_classes = lengths.shape
     figure = _figure(8.5, 1.15 * count + 0.9)
     axes = figure.subplots(count, 2, squeeze=False, width_ratios=(1, 2.4))
@@ -339,10 +374,6 @@ def pairs_figure(images, lengths, labels, names, scores, arch: str):
                     f"over {scores.count} such pairs: top-2 set {100 * scores.top2_accuracy:.1f}%, with both > "
                     f"{PRESENT_THRESHOLD:g} {100 * scores.top2_both_present_accuracy:.1f}%", fontsize=9)
     return figure
-
-
-def draw_pairs(images, lengths, labels, names, scores, arch: str, path: Path) -> Path:
-    return _save(pairs_figure(images, lengths, labels, names, scores, arch), path)
 
 
 def draw_confusion(evaluation, path: Path) -> Path:

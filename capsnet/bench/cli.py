@@ -1,11 +1,11 @@
-"""`capsnet bench`: every backend side by side and end-to-end gRPC in one run, with the analysis (the CPU's limit,
-ONNX Runtime's profile, the public reference, the targets and plots) where the bench extra is installed."""
+"""`capsnet bench`: every engine (each backend at each precision) side by side and end-to-end gRPC in one run, with
+the analysis (the CPU's limit, ONNX Runtime's profile, the public reference, the targets and plots) where the bench
+extra is installed."""
 
 from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import signal
 import sys
 from pathlib import Path
@@ -31,11 +31,14 @@ MAX_BATCH = 1024
 
 
 def register(subparsers) -> None:
-    from capsnet.bench.backends import BACKEND_NAMES, DEFAULT_BACKENDS
+    from capsnet.bench.engines import engine_names
+    from capsnet.bench.results import PUBLIC
 
+    names = (PUBLIC, *engine_names())
     parser = subparsers.add_parser(
-        "bench", help="benchmark the backends, the CPU's limit and gRPC serving",
-        description="Measure every backend in-process (interleaved) and `capsnet serve` end to end over gRPC; "
+        "bench", help="benchmark the engines, the CPU's limit and gRPC serving",
+        description="Measure every engine (each backend at each precision it serves) in-process, interleaved and "
+                    "side by side, and `capsnet serve` end to end over gRPC; "
                     "write results.json and README.md. With the bench extra (pip install 'capsnet-serve[bench]') "
                     "also the machine's fp32 peak and the model's FLOPs (its ceiling), ONNX Runtime's profile, the "
                     "public PyTorch CapsNet as a backend, the targets and PNG plots.")
@@ -45,18 +48,19 @@ def register(subparsers) -> None:
                         help="where results.json, README.md and the plots go (default bench-results)")
     parser.add_argument("--quick", action="store_true",
                         help="a short run (batch 1 and 8, concurrency 1 and 16, fractions of a second per point)")
-    parser.add_argument("--backends", type=_names(BACKEND_NAMES), default=DEFAULT_BACKENDS, metavar="A,B",
-                        help=f"backends to time in-process (default {','.join(DEFAULT_BACKENDS)}; also "
-                             f"{','.join(name for name in BACKEND_NAMES if name not in DEFAULT_BACKENDS)}: every "
-                             "backend the server has at each of its precisions; those that cannot run here are "
-                             "skipped with the reason)")
+    parser.add_argument("--backends", type=_names(names), metavar="A,B",
+                        help="engines to time in-process, each a backend at one precision as the server names them "
+                             f"(BACKEND:PRECISION), or {PUBLIC}, the public PyTorch CapsNet's formulation; of "
+                             f"{','.join(names)}. Default: {PUBLIC} and every backend at each precision it serves on "
+                             "the CPU (with a GPU, also those that serve on a GPU only); those that cannot run here "
+                             "are skipped with the reason")
     parser.add_argument("--batch-sizes", type=_positive_ints, metavar="N,N",
                         help=f"in-process batch sizes, at most {MAX_BATCH} (default {_show('batch_sizes')})")
     parser.add_argument("--concurrency", type=_positive_ints, metavar="N,N",
                         help=f"concurrent gRPC requests, at most {MAX_BATCH} (default {_show('concurrency')})")
     parser.add_argument("--no-grpc", dest="grpc", action="store_false", help="skip the end-to-end gRPC benchmark")
     parser.add_argument("--threads", type=int, default=0,
-                        help="compute threads per backend (default 0: one per CPU core available)")
+                        help="compute threads per engine (default 0: one per CPU core available)")
     parser.add_argument("--seconds", type=float,
                         help=f"timed seconds per in-process point (default {_show('seconds')})")
     parser.add_argument("--rounds", type=int,
@@ -67,7 +71,7 @@ def register(subparsers) -> None:
                         help="timed seconds per peak microbenchmark, with the bench extra "
                              f"(default {_show('peak_seconds')})")
     parser.add_argument("--accuracy-images", type=int,
-                        help="evaluation images for each backend's accuracy "
+                        help="evaluation images for each engine's accuracy "
                              f"(default {_show('accuracy_images')}; 0: all)")
     parser.add_argument("--profile-runs", type=int,
                         help="runs profiled by ONNX Runtime's profiler, with the bench extra "
@@ -81,6 +85,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from capsnet.bench.analysis import missing
     from capsnet.bench.machine import cores
     from capsnet.bench.report_files import check_out_dir, verdict
+    from capsnet.bench.results import portable_command
     from capsnet.bench.run import Analysis, BenchOptions, run_bench
 
     settings = {name: getattr(args, name) if getattr(args, name) is not None else values[args.quick]
@@ -96,12 +101,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
     options = BenchOptions(
         model=args.model,
         out=args.out,
-        backends=args.backends,
+        backends=args.backends or default_engines(),
         threads=args.threads or cores(),
         grpc=args.grpc,
         quick=args.quick,
         data=args.data,
-        command=shlex.join(["capsnet", *sys.argv[1:]]),
+        command=portable_command(["capsnet", *sys.argv[1:]], Path.cwd()),
         **settings,
     )
     if why := missing():
@@ -129,6 +134,15 @@ def run_bench_command(args: argparse.Namespace) -> int:
     for target in results["targets"]:
         print(f"  [{verdict(target, results['quick'])}] {target['target']}: {target['measured']}")
     return 0
+
+
+def default_engines() -> tuple[str, ...]:
+    """The public reference and every served engine this host runs (capsnet.bench.engines.served_here)."""
+    from capsnet.bench.engines import served_here
+    from capsnet.bench.results import PUBLIC
+    from capsnet.serving.backends import gpu_host
+
+    return (PUBLIC, *served_here(gpu_host()))
 
 
 class Terminated(KeyboardInterrupt):

@@ -5,9 +5,9 @@
 facts      the GPU, driver, torch and CUDA versions, the CPU and its load
 peak       the same-run matmul peaks (bf16, fp16, fp32 without TF32) and pinned copy bandwidth
 flops      FLOPs per image from the ONNX graph and the bytes one image moves each way
-engines    the benchmark harness (capsnet/bench/harness.py): the public formulation, the model eager and under
-           torch.compile, and kind × precision of the backend registry as served, device-resident and numpy in and out,
-           with a profiler table of each
+engines    capsnet/bench/harness.py: the public formulation, the model eager and under torch.compile, and the
+           backend registry's engines ("<kind>:<precision>", capsnet/bench/engines.py) as served, device-resident and
+           numpy in and out, with a profiler table of each
 serve      `capsnet serve --backend auto` on the GPU, driven over gRPC and REST (KServe v2, raw FP32) by the project's
            load generator: 1 and 32 images per request, concurrency 1/16/64, in several client processes
 
@@ -37,6 +37,7 @@ SERVED_BATCHES = (1, 32)  # images per request
 SERVED_CONCURRENCY = (1, 16, 64)
 CLIENTS_PER_CELL = 4  # load-generator processes for concurrency >= 16: one asyncio client process tops out first
 SERVE_MAX_BATCH = 256
+REPO = Path(__file__).resolve().parents[2]  # the checkout (the GPU check imports it through a tree of links)
 
 
 def device_of(dry_run: bool):
@@ -101,6 +102,7 @@ def peak(args) -> dict:
 
 
 def serve(args) -> dict:
+    from capsnet.bench.results import portable
     from capsnet.bench.server_process import ServerProcess
     from capsnet.serving.client import CapsNetClient
 
@@ -110,7 +112,7 @@ def serve(args) -> dict:
         flags += ["--gpu", "0"]
     started = time.monotonic()
     cells: list[dict] = []
-    result: dict[str, object] = {"flags": flags}
+    result: dict[str, object] = {"flags": [portable(flag, REPO) for flag in flags]}
     with ServerProcess(flags) as server:
         result["startup_s"] = time.monotonic() - started
         with CapsNetClient(server.target) as client:
@@ -193,21 +195,21 @@ STEPS = {"facts": facts, "peak": peak, "engines": engines, "serve": serve, "flop
 
 
 def main(argv: list[str] | None = None) -> int:
-    from capsnet.bench.harness import REFERENCE_SPECS
-    from capsnet.serving.backend_registry import BACKEND_KINDS
+    from capsnet.bench.engines import engine_names, precisions, split
+    from capsnet.bench.results import REFERENCES
 
-    precisions = tuple(dict.fromkeys(precision for kind in BACKEND_KINDS.values() for precision in kind.precisions))
+    kinds = list(dict.fromkeys(split(name)[0] for name in engine_names()))
     parser = argparse.ArgumentParser(prog="python -m capsnet.bench.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("step", choices=(*STEPS, "load"))
     parser.add_argument("--work", help="the check's working folder (parts/ and steps.jsonl)")
     parser.add_argument("--label", default="", help="a name for this run of the step (e.g. engines-aoti)")
     parser.add_argument("--cpu-dry-run", action="store_true", help="run on the CPU at small sizes")
     parser.add_argument("--model", help="export directory")
-    parser.add_argument("--references", nargs="*", choices=REFERENCE_SPECS, default=list(REFERENCE_SPECS),
+    parser.add_argument("--references", nargs="*", choices=REFERENCES, default=list(REFERENCES),
                         help="engines: the references timed beside the served engines")
-    parser.add_argument("--kinds", nargs="*", choices=list(BACKEND_KINDS), default=list(BACKEND_KINDS),
-                        help=f"engines: the backend registry's rows to time (default all: {' '.join(BACKEND_KINDS)})")
-    parser.add_argument("--precisions", nargs="*", choices=precisions, default=list(precisions),
+    parser.add_argument("--kinds", nargs="*", choices=kinds, default=kinds,
+                        help=f"engines: the backend registry's rows to time (default all: {' '.join(kinds)})")
+    parser.add_argument("--precisions", nargs="*", choices=precisions(), default=list(precisions()),
                         help="engines: the precisions to time each row at, where it serves them (default all)")
     parser.add_argument("--batches", nargs="+", type=int, help="engines: batch sizes")
     parser.add_argument("--no-profile", dest="profile", action="store_false", help="engines: no profiler tables")

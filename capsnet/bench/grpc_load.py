@@ -3,7 +3,7 @@
 For dynamic batching on and off, one server is started; for each API (our Classify, KServe
 ModelInfer) and each concurrency, a closed-loop load generator (serving/loadgen.py) keeps that many
 one-image requests in flight for the timed seconds, after a few warm-up requests. Every row is compared with the
-in-process backend at batch size = concurrency (what perfect batching with no RPC cost would give), timed in a
+in-process engine at batch size = concurrency (what perfect batching with no RPC cost would give), timed in a
 worker process for half the row's seconds just before the row and half just after, so both meet the same load on a
 shared machine.
 """
@@ -16,15 +16,15 @@ import time
 
 import numpy as np
 
-from capsnet.bench.backends import ENGINES
-from capsnet.bench.inprocess import SETTLE_SECONDS, BackendWorker, tile
+from capsnet.bench.engines import split
+from capsnet.bench.inprocess import SETTLE_SECONDS, EngineWorker, tile
 from capsnet.bench.machine import cores
 from capsnet.bench.server_process import ServerProcess
 from capsnet.errors import CapsNetError
 
 log = logging.getLogger(__name__)
 
-SERVER_BACKEND = "onnxruntime-fp32"  # what `capsnet serve` runs here (a bench backend name)
+SERVER_ENGINE = "onnxruntime:fp32"  # what `capsnet serve` runs here
 APIS = ("capsnet", "kserve")
 WARMUP_REQUESTS = 20  # sent one at a time before each row's timed run
 MAX_REQUESTS = 1_000_000  # per row: the run is bounded by the seconds first
@@ -43,13 +43,13 @@ def run_grpc_load(model_dir: str, images: np.ndarray, concurrency: tuple[int, ..
     from capsnet.serving.artifacts import load_artifacts
 
     artifacts = load_artifacts(model_dir)
-    reference = BackendWorker(SERVER_BACKEND, model_dir, threads, max(concurrency))
+    reference = EngineWorker(SERVER_ENGINE, model_dir, threads, max(concurrency))
     try:
         rows, servers = _run_servers(artifacts, model_dir, images, concurrency, threads, seconds, reference)
     finally:
         reference.kill()
     return {
-        "server": {"backend": SERVER_BACKEND, "threads": threads, "configs": servers},
+        "server": {"engine": SERVER_ENGINE, "threads": threads, "configs": servers},
         "cores": cores(),
         "images_per_request": 1,
         "seconds": seconds,
@@ -60,14 +60,14 @@ def run_grpc_load(model_dir: str, images: np.ndarray, concurrency: tuple[int, ..
 
 
 def _run_servers(artifacts, model_dir: str, images: np.ndarray, concurrency: tuple[int, ...], threads: int,
-                 seconds: float, reference: BackendWorker) -> tuple[list[dict], dict]:
+                 seconds: float, reference: EngineWorker) -> tuple[list[dict], dict]:
     from capsnet.serving.loadgen import run_load
 
     rows, servers = [], {}
     for batching in (True, False):
-        served = ENGINES[SERVER_BACKEND]
+        kind, precision = split(SERVER_ENGINE)
         batching_flags = server_flags(batching, max(concurrency))
-        flags = ["--model", model_dir, "--backend", served.kind, "--precision", served.precision,
+        flags = ["--model", model_dir, "--backend", kind, "--precision", precision,
                  "--threads", str(threads), *batching_flags]
         with ServerProcess(flags) as server:
             idle = server.memory()["rss_mib"]
@@ -98,7 +98,7 @@ def _run_servers(artifacts, model_dir: str, images: np.ndarray, concurrency: tup
     return rows, servers
 
 
-def _time_inprocess(worker: BackendWorker, batch: np.ndarray, seconds: float) -> list[float]:
+def _time_inprocess(worker: EngineWorker, batch: np.ndarray, seconds: float) -> list[float]:
     time.sleep(SETTLE_SECONDS)
     return worker.call("time", batch, seconds)
 

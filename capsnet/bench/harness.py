@@ -1,17 +1,17 @@
-"""The benchmark harness: every way of running the model on one device, timed side by side in one process.
+"""The GPU check's engines step: every way of running the model on one device, timed side by side in one process.
 
     references                  the public formulation (XifengGuo/CapsNet-Pytorch's forward pass), the model eager,
                                 and the model under torch.compile(mode="reduce-overhead") with bf16 autocast
                                 throughout: what a PyTorch user would deploy
-    served engines              kind × precision: every row of the server's backend registry
-                                (serving/backend_registry.py) asked for, at each precision it serves, made as
-                                `capsnet serve` makes it and self-checked first; a row that cannot serve on this
-                                device says why in its own line
+    served engines              "<kind>:<precision>": every row of the server's backend registry asked for, at each
+                                precision it serves, built as every benchmark builds it (capsnet.bench.engines) and
+                                self-checked first; a row that cannot serve on this device says why in its own line
 
 Each at every batch size (torch.compile at 1 and 256: each size is a compile of its own), two ways: device-resident
 (images already on the device, outputs left there: the engine's own time, from CUDA events on a GPU) and numpy in
 and out (the host copies included: what a server pays). The images take the model's input size from its model.json.
-p50 of a fixed number of calls after warm-up calls. Then where each engine's time goes: a torch.profiler table of
+p50 of a fixed number of calls after warm-up calls, one measurement each (capsnet.bench.results). Then where each
+engine's time goes: a torch.profiler table of
 its kernels at batches 1 and 256, and its device time split into the fused routing kernels', the convolutions', the
 copies' and the rest. Every ratio comes from this one process on this one device; the GPU check
 (capsnet/bench/gpu_check.py) runs it as its `engines` step.
@@ -23,14 +23,14 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from capsnet.bench.engines import Engine, EngineUnavailable, build_engine, engine_names, split
+from capsnet.bench.results import COMPILE, NUMPY, ON_DEVICE, PUBLIC, REFERENCES, cells, measurement
 from capsnet.bench.timing import summarize
-from capsnet.errors import CapsNetError, first_line
-from capsnet.serving.backend_registry import BACKEND_KINDS
+from capsnet.errors import first_line
 
 PROFILED_BATCHES = (1, 256)
 # torch.compile compiles each batch size anew (a minute or more on an H200 host's 16 cores for all four): it is
@@ -38,13 +38,11 @@ PROFILED_BATCHES = (1, 256)
 COMPILED_BATCHES = (1, 256)
 CALLS = {"small": 30, "large": 15, "dry": 3}  # timed calls per cell: batches up to 256, larger; the CPU dry run
 WARMUP_CALLS = 3
-REFERENCE_SPECS = ("public", "eager", "compile")
 
 
-def served_specs(kinds: list[str] | tuple[str, ...], precisions: list[str] | tuple[str, ...]) -> list[str]:
-    """"kind:precision" for each registry row of `kinds` at each of `precisions` it serves, in the registry's order."""
-    return [f"{kind.name}:{precision}" for kind in BACKEND_KINDS.values() if kind.name in kinds
-            for precision in kind.precisions if precision in precisions]
+def served_engines(kinds: list[str] | tuple[str, ...], precisions: list[str] | tuple[str, ...]) -> list[str]:
+    """The registry's engines of `kinds` at each of `precisions` they serve, in the registry's order."""
+    return [name for name in engine_names() if split(name)[0] in kinds and split(name)[1] in precisions]
 
 
 def input_shape(model_dir: Path) -> tuple[int, int, int]:
@@ -54,15 +52,6 @@ def input_shape(model_dir: Path) -> tuple[int, int, int]:
     return ModelDescription.read(model_dir).input_shape
 
 
-@dataclass(frozen=True)
-class TimedEngine:
-    spec: str
-    description: str
-    on_device: Callable  # device tensor (N, C, H, W) -> outputs on the device
-    with_numpy: Callable  # numpy (N, C, H, W) -> numpy outputs
-    self_check: dict | None = None
-
-
 def _synchronize(device) -> None:
     import torch
 
@@ -70,101 +59,31 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _reference_engine(spec: str, model_dir: Path, device, batches: tuple[int, ...]) -> TimedEngine:
-    """The public formulation, the model eager, or the model compiled, on `device` at torch's own defaults."""
-    import torch
-
-    from capsnet.bench.analysis.public_reference import DESCRIBED_IN, SOURCE, PublicCapsNet
-    from capsnet.serving.artifacts import load_artifacts
-    from capsnet.models.checkpoint import load_checkpoint
-
-    model = load_checkpoint(load_artifacts(model_dir).checkpoint).build_model().to(device).eval()
-    if spec == "public":
-        public = PublicCapsNet(model).to(device).eval()
-
-        def forward(images):
-            probabilities, poses, reconstruction = public(images)
-            return {"probabilities": probabilities, "poses": poses, "reconstruction": reconstruction}
-
-        description = f"{SOURCE}'s formulation ({DESCRIBED_IN}), eager, torch's defaults"
-    elif spec == "eager":
-        def forward(images):
-            output = model(images)
-            return {"probabilities": output.probabilities, "poses": output.poses,
-                    "reconstruction": output.reconstruction}
-
-        description = "capsnet/models/capsnet.py's CapsNet, eager, torch's defaults"
-    else:
-        compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(batches))
-        autocast = device.type == "cuda"
-
-        def forward(images):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                output = compiled(images)
-            # reduce-overhead replays a CUDA graph whose outputs the next replay overwrites: cloned, as a caller
-            # keeps them
-            return {"probabilities": output.probabilities.clone(), "poses": output.poses.clone(),
-                    "reconstruction": output.reconstruction.clone()}
-
-        description = ("capsnet/models/capsnet.py's CapsNet under torch.compile(mode='reduce-overhead')"
-                       + (", bf16 autocast throughout" if autocast else ""))
-
-    def on_device(images):
-        with torch.inference_mode():
-            return forward(images)
-
-    def with_numpy(images: np.ndarray) -> dict:
-        with torch.inference_mode():
-            outputs = forward(torch.from_numpy(images).to(device))
-            return {name: value.float().cpu().numpy() for name, value in outputs.items()}
-
-    return TimedEngine(spec, description, on_device, with_numpy)
-
-
-def _served_engine(spec: str, model_dir: Path, dry_run: bool, max_batch: int, threads: int) -> TimedEngine:
-    """A server backend ("torch:bf16", "fused:fp32", ...) as `capsnet serve` makes it, self-checked."""
-    from capsnet.serving.artifacts import load_artifacts
-    from capsnet.serving.backends import create_backend  # before self_check, which the backends package imports
-    from capsnet.serving.config import ServerConfig
-    from capsnet.serving.self_check import self_check
-
-    name, precision = spec.split(":")
-    artifacts = load_artifacts(model_dir)
-    config = ServerConfig(model_dir=model_dir, backend=name, precision=precision, gpu=None if dry_run else 0,
-                          threads=threads, max_batch_size=max_batch)
-    backend = create_backend(name, precision, artifacts, config)
-    runner = getattr(backend, "runner", None)  # the torch family's: eager, fused and package forwards
-    if runner is None:
-        backend.close()
-        raise CapsNetError(f"the {name} backend takes numpy batches only: it has no device-resident run to time")
-    check = self_check(backend, artifacts.reference, max_batch, artifacts)
-    return TimedEngine(spec, backend.description, runner.run_on_device, backend.run,
-                       {"passed": check.passed, "describe": check.describe()})
-
-
-def _time_cells(engine: TimedEngine, images: np.ndarray, device, batches: tuple[int, ...], dry_run: bool) -> list[dict]:
+def _time_cells(engine: Engine, images: np.ndarray, device, batches: tuple[int, ...], dry_run: bool) -> list[dict]:
+    """Numpy in and out at each batch, and device-resident where the engine takes device tensors."""
     import torch
 
     rows = []
     resident = torch.from_numpy(images).to(device)
     for batch in batches:
-        if engine.spec == "compile" and batch not in COMPILED_BATCHES and max(batches) >= max(COMPILED_BATCHES):
+        if engine.name == COMPILE and batch not in COMPILED_BATCHES and max(batches) >= max(COMPILED_BATCHES):
             continue
         calls = CALLS["dry" if dry_run else "small" if batch <= 256 else "large"]
         for _ in range(WARMUP_CALLS):
-            engine.with_numpy(images[:batch])
-            engine.on_device(resident[:batch])
+            engine.run(images[:batch])
+            if engine.on_device is not None:
+                engine.on_device(resident[:batch])
         _synchronize(device)
-        device_seconds = [seconds_on(device, functools.partial(engine.on_device, resident[:batch]))
-                          for _ in range(calls)]
+        if engine.on_device is not None:
+            device_seconds = [seconds_on(device, functools.partial(engine.on_device, resident[:batch]))
+                              for _ in range(calls)]
+            rows.append(measurement(engine.name, batch, summarize(device_seconds, batch), ON_DEVICE))
         numpy_seconds = []
         for _ in range(calls):
             began = time.perf_counter()
-            engine.with_numpy(images[:batch])
+            engine.run(images[:batch])
             numpy_seconds.append(time.perf_counter() - began)
-        rows.append({"engine": engine.spec, "batch_size": batch, "device_resident": summarize(device_seconds, batch),
-                     "numpy": summarize(numpy_seconds, batch)})
+        rows.append(measurement(engine.name, batch, summarize(numpy_seconds, batch), NUMPY))
     return rows
 
 
@@ -233,13 +152,14 @@ PROFILED_CALLS = 5
 CONVOLUTION_NAMES = ("conv", "cudnn", "fprop", "implicit_gemm", "xmma", "cutlass", "nhwc", "nchw")
 
 
-def _profile(engine: TimedEngine, images: np.ndarray, device, batch: int) -> tuple[str, dict[str, float]]:
+def _profile(engine: Engine, images: np.ndarray, device, batch: int) -> tuple[str, dict[str, float]]:
     """torch.profiler's kernel table for PROFILED_CALLS device-resident calls at `batch`, by each kernel's own
     device time, and that time split by what the kernels do (device_time_split)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     resident = torch.from_numpy(images[:batch]).to(device)
+    assert engine.on_device is not None  # profiled only where it takes device tensors
     engine.on_device(resident)
     _synchronize(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -293,37 +213,39 @@ def engines(args, device, save: Callable[[dict], None]) -> dict:
     if args.profile and device.type == "cuda":
         _start_the_profiler(device)
     loaded, failed = [], {}
-    for spec in (*args.references, *served_specs(args.kinds, args.precisions)):
+    for name in (*args.references, *served_engines(args.kinds, args.precisions)):
         try:
-            if spec in REFERENCE_SPECS:
-                loaded.append(_reference_engine(spec, Path(args.model), device, batches))
-            else:
-                loaded.append(_served_engine(spec, Path(args.model), args.cpu_dry_run, max(batches), args.threads))
+            loaded.append(build_engine(name, Path(args.model), threads=args.threads, max_batch=max(batches),
+                                       gpu=None if args.cpu_dry_run else device.index or 0, check=True))
+        except EngineUnavailable as err:
+            failed[name] = str(err)
         except Exception as err:  # one engine that cannot load costs its own row only
-            failed[spec] = f"{type(err).__name__}: {first_line(err)}"
-    results: list[dict] = []
+            failed[name] = f"{type(err).__name__}: {first_line(err)}"
+    measurements: list[dict] = []
     profiles: dict[str, dict[str, str]] = {}
     splits: dict[str, dict[str, dict[str, float]]] = {}
     part = {"device": str(device), "threads": args.threads, "failed": failed,
-            "engines": {engine.spec: {"description": engine.description, "self_check": engine.self_check}
+            "engines": {engine.name: {"description": engine.description, "self_check": engine.self_check}
                         for engine in loaded},
-            "results": results, "profiles": profiles, "device_time_split": splits}
+            "measurements": measurements, "profiles": profiles, "device_time_split": splits}
     for engine in loaded:
         try:
-            results += _time_cells(engine, images, device, batches, args.cpu_dry_run)
+            measurements += _time_cells(engine, images, device, batches, args.cpu_dry_run)
         except Exception as err:
-            failed[engine.spec] = f"{type(err).__name__}: {first_line(err)}"
+            failed[engine.name] = f"{type(err).__name__}: {first_line(err)}"
     # the timings are kept before any profiling: CUPTI has taken a process down under graph replays
     save(part)
     for engine in loaded if args.profile else ():
+        if engine.on_device is None:
+            continue
         try:
             for batch in (b for b in PROFILED_BATCHES if b <= max(batches)):
-                table, split = _profile(engine, images, device, batch)
-                profiles.setdefault(engine.spec, {})[str(batch)] = table
-                if any(split.values()):
-                    splits.setdefault(engine.spec, {})[str(batch)] = split
+                table, by_kind = _profile(engine, images, device, batch)
+                profiles.setdefault(engine.name, {})[str(batch)] = table
+                if any(by_kind.values()):
+                    splits.setdefault(engine.name, {})[str(batch)] = by_kind
         except Exception as err:
-            failed[f"{engine.spec} profile"] = f"{type(err).__name__}: {first_line(err)}"
+            failed[f"{engine.name} profile"] = f"{type(err).__name__}: {first_line(err)}"
     with contextlib.suppress(Exception):
         torch.cuda.empty_cache()
     return part
@@ -332,18 +254,18 @@ def engines(args, device, save: Callable[[dict], None]) -> dict:
 def ratios(part: dict) -> dict:
     """The targets' ratios from one engines part: the fastest served engine (numpy in and out) against the public
     formulation at batches 1 and 256, and against torch.compile at 256; and device-resident alike."""
-    cells = {(row["engine"], row["batch_size"]): row for row in part.get("results", [])}
-    served = {spec for spec, _ in cells if spec not in REFERENCE_SPECS}
     found = {}
-    for way in ("numpy", "device_resident"):
+    for way in (NUMPY, ON_DEVICE):
+        figures = cells(part.get("measurements", []), way)
         for batch in (1, 256):
-            ours = [(cells[spec, batch][way]["p50_ms"], spec) for spec in served if (spec, batch) in cells]
+            ours = [(cell["p50_ms"], name) for (name, size), cell in figures.items()
+                    if size == batch and name not in REFERENCES]
             if not ours:
                 continue
             best_ms, best = min(ours)
             entry = {"best": best, "best_p50_ms": best_ms, "images_per_s": batch / best_ms * 1e3}
-            for reference in ("public", "compile"):
-                if (reference, batch) in cells:
-                    entry[f"vs_{reference}"] = cells[reference, batch][way]["p50_ms"] / best_ms
+            for reference in (PUBLIC, COMPILE):
+                if (reference, batch) in figures:
+                    entry[f"vs_{reference}"] = figures[reference, batch]["p50_ms"] / best_ms
             found[f"{way}_batch_{batch}"] = entry
     return found

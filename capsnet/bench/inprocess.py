@@ -1,14 +1,16 @@
-"""In-process throughput and latency of every backend, interleaved in one run.
+"""In-process throughput and latency of every engine, interleaved in one run.
 
-Each backend lives in its own child process (capsnet.bench.worker, so an ONNX Runtime worker never
-imports torch), which makes its peak RSS its own. Only one worker computes at a time: the parent walks
-rounds × batch sizes × backends and asks each worker for a short timed chunk in turn, so drift in
-the machine's load (other users, thermal) lands on every backend alike. A worker warms up at a
-batch size before its first timed chunk there.
+Each engine (capsnet.bench.engines) lives in its own child process (capsnet.bench.worker, so an ONNX Runtime worker
+never imports torch), which makes its peak RSS its own. Only one worker computes at a time: the parent walks
+rounds × batch sizes × engines and asks each worker for a short timed chunk in turn, so drift in
+the machine's load (other users, thermal) lands on every engine alike. A worker warms up at a
+batch size before its first timed chunk there. Workers never run Triton's interpreter (TRITON_INTERPRET, for tests
+only): an engine that needs it on the CPU is skipped, not timed at a thousandth of its speed.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -19,7 +21,8 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from capsnet.bench.backends import BackendUnavailable
+from capsnet.bench.engines import EngineUnavailable
+from capsnet.bench.results import measurement
 from capsnet.bench.timing import summarize
 from capsnet.errors import CapsNetError
 
@@ -29,27 +32,27 @@ SETTLE_SECONDS = 0.05
 
 @dataclass(frozen=True)
 class Schedule:
-    seconds: float  # timed seconds per (backend, batch size), split over the rounds
+    seconds: float  # timed seconds per (engine, batch size), split over the rounds
     rounds: int
 
 
 @dataclass(frozen=True)
-class BackendPlan:
+class EnginePlan:
     model_dir: str  # export directory it loads from
     batch_sizes: tuple[int, ...]
 
 
-def run_inprocess(plans: dict[str, BackendPlan], threads: int, images: np.ndarray, labels: np.ndarray,
+def run_inprocess(plans: dict[str, EnginePlan], threads: int, images: np.ndarray, labels: np.ndarray,
                   schedule: Schedule, accuracy_images: int, after_round: Callable[[], None] = lambda: None) -> dict:
-    """Time each backend (name -> plan) on images (N, C, H, W) float32 at its batch sizes, and measure its
+    """Time each engine (name -> plan) on images (N, C, H, W) float32 at its batch sizes, and measure its
     accuracy on the first `accuracy_images`. `after_round` runs after each round, while the workers wait."""
     workers, skipped = {}, {}
     max_batch = max(batch for plan in plans.values() for batch in plan.batch_sizes)
     try:
         for name, plan in plans.items():
             try:
-                workers[name] = BackendWorker(name, plan.model_dir, threads, max_batch)
-            except BackendUnavailable as err:
+                workers[name] = EngineWorker(name, plan.model_dir, threads, max_batch)
+            except EngineUnavailable as err:
                 skipped[name] = str(err)
         cells = sorted({(batch, name) for name in workers for batch in plans[name].batch_sizes},
                        key=lambda cell: (cell[0], list(workers).index(cell[1])))
@@ -78,13 +81,11 @@ def run_inprocess(plans: dict[str, BackendPlan], threads: int, images: np.ndarra
         "schedule": {"seconds": schedule.seconds, "rounds": schedule.rounds},
         "accuracy_images": len(eval_labels),
         "skipped": skipped,
-        "backends": {
+        "engines": {
             name: {"description": worker.description, "accuracy": accuracy[name], **memory[name]}
             for name, worker in workers.items()
         },
-        "results": [
-            {"backend": name, "batch_size": batch, **summarize(durations[batch, name], batch)} for batch, name in cells
-        ],
+        "measurements": [measurement(name, batch, summarize(durations[batch, name], batch)) for batch, name in cells],
     }
 
 
@@ -93,8 +94,8 @@ def tile(images: np.ndarray, batch: int) -> np.ndarray:
     return images[np.arange(batch) % len(images)]  # (batch, C, H, W), a contiguous copy
 
 
-class BackendWorker:
-    """A child process (capsnet.bench.worker) holding one backend, answering commands over a socket pair."""
+class EngineWorker:
+    """A child process (capsnet.bench.worker) holding one engine, answering commands over a socket pair."""
 
     def __init__(self, name: str, model_dir: str, threads: int, max_batch: int):
         self.name = name
@@ -105,6 +106,7 @@ class BackendWorker:
                 [sys.executable, "-m", "capsnet.bench.worker", str(child_sock.fileno()), name, model_dir,
                  str(threads), str(max_batch)],
                 pass_fds=[child_sock.fileno()],
+                env={name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"},
                 # Its own session: a Ctrl-C in the terminal reaches only the parent, which kills the workers; a
                 # parent that dies closes the socket, and the worker exits (worker.py).
                 start_new_session=True,
@@ -116,9 +118,9 @@ class BackendWorker:
             raise
         if status == "unavailable":
             self.kill()
-            raise BackendUnavailable(payload)
+            raise EngineUnavailable(payload)
         self.description = payload["description"]
-        self.loaded = payload  # memory at start (Python + numpy) and after importing and loading the backend
+        self.loaded = payload  # memory at start (Python + numpy) and after importing and loading the engine
 
     def call(self, command: str, *args):
         self.conn.send((command, *args))

@@ -9,12 +9,13 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from capsnet.bench.backends import BACKEND_NAMES
+from capsnet.bench.engines import fastest, ordered, precisions, split
+from capsnet.bench.results import cells
 from capsnet.errors import CapsNetError
 
-# Where the analysis' sections go among the measurements' own (inprocess, grpc): after the backends' table, then
-# these in order.
-SECTIONS = ("limit", "inprocess", "profile", "grpc", "targets")
+# Where the analysis' sections go among the measurements' own (inprocess, side_by_side, grpc): after the engines'
+# table, then these in order.
+SECTIONS = ("limit", "inprocess", "side_by_side", "profile", "grpc", "targets")
 NOTES = "analysis.md"  # hand-written notes on the results, linked when present beside them
 TITLE = "# capsnet-serve benchmarks"  # README.md's first line
 QUICK_VERDICT = "not judged: --quick"  # fractions of a second of timing prove nothing either way
@@ -112,20 +113,21 @@ def markdown(results: dict, plot_files: list[str], has_notes: bool, sections: di
         "",
         "Software: " + ", ".join(f"{name} {version}" for name, version in machine["versions"].items()) + ".",
         "",
-        "## Backends",
+        "## Engines",
         "",
-        table(["backend", "what runs", "accuracy", "RSS at start / loaded / peak (MiB)"], [[
+        table(["engine", "what runs", "accuracy", "RSS at start / loaded / peak (MiB)"], [[
             name, info["description"], f"{info['accuracy'] * 100:.2f}%",
             f"{info['rss_start_mib']:.0f} / {info['rss_loaded_mib']:.0f} / {info['peak_rss_mib']:.0f}",
-        ] for name, info in _ordered(inproc["backends"])]),
+        ] for name in ordered(inproc["engines"]) for info in [inproc["engines"][name]]]),
         "",
         f"Accuracy on the first {inproc['accuracy_images']} images of the evaluation split "
         f"({results['model']['data']}). "
-        "Each backend runs in its own process, so its RSS is its own: at start (Python + numpy), after "
-        "importing its runtime and loading the model, and the peak over the whole run. "
-        "`pytorch` is the server's torch backend: our `CapsNet.forward`, whose decoder (under 1% of the FLOPs) "
+        "Each engine is a backend of the server at one precision, `BACKEND:PRECISION` as `capsnet serve --backend "
+        "BACKEND --precision PRECISION` runs it, and runs in its own process, so its RSS is its own: at start "
+        "(Python + numpy), after importing its runtime and loading the model, and the peak over the whole run. "
+        "`torch:fp32` is the server's torch backend: our `CapsNet.forward`, whose decoder (under 1% of the FLOPs) "
         "also runs.",
-        *sections.get("backends", []),
+        *sections.get("engines", []),
     ]
     for name, reason in inproc["skipped"].items():
         lines.append(f"\nSkipped `{name}`: {reason}.")
@@ -134,6 +136,8 @@ def markdown(results: dict, plot_files: list[str], has_notes: bool, sections: di
     for place in SECTIONS:
         if place == "inprocess":
             lines += ["", *_inprocess_section(results)]
+        elif place == "side_by_side":
+            lines += ["", *side_by_side(results)]
         elif place == "grpc" and results.get("grpc"):
             lines += ["", *_grpc_section(results["grpc"])]
         elif sections.get(place):
@@ -163,21 +167,59 @@ def _cpu_lines(machine: dict) -> list[str]:
 def _inprocess_section(results: dict) -> list[str]:
     ceiling = "ceiling" in results  # each row's share of it, where the analysis ran
     rows = [[
-        row["backend"], row["batch_size"], f"{row['images_per_s']:.1f}",
-        *([f"{row['share_of_ceiling'] * 100:.0f}%"] if ceiling else []),
-        f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}", row["calls"],
-    ] for row in ordered_rows(results["inprocess"]["results"])]
+        row["engine"], row["batch"], f"{figures['images_per_s']:.1f}",
+        *([f"{figures['share_of_ceiling'] * 100:.0f}%"] if ceiling else []),
+        f"{figures['p50_ms']:.2f}", f"{figures['p99_ms']:.2f}", figures["calls"],
+    ] for row in ordered_rows(results["inprocess"]["measurements"]) for figures in [row["figures"]]]
     schedule = results["inprocess"]["schedule"]
     return [
         "## In-process throughput and latency",
         "",
-        f"Interleaved: {schedule['rounds']} rounds, each running every backend at every batch size in turn, "
+        f"Interleaved: {schedule['rounds']} rounds, each running every engine at every batch size in turn, "
         f"{schedule['seconds']:g} timed seconds per cell in all, after a warm-up. Images/s is the batch size over "
         "the median call time (robust to other load on the machine); latency is per call.",
         "",
-        table(["backend", "batch", "images/s", *(["of ceiling"] if ceiling else []), "p50 ms", "p99 ms", "calls"],
+        table(["engine", "batch", "images/s", *(["of ceiling"] if ceiling else []), "p50 ms", "p99 ms", "calls"],
               rows),
     ]
+
+
+def side_by_side(results: dict) -> list[str]:
+    """Every served engine's images/s by backend (rows) and precision (columns) at each batch size, each against the
+    fastest FP32 engine at that batch, on the run's CPU kind; then the fastest INT8 engine against the fastest FP32."""
+    figures = cells(results["inprocess"]["measurements"])
+    served = [name for name in ordered({name for name, _ in figures}) if ":" in name]
+    if not served:
+        return []
+    kinds = list(dict.fromkeys(split(name)[0] for name in served))
+    columns = [precision for precision in precisions() if any(split(name)[1] == precision for name in served)]
+    batches = sorted({batch for _, batch in figures})
+    rows = []
+    for batch in batches:
+        best_fp32 = fastest(figures, "fp32", batch)
+        base = figures[best_fp32, batch]["images_per_s"] if best_fp32 else None
+        for kind in kinds:
+            row = [kind, batch]
+            for precision in columns:
+                cell = figures.get((f"{kind}:{precision}", batch))
+                row.append("" if cell is None else f"{cell['images_per_s']:,.0f}"
+                           + (f" ({cell['images_per_s'] / base:.2f}×)" if base else ""))
+            rows.append(row)
+    machine = results["machine"]
+    lines = ["## Engines side by side", "",
+             f"On {machine['cpu_model']} [{', '.join(machine['isa']) or 'no AVX-512 or VNNI'}], "
+             f"{results['inprocess']['threads']} threads: images/s of each backend at each precision it served "
+             "here, and in brackets against the fastest FP32 engine at the same batch size.", "",
+             table(["backend", "batch", *columns], rows), ""]
+    verdicts = []
+    for batch in batches:
+        best_int8, best_fp32 = fastest(figures, "int8", batch), fastest(figures, "fp32", batch)
+        if best_int8 and best_fp32:
+            ratio = figures[best_int8, batch]["images_per_s"] / figures[best_fp32, batch]["images_per_s"]
+            verdicts.append(f"batch {batch}: `{best_int8}` {ratio:.2f}× `{best_fp32}`")
+    if verdicts:
+        lines.append("The fastest INT8 engine against the fastest FP32 engine: " + "; ".join(verdicts) + ".")
+    return lines
 
 
 def _grpc_section(grpc_results: dict) -> list[str]:
@@ -193,11 +235,11 @@ def _grpc_section(grpc_results: dict) -> list[str]:
     return [
         "## End-to-end gRPC",
         "",
-        f"`capsnet serve` ({grpc_results['server']['backend']}) in a child process on loopback; a closed-loop "
+        f"`capsnet serve` ({grpc_results['server']['engine']}) in a child process on loopback; a closed-loop "
         f"grpc.aio load generator ({grpc_results['images_per_request']} image per request) in this process, "
         f"{grpc_results['seconds']:g} s per cell after a warm-up. Both share the machine's {grpc_results['cores']} "
         "cores. "
-        "Each row is compared with the in-process backend at batch size = concurrency, timed in its own process for "
+        "Each row is compared with the in-process engine at batch size = concurrency, timed in its own process for "
         "half the row's seconds just before the row and half just after (images/s over the whole timed span, as for "
         "the gRPC row, and the p50 of its calls), so both meet the same load. Server flags: dynamic batching "
         f"on `{' '.join(configs['on']['batching_flags'])}` (the server's default queue delay), off "
@@ -219,12 +261,10 @@ def _grpc_section(grpc_results: dict) -> list[str]:
     ]
 
 
-def _ordered(backends: dict):
-    return sorted(backends.items(), key=lambda item: BACKEND_NAMES.index(item[0]))
-
-
 def ordered_rows(rows: list[dict]) -> list[dict]:
-    return sorted(rows, key=lambda row: (BACKEND_NAMES.index(row["backend"]), row["batch_size"]))
+    """Measurements by engine (capsnet.bench.engines.order), then batch size."""
+    names = ordered({row["engine"] for row in rows})
+    return sorted(rows, key=lambda row: (names.index(row["engine"]), row["batch"]))
 
 
 def _ratio(value: float | None) -> str:

@@ -1,4 +1,4 @@
-"""`capsnet bench` from start to end: artifacts, in-process backends, gRPC, the analysis where installed, report."""
+"""`capsnet bench` from start to end: artifacts, in-process engines, gRPC, the analysis where installed, report."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
-from capsnet.bench.backends import ENGINES, PUBLIC_REFERENCE
+from capsnet.bench.engines import split
 from capsnet.bench.grpc_load import run_grpc_load
-from capsnet.bench.inprocess import BackendPlan, Schedule, run_inprocess
+from capsnet.bench.inprocess import EnginePlan, Schedule, run_inprocess
 from capsnet.bench.machine import cpu_shares, cpu_times, load_average, machine_facts
 from capsnet.bench.report_files import write_report
+from capsnet.bench.results import PUBLIC, portable
 from capsnet.errors import CapsNetError
 
 log = logging.getLogger(__name__)
@@ -27,11 +28,11 @@ TENSORRT_OPT_BATCH = 32  # the batch size TensorRT engines are tuned for (at mos
 class BenchOptions:
     model: Path  # a checkpoint (exported here first) or an export directory
     out: Path
-    backends: tuple[str, ...]
+    backends: tuple[str, ...]  # the engines timed in process (capsnet.bench.engines)
     batch_sizes: tuple[int, ...]
     concurrency: tuple[int, ...]
     threads: int
-    seconds: float  # timed seconds per in-process (backend, batch size)
+    seconds: float  # timed seconds per in-process (engine, batch size)
     rounds: int
     grpc_seconds: float  # timed seconds per gRPC (API, batching, concurrency)
     peak_seconds: float
@@ -45,21 +46,20 @@ class BenchOptions:
 
 class Analysis:
     """What the analysis (capsnet.bench.analysis, the bench extra) adds to a run, at the points the run calls it.
-    This one adds nothing: `missing` says why, in the report, and the backend it would bring is skipped."""
+    This one adds nothing: `missing` says why, in the report, and the engine it would bring is skipped."""
 
     def __init__(self, missing: str | None):
         self.missing = missing
 
-    def unavailable(self, backend: str) -> str | None:
-        """Why `backend` cannot run without the analysis: the public reference is part of it."""
-        return "part of the analysis, not installed here (below)" if backend == PUBLIC_REFERENCE and self.missing \
-            else None
+    def unavailable(self, engine: str) -> str | None:
+        """Why `engine` cannot run without the analysis: the public reference is part of it."""
+        return "part of the analysis, not installed here (below)" if engine == PUBLIC and self.missing else None
 
     def start(self, artifacts, config) -> None:
         """Before the in-process rounds, with the export's artifacts and the model's config."""
 
     def after_round(self) -> None:
-        """After each interleaved in-process round, while the backends' workers wait."""
+        """After each interleaved in-process round, while the engines' workers wait."""
 
     def after_inprocess(self, inprocess: dict, images: np.ndarray, artifacts) -> dict:
         """The analysis' parts of the results, from the in-process results (whose rows it may annotate)."""
@@ -108,13 +108,15 @@ def run_bench(options: BenchOptions, analysis: Analysis) -> dict:
         images = dataset.test.images.astype(np.float32) / 255.0  # (N, C, H, W) in [0, 1]
 
         analysis.start(artifacts, config)
-        plans = {name: BackendPlan(str(model_dirs[name]), tuple(sorted(set(options.batch_sizes))))
+        plans = {name: EnginePlan(str(model_dirs[name]), tuple(sorted(set(options.batch_sizes))))
                  for name in options.backends if name in model_dirs}
         log.info("in-process: %s at batch sizes %s", ", ".join(plans), ", ".join(map(str, options.batch_sizes)))
         inprocess = run_inprocess(plans, options.threads, images, dataset.test.labels,
                                   Schedule(options.seconds, options.rounds), options.accuracy_images or len(images),
                                   after_round=analysis.after_round)
-        inprocess["skipped"] = {**skipped, **inprocess["skipped"]}
+        # the reasons name the temporary export: written as $TMPDIR/..., as every path in a result
+        inprocess["skipped"] = {name: portable(reason, Path.cwd())
+                                for name, reason in {**skipped, **inprocess["skipped"]}.items()}
         analysed = analysis.after_inprocess(inprocess, images, artifacts)
 
         grpc_results = None
@@ -129,8 +131,8 @@ def run_bench(options: BenchOptions, analysis: Analysis) -> dict:
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "quick": options.quick,
         "machine": facts,
-        "model": {"source": str(options.model), "data": dataset.name, "config": config.to_dict(),
-                  "int8_export": int8_export},
+        "model": {"source": portable(str(options.model), Path.cwd()), "data": dataset.name,
+                  "config": config.to_dict(), "int8_export": int8_export},
         "inprocess": inprocess,
         "grpc": grpc_results,
         **analysed,
@@ -142,21 +144,21 @@ def run_bench(options: BenchOptions, analysis: Analysis) -> dict:
 
 
 def _prepare_models(options: BenchOptions, tmp: Path) -> tuple[Path, dict[str, Path], dict[str, str]]:
-    """(the export directory, backend -> export directory it loads, backend -> why it is skipped).
+    """(the export directory, engine -> export directory it loads, engine -> why it is skipped).
 
     A checkpoint is exported first (ONNX FP32 + INT8, and one TensorRT engine per precision where a GPU
     allows); an export directory is used as it is."""
     from capsnet.serving.artifacts import load_artifacts
 
-    wanted_trt = [name for name in options.backends if name in ENGINES and ENGINES[name].kind == "tensorrt"]
+    wanted_trt = [name for name in options.backends if split(name)[0] == "tensorrt"]
     model_dirs, skipped = {}, {}
     if options.model.is_dir():
         artifacts = load_artifacts(options.model)
         _check_dynamic_routing(options.model, artifacts.checkpoint)
         plan_precision = artifacts.tensorrt_info["precision"] if artifacts.tensorrt_info else None
         for name in options.backends:
-            if name in wanted_trt and ENGINES[name].precision != plan_precision:
-                skipped[name] = (f"{options.model} has no {ENGINES[name].precision} TensorRT plan (bench a "
+            if name in wanted_trt and split(name)[1] != plan_precision:
+                skipped[name] = (f"{options.model} has no {split(name)[1]} TensorRT plan (bench a "
                                  "checkpoint to build one)")
             else:
                 model_dirs[name] = options.model
@@ -179,7 +181,7 @@ def _prepare_models(options: BenchOptions, tmp: Path) -> tuple[Path, dict[str, P
         if no_trt:
             skipped[name] = no_trt
             continue
-        precision = ENGINES[name].precision
+        precision = split(name)[1]
         log.info("building a TensorRT %s engine", precision)
         export_model(options.model, tmp / name, tensorrt=True, tensorrt_precision=precision, data=options.data,
                      max_accuracy_drop=100.0, opt_batch=min(TENSORRT_OPT_BATCH, max_batch), max_batch=max_batch)

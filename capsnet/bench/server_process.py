@@ -85,23 +85,14 @@ class ServerProcess:
 
     def scrape(self) -> dict[str, float]:
         """The server's Prometheus samples, summed over their labels: name -> value."""
-        from prometheus_client.parser import text_string_to_metric_families
-
         self.check_alive()
         assert self.metrics_url is not None  # read from the ready line
         try:
-            with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
-                text = response.read().decode()
+            return scrape(self.metrics_url)
         except OSError as err:  # URLError, a reset or a timeout: the server died or hangs
             self.check_alive()
             raise CapsNetError(f"cannot read the server's metrics at {self.metrics_url}: "
                                f"{getattr(err, 'reason', err)}") from None
-        totals: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if "le" not in sample.labels and "quantile" not in sample.labels:
-                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-        return totals
 
     def _read_output(self, ready: threading.Event) -> None:
         assert self._process.stdout is not None  # a pipe
@@ -126,3 +117,19 @@ class ServerProcess:
                 self._process.kill()
                 self._process.wait()
                 raise
+
+
+def scrape(metrics_url: str) -> dict[str, float]:
+    """A server's Prometheus samples at `metrics_url`, each summed over its labels (a histogram's _sum and _count over
+    models and versions; its buckets and a summary's quantiles left out): name -> value. OSError where it cannot be
+    read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "le" not in sample.labels and "quantile" not in sample.labels:
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals

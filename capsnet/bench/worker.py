@@ -1,7 +1,8 @@
-"""A benchmark worker process: holds one backend and answers timing commands from `inprocess.py`.
+"""A benchmark worker process: holds one engine (capsnet.bench.engines) and answers timing commands from
+`inprocess.py`.
 
 Started as `python -m capsnet.bench.worker FD NAME MODEL_DIR THREADS MAX_BATCH` with one end of a
-socket pair as FD, so it imports nothing but this module and its backend (its memory is its own).
+socket pair as FD, so it imports nothing but this module and its engine (its memory is its own).
 Commands: ("time", images, seconds) -> per-call seconds; ("predict", images) -> argmax classes;
 ("stop",) -> memory. Replies are ("ok", payload), ("unavailable", reason) or ("error", message).
 """
@@ -13,6 +14,7 @@ import functools
 import sys
 import traceback
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from capsnet.bench.memory import memory_mib
 from capsnet.bench.timing import time_calls
@@ -22,16 +24,20 @@ MIN_CALLS_PER_CHUNK = 1  # after the warm-up; the rounds give every cell several
 
 
 def serve(conn: Connection, name: str, model_dir: str, threads: int, max_batch: int) -> None:
-    from capsnet.bench.backends import BackendUnavailable, load_backend
+    from capsnet.bench.engines import EngineUnavailable, build_engine
 
     try:
         start = memory_mib()
         try:
-            infer, description = load_backend(name, model_dir, threads, max_batch)
-        except BackendUnavailable as err:
+            engine = build_engine(name, Path(model_dir), threads=threads, max_batch=max_batch)
+        except EngineUnavailable as err:
             conn.send(("unavailable", str(err)))
             return
-        conn.send(("ok", {"description": description, "start": start, "loaded": memory_mib()}))
+
+        def infer(images):
+            return engine.run(images)["probabilities"]
+
+        conn.send(("ok", {"description": engine.description, "start": start, "loaded": memory_mib()}))
         warm = set()
         while True:
             try:

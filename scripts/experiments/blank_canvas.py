@@ -13,9 +13,11 @@ import argparse
 import json
 
 import numpy as np
+import torch
 
 from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset
+from capsnet.training.evaluate import Scoring
 from capsnet.training.robustness import PRESENT_THRESHOLD, class_probabilities
 
 
@@ -32,7 +34,7 @@ def main() -> None:
     rows = np.arange(len(test))
     report = {"checkpoint": args.checkpoint, "test_images": len(test)}
     for name, images in canvases.items():
-        lengths = class_probabilities(model, images, 250, "cpu")  # (N, J)
+        lengths = class_probabilities(model, images, Scoring(250, torch.device("cpu")))  # (N, J)
         others = lengths.copy()
         others[rows, test.labels] = -1.0
         report[name] = {"image_shape": list(images.shape[1:]),

@@ -18,16 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import tritonclient.grpc as grpcclient
 
+from capsnet.bench.results import portable
 from capsnet.export.parity import onnxruntime_session
 from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset, to_float
 
 MODEL = "capsnet"
+REPO = Path(__file__).resolve().parents[2]  # the report's paths are written relative to it
 
 
 def batches(images: np.ndarray, size: int):
@@ -87,7 +90,7 @@ def main() -> None:
         served[server] = (*served_probabilities(address, test.images), time.monotonic() - started, onnx)
     batch = min(entry[1] for entry in served.values())
     checkpoint = checkpoint_probabilities(args.checkpoint, test.images, batch)
-    report = {"test_images": len(test), "checkpoint": args.checkpoint,
+    report = {"test_images": len(test), "checkpoint": portable(args.checkpoint, REPO),
               "checkpoint_accuracy": float((checkpoint.argmax(axis=1) == test.labels).mean()), "servers": {}}
     for server, (probabilities, request_images, seconds, onnx) in served.items():
         entry = {"request_images": request_images, "served_seconds": round(seconds, 1),
@@ -95,10 +98,11 @@ def main() -> None:
                  "differing_from_checkpoint": differing(probabilities, checkpoint, test.labels)}
         if onnx:
             in_process = onnx_probabilities(onnx, test.images, request_images)
-            entry.update({"onnx": onnx, "onnx_accuracy": float((in_process.argmax(axis=1) == test.labels).mean()),
+            entry.update({"onnx": portable(onnx, REPO),
+                          "onnx_accuracy": float((in_process.argmax(axis=1) == test.labels).mean()),
                           "max |served - onnx| probabilities": float(np.abs(probabilities - in_process).max()),
                           "differing_from_onnx": differing(probabilities, in_process, test.labels)})
-        report["servers"][server] = entry
+        report["servers"][portable(server, REPO)] = entry
     print(json.dumps(report, indent=1))
 
 

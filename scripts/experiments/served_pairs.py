@@ -27,14 +27,16 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
+from capsnet.bench.results import portable
 from capsnet.cli import main as capsnet
 from capsnet.serving.client import CapsNetClient
 from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset
-from capsnet.training.pairs import build_pairs
+from capsnet.training.pairs import PairSpec, build_pairs
 from capsnet.training.robustness import overlap_scores
 
 MODEL = "capsnet"
+REPO = Path(__file__).resolve().parents[2]  # the result's paths are written relative to it
 
 
 def write_pngs(images: np.ndarray, folder: Path) -> list[Path]:
@@ -93,7 +95,8 @@ def main() -> None:
 
     checkpoint = load_checkpoint(args.checkpoint)
     split = load_dataset(args.data).test
-    pairs = build_pairs(checkpoint.config, split, args.count, args.seed, args.layout, args.checkpoint)
+    spec = PairSpec(args.layout, args.count, args.seed)
+    pairs = build_pairs(checkpoint.config, split, spec, args.checkpoint)
     with tempfile.TemporaryDirectory() as folder:
         paths = write_pngs(pairs.images, Path(folder))
         started = time.perf_counter()
@@ -104,12 +107,13 @@ def main() -> None:
     # eval's own lengths on the same pairs, for the differences (eval reports only its figures)
     import torch
 
+    from capsnet.training.evaluate import Scoring
     from capsnet.training.pairs import score_pairs
 
-    reference, _ = score_pairs(checkpoint.build_model().eval(), pairs, args.layout, args.seed, 256, torch.device("cpu"))
+    reference, _ = score_pairs(checkpoint.build_model().eval(), pairs, spec, Scoring(256, torch.device("cpu")))
     figures = {name: overlap_scores(lengths, pairs.labels) for name, lengths in served.items()}
     result = {
-        "checkpoint": args.checkpoint, "layout": args.layout, "pairs": args.count, "seed": args.seed,
+        "checkpoint": portable(args.checkpoint, REPO), "layout": args.layout, "pairs": args.count, "seed": args.seed,
         "image_shape": list(pairs.images.shape[1:]),
         "capsnet_eval": {key: eval_figures[key] for key in ("top2_accuracy", "top2_both_present_accuracy")},
         **figures,

@@ -20,7 +20,7 @@ def test_bench_missing_model_is_a_one_line_error(tmp_path, capsys):
     (["--batch-sizes", "1,100000000"], "expected integers from 1 to 1024"),  # was a NumPy out-of-memory traceback
     (["--concurrency", "100000000"], "expected integers from 1 to 1024"),
     (["--concurrency", "four"], "expected comma-separated integers"),
-    (["--backends", "onnxruntime-fp32,tflite"], "unknown backend tflite"),
+    (["--backends", "onnxruntime:fp32,tflite"], "unknown backend tflite"),
 ])
 def test_bench_bad_flags_are_refused_by_the_parser(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -36,8 +36,11 @@ def test_the_steps_write_parts_and_the_report_tables_them(tiny_export, tmp_path)
     # the registry's torch row at the precisions asked for; fp16 needs a GPU: refused in its own line
     assert set(engines["engines"]) == {"public", "torch:fp32"}
     assert "add --gpu N" in engines["failed"]["torch:fp16"]
-    assert {(row["engine"], row["batch_size"]) for row in engines["results"]} == {
-        ("torch:fp32", 1), ("torch:fp32", 4), ("public", 1), ("public", 4)}
+    # numpy in and out, and device-resident (the CPU here), each a measurement of its own
+    assert sorted((row["engine"], row["batch"], row["io"]) for row in engines["measurements"]) == sorted(
+        (engine, batch, io) for engine in ("torch:fp32", "public") for batch in (1, 4)
+        for io in ("numpy", "device_resident"))
+    assert all(row["figures"]["calls"] == 3 and row["figures"]["p50_ms"] > 0 for row in engines["measurements"])
     assert engines["engines"]["torch:fp32"]["self_check"]["passed"]
     analysis = summary["analysis"]["batch_4"]
     assert analysis["best"] == "torch:fp32" and analysis["speedup_vs_public"] > 0
@@ -48,13 +51,14 @@ def test_the_steps_write_parts_and_the_report_tables_them(tiny_export, tmp_path)
     markdown = (out / "gpu_check.md").read_text()
     assert markdown.startswith("# GPU check — CPU DRY RUN")
     assert "| serve | timed out | 150 | 150 |" in markdown and "| torch:fp32 |" in markdown
-    assert "torch:fp16: did not run: CapsNetError: --precision fp16 on the torch backend runs on a GPU" in markdown
+    assert "torch:fp16: did not run: --precision fp16 on the torch backend runs on a GPU" in markdown
     assert f"[{'met' if target['met'] else 'MISSED'}] {target['target']}" in markdown
 
 
 def test_the_harness_takes_each_registry_row_at_the_precisions_it_serves():
-    assert harness.served_specs(["onnxruntime", "fused"], ["int8", "bf16"]) == ["onnxruntime:int8", "fused:bf16"]
-    assert harness.served_specs(["aoti"], ["fp32", "fp16", "bf16", "int8"]) == ["aoti:fp32", "aoti:fp16", "aoti:bf16"]
+    assert harness.served_engines(["onnxruntime", "fused"], ["int8", "bf16"]) == ["onnxruntime:int8", "fused:bf16"]
+    assert harness.served_engines(["aoti"], ["fp32", "fp16", "bf16", "int8"]) == ["aoti:fp32", "aoti:fp16",
+                                                                                   "aoti:bf16"]
 
 
 def test_the_profile_splits_the_fused_kernels_time_from_the_convolutions():
@@ -69,11 +73,12 @@ def test_the_profile_splits_the_fused_kernels_time_from_the_convolutions():
     assert split == pytest.approx({"fused_routing_ms": 0.32, "convolutions_ms": 0.422, "copies_ms": 0.005,
                                    "other_ms": 0.008})
     assert harness.device_time_split(kernels, (), calls=5)["fused_routing_ms"] == 0.0
-    cell = {"engine": "fused:fp16", "batch_size": 256, "device_resident": {"p50_ms": 2.0},
-            "numpy": {"p50_ms": 2.4, "images_per_s": 106_667}}
+    cells = [{"engine": "fused:fp16", "batch": 256, "io": "device_resident", "figures": {"p50_ms": 2.0}},
+             {"engine": "fused:fp16", "batch": 256, "io": "numpy", "figures": {"p50_ms": 2.4, "images_per_s": 106_667}}]
     spec = importlib.util.spec_from_file_location("gpu_check_report", REPORT)
     assert spec is not None and spec.loader is not None
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
-    markdown = report.engines_markdown({"results": [cell], "device_time_split": {"fused:fp16": {"256": split}}})
+    markdown = report.engines_markdown({"measurements": cells, "device_time_split": {"fused:fp16": {"256": split}}})
+    assert "| fused:fp16 | 2.000 / 2.400 (106,667/s) |" in markdown
     assert "| fused:fp16 | 256 | 0.320 ms | 0.422 ms | 0.005 ms | 0.008 ms |" in markdown

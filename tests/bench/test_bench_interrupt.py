@@ -45,7 +45,7 @@ def start_bench(model: Path, tmp_path: Path) -> tuple[subprocess.Popen, Path, Pa
     tmpdir, out, log = tmp_path / "tmp", tmp_path / "out", tmp_path / "bench.log"
     tmpdir.mkdir()
     command = [sys.executable, "-m", "capsnet", "bench", str(model), "--out", str(out), "--quick",
-               "--backends", "onnxruntime-fp32", "--batch-sizes", "1", "--concurrency", "1", "--seconds", "0.05",
+               "--backends", "onnxruntime:fp32", "--batch-sizes", "1", "--concurrency", "1", "--seconds", "0.05",
                "--peak-seconds", "0.05", "--accuracy-images", "10", "--profile-runs", "1", "--grpc-seconds", "8"]
     with open(log, "wb") as stream:
         proc = subprocess.Popen(command, stdout=stream, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from capsnet.bench.analysis.targets import evaluate
+from capsnet.bench.results import measurement
 
 
-def _row(backend, batch, images_per_s, p50_ms=1.0):
-    return {"backend": backend, "batch_size": batch, "images_per_s": images_per_s, "p50_ms": p50_ms}
+def _row(engine, batch, images_per_s, p50_ms=1.0):
+    return measurement(engine, batch, {"images_per_s": images_per_s, "p50_ms": p50_ms})
 
 
 def _results(fp32_at_32=365.0, int8_at_32=740.0, int8_accuracy=0.978, grpc=None, isa=("avx2", "fma")):
@@ -18,15 +19,15 @@ def _results(fp32_at_32=365.0, int8_at_32=740.0, int8_accuracy=0.978, grpc=None,
         "ceiling": {"images_per_s": 400.0},
         "inprocess": {
             "accuracy_images": 1000,
-            "backends": {"onnxruntime-fp32": {"accuracy": 0.98}, "onnxruntime-int8": {"accuracy": int8_accuracy}},
-            "results": [
-                _row("onnxruntime-fp32", 1, 100.0), _row("onnxruntime-fp32", 8, 370.0),
-                _row("onnxruntime-fp32", 32, fp32_at_32),
-                _row("onnxruntime-int8", 8, 750.0), _row("onnxruntime-int8", 32, int8_at_32),
-                _row("pytorch-public", 8, 110.0), _row("pytorch-public", 32, 120.0),
+            "engines": {"onnxruntime:fp32": {"accuracy": 0.98}, "onnxruntime:int8": {"accuracy": int8_accuracy}},
+            "measurements": [
+                _row("onnxruntime:fp32", 1, 100.0), _row("onnxruntime:fp32", 8, 370.0),
+                _row("onnxruntime:fp32", 32, fp32_at_32),
+                _row("onnxruntime:int8", 8, 750.0), _row("onnxruntime:int8", 32, int8_at_32),
+                _row("public", 8, 110.0), _row("public", 32, 120.0),
             ],
         },
-        "profiles": {"onnxruntime-fp32": {"batch_size": 32, "op_types": [
+        "profiles": {"onnxruntime:fp32": {"batch_size": 32, "op_types": [
             {"op_type": "Conv", "share": 0.8}, {"op_type": "MatMul", "share": 0.15},
             {"op_type": "Softmax", "share": 0.05},
         ]}},
@@ -101,12 +102,31 @@ def test_bench_targets_grpc_cpu_and_memory():
 
 def test_bench_targets_bf16_speed_and_accuracy_where_it_ran():
     results = _results()
-    results["inprocess"]["results"] += [_row("pytorch", 8, 60.0), _row("pytorch", 32, 100.0),
-                                        _row("pytorch-bf16", 8, 150.0), _row("pytorch-bf16", 32, 90.0)]
-    results["inprocess"]["backends"].update({"pytorch": {"accuracy": 0.974}, "pytorch-bf16": {"accuracy": 0.970}})
-    checks = {check["target"].split(":")[0]: check for check in evaluate(results)}
-    speed = checks["PyTorch with bf16 convolutions at batch ≥ 8"]
+    results["inprocess"]["measurements"] += [_row("torch:fp32", 8, 60.0), _row("torch:fp32", 32, 100.0),
+                                             _row("torch:bf16", 8, 150.0), _row("torch:bf16", 32, 90.0)]
+    results["inprocess"]["engines"].update({"torch:fp32": {"accuracy": 0.974}, "torch:bf16": {"accuracy": 0.970}})
+    checks = {check["target"].split(" ≤")[0].split(", batch")[0]: check for check in evaluate(results)}
+    speed = checks["torch at bf16"]
     assert not speed["met"] and "batch 8: 2.50×, batch 32: 0.90×" in speed["measured"]  # 150/60, 90/100
     assert speed["short_by"] == "1.11× faster needed at the worst batch" and "oneDNN" in speed["bound"]
-    accuracy = checks["bf16 accuracy loss ≤ 0.3 points"]
+    accuracy = checks["torch:bf16 accuracy loss against torch:fp32"]
     assert not accuracy["met"] and "+0.40 points" in accuracy["measured"] and accuracy["short_by"] == "0.10 points"
+
+
+def test_the_int8_verdict_is_the_fastest_int8_engine_against_the_fastest_fp32_engine():
+    """Another backend's INT8 faster than ONNX Runtime's, another's FP32 faster too: the verdict compares the two
+    fastest, whichever backends they are, and each reduced precision's accuracy against its own backend's fp32."""
+    results = _results(isa=("avx2", "avx512f", "avx512_vnni"))  # 3× wanted
+    results["inprocess"]["measurements"] += [_row("openvino:fp32", 8, 400.0), _row("openvino:fp32", 32, 380.0),
+                                             _row("openvino:int8", 8, 1250.0), _row("openvino:int8", 32, 1100.0)]
+    results["inprocess"]["engines"].update({"openvino:fp32": {"accuracy": 0.98}, "openvino:int8": {"accuracy": 0.97}})
+    checks = evaluate(results)
+    (int8_speed,) = [check for check in checks if check["target"].startswith("INT8 at batch")]
+    # 1250/400 at batch 8, 1100/380 at 32: openvino against openvino, not against ONNX Runtime's 370 and 365
+    assert int8_speed["values"] == pytest.approx({"8": 3.125, "32": 1100 / 380})
+    assert "(openvino:int8)" in int8_speed["measured"] and not int8_speed["met"]
+    (ceiling,) = [check for check in checks if "fp32 ceiling" in check["target"]]
+    assert ceiling["values"] == pytest.approx({"8": 1.0, "32": 0.95}) and "(openvino:fp32)" in ceiling["measured"]
+    losses = {check["target"].split(" accuracy")[0]: check["values"]["loss_points"] for check in checks
+              if "accuracy loss" in check["target"]}
+    assert losses == pytest.approx({"onnxruntime:int8": 0.2, "openvino:int8": 1.0})

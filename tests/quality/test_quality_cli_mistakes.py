@@ -96,7 +96,7 @@ def test_visualize_scores_images_of_every_class_of_a_sorted_test_split(random_ti
     monkeypatch.setattr(visualize, "draw_reconstructions", lambda *args: args[-1])
     monkeypatch.setattr(visualize, "draw_perturbations", lambda *args: args[-1])
     monkeypatch.setattr(visualize, "draw_routing", lambda *args: args[-1])
-    visualize.visualize(random_tiny_checkpoint, None, tmp_path, 300, 8, 256, "cpu")
+    visualize.visualize(visualize.VisualizeOptions(random_tiny_checkpoint, None, tmp_path, 300, 8, 256, "cpu"))
     per_class = scored[0].confusion.sum(axis=1)  # (J,): the first 300 were 0s, 1s and 2s only
     assert scored[0].count == 300 and (per_class > 10).all(), per_class
 

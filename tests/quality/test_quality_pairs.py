@@ -17,7 +17,7 @@ from capsnet.cli import main
 from capsnet.training import visualize
 from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import Split, load_embedded, to_float
-from capsnet.training.evaluate import evaluate
+from capsnet.training.evaluate import Scoring, evaluate
 from capsnet.training.pairs import PairScores
 from capsnet.training.transforms import digit_pairs, overlay_pairs
 
@@ -64,7 +64,8 @@ def test_eval_pairs_figures_are_those_computed_pair_by_pair(fixture, request, ca
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     model = load_checkpoint(checkpoint).build_model()
-    assert report["accuracy"] == evaluate(model, digits, tuple(map(str, range(10))), 256, torch.device("cpu")).accuracy
+    scoring = Scoring(256, torch.device("cpu"))
+    assert report["accuracy"] == evaluate(model, digits, tuple(map(str, range(10))), scoring).accuracy
     pairs = digit_pairs(digits, 300, 3, "side-by-side")
     with torch.no_grad():  # one image at a time: nothing shared with the command's batches
         lengths = np.concatenate([model(to_float(image[None])).probabilities.numpy() for image in pairs.images])
@@ -104,8 +105,7 @@ def test_pairs_figure_shows_each_length_the_classes_and_who_is_present(digits):
     wrong = next(k for k in range(10) if k not in pairs.labels[1])
     lengths[1, [pairs.labels[1][0], wrong]] = (0.8, 0.6)  # one of the pair and another class
     scores = PairScores("side-by-side", 2, 0, (1, 28, 56), 0.5, 0.5)
-    figure = visualize.pairs_figure(pairs.images, lengths, pairs.labels, tuple(map(str, range(10))), scores,
-                                    "shared-capsnet")
+    figure = visualize.pairs_figure(pairs, lengths, scores, tuple(map(str, range(10))), "shared-capsnet")
     for row, verdict in enumerate(["top 2 right, both present", "top 2 wrong"]):
         axes = figure.axes[2 * row + 1]  # each row: the image, then the bars
         bars = axes.patches

@@ -11,7 +11,7 @@ import torch
 from capsnet.training import robustness
 from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_embedded, to_float
-from capsnet.training.evaluate import evaluate
+from capsnet.training.evaluate import Scoring, evaluate
 from capsnet.training.transforms import affine_split, overlay_pairs
 
 
@@ -36,8 +36,8 @@ def test_report_matches_eval_and_a_direct_computation(trained_tiny_checkpoint, r
     test = load_embedded().test
     names = tuple(str(d) for d in range(10))
     cpu = torch.device("cpu")
-    assert report["clean_accuracy"] == evaluate(model, test, names, 256, cpu).accuracy
-    assert report["affine_accuracy"] == evaluate(model, affine_split(test, 7)[0], names, 256, cpu).accuracy
+    assert report["clean_accuracy"] == evaluate(model, test, names, Scoring(256, cpu)).accuracy
+    assert report["affine_accuracy"] == evaluate(model, affine_split(test, 7)[0], names, Scoring(256, cpu)).accuracy
     overlay = overlay_pairs(test, 200, 7)
     with torch.no_grad():
         probabilities = model(to_float(overlay.images)).probabilities.numpy()  # (200, J)

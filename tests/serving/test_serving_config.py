@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -43,6 +44,17 @@ def test_environment_then_flags():
                                             "host": "127.0.0.2"}, env=env)
     assert (from_flags.host, from_flags.http_port, from_flags.grpc_port, from_flags.metrics_port) == (
         "127.0.0.2", 7000, 7001, 9002)
+
+
+def test_every_setting_is_a_serve_flag_unset_by_default():
+    """`capsnet serve` reads every ServerConfig field from the flag of its name: a field without one fails here rather
+    than at the first start. Left out, a flag is None, so the environment or the field's default decides."""
+    from capsnet.cli import build_parser
+
+    args = vars(build_parser("serve").parse_args(["serve", "--model", "m"]))
+    settings = {setting.name for setting in dataclasses.fields(ServerConfig)}
+    assert settings - set(args) == set()
+    assert {name: args[name] for name in settings - {"model_dir"} if args[name] is not None} == {}
 
 
 @pytest.mark.parametrize("flags, warmup", [([], True), (["--no-warmup"], False)])

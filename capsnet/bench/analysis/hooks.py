@@ -14,6 +14,7 @@ from capsnet.bench.analysis.ortprofile import conv_rate, profile_onnx
 from capsnet.bench.analysis.peak import measure_peak, median_peak
 from capsnet.bench.analysis.targets import evaluate
 from capsnet.bench.inprocess import tile
+from capsnet.bench.results import cells
 from capsnet.bench.run import Analysis, BenchOptions
 from capsnet.models.config import CapsNetConfig
 
@@ -36,7 +37,7 @@ class BenchAnalysis(Analysis):
         log.info("%.1f MFLOP per image; the fp32 peak after each in-process round", self.flops.total / 1e6)
 
     def after_round(self) -> None:
-        """The fp32 peak once per interleaved round, so it meets the same load as the backends' cells."""
+        """The fp32 peak once per interleaved round, so it meets the same load as the engines' cells."""
         assert self.config is not None, "start() first"
         self.peaks.append(measure_peak(self.config, batch=PEAK_BATCH, threads=self.options.threads,
                                        min_seconds=self.options.peak_seconds))
@@ -46,18 +47,18 @@ class BenchAnalysis(Analysis):
         assert self.flops is not None, "start() first"
         peak = median_peak(self.peaks)
         ceiling = peak["conv"]["gflops"] * 1e9 / self.flops.total
-        for row in inprocess["results"]:
-            row["share_of_ceiling"] = row["images_per_s"] / ceiling
+        for row in inprocess["measurements"]:
+            row["figures"]["share_of_ceiling"] = row["figures"]["images_per_s"] / ceiling
         batch_sizes = self.options.batch_sizes
         profile_images = tile(images, max((b for b in batch_sizes if b <= PROFILE_BATCH), default=min(batch_sizes)))
-        rows = {(row["backend"], row["batch_size"]): row for row in inprocess["results"]}
+        figures = cells(inprocess["measurements"])
         conv_flops = sum(node.flops for node in self.flops.nodes if node.op_type == "Conv")
         profiles = {}
         for precision, path in artifacts.onnx.items():
-            name = f"onnxruntime-{precision}"
-            if (name, len(profile_images)) in rows:
+            name = f"onnxruntime:{precision}"
+            if (name, len(profile_images)) in figures:
                 profile = profile_onnx(path, profile_images, self.options.threads, self.options.profile_runs)
-                images_per_s = rows[name, len(profile_images)]["images_per_s"]
+                images_per_s = figures[name, len(profile_images)]["images_per_s"]
                 profiles[name] = {**profile, **conv_rate(profile, conv_flops, images_per_s)}
         return {"flops": self.flops.to_dict(), "peak": peak,
                 "ceiling": {"images_per_s": ceiling, "gflops": peak["conv"]["gflops"]}, "profiles": profiles}

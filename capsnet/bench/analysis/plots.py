@@ -1,4 +1,4 @@
-"""The PNG plots of a benchmark's README: throughput and latency in process, by backend and batch size, and over gRPC,
+"""The PNG plots of a benchmark's README: throughput and latency in process, by engine and batch size, and over gRPC,
 by API, batching and concurrency."""
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ def plots(results: dict, out_dir: Path) -> list[Path]:
 
 
 def _series(rows: list[dict], key: str) -> dict[str, tuple[list, list]]:
-    """backend -> (batch sizes, values of `key`), in backend order."""
+    """engine -> (batch sizes, values of the figure `key`), in engine order."""
     series: dict[str, tuple[list, list]] = {}
     for row in ordered_rows(rows):
-        xs, ys = series.setdefault(row["backend"], ([], []))
-        xs.append(row["batch_size"])
-        ys.append(row[key])
+        xs, ys = series.setdefault(row["engine"], ([], []))
+        xs.append(row["batch"])
+        ys.append(row["figures"][key])
     return series
 
 
 def _plot_inprocess(plt, results: dict, out_dir: Path) -> Path:
-    rows = results["inprocess"]["results"]
+    rows = results["inprocess"]["measurements"]
     fig, (throughput, latency) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, (xs, ys) in _series(rows, "images_per_s").items():
         throughput.plot(xs, ys, marker="o", label=name)
@@ -47,7 +47,7 @@ def _plot_inprocess(plt, results: dict, out_dir: Path) -> Path:
     latency.set(xscale="log", yscale="log", xlabel="batch size", ylabel="ms per call", title="In-process latency")
     latency.legend(fontsize=7, ncol=2)
     for axis in (throughput, latency):
-        _log_ticks(axis, sorted({row["batch_size"] for row in rows}))
+        _log_ticks(axis, sorted({row["batch"] for row in rows}))
     fig.tight_layout()
     path = out_dir / PLOTS["inprocess"]
     fig.savefig(path, dpi=110)
@@ -80,7 +80,7 @@ def _plot_grpc(plt, results: dict, out_dir: Path) -> Path:
         reference.setdefault(row["concurrency"], []).append(row["inprocess"]["images_per_s"])
     batch_sizes = sorted(reference)
     throughput.plot(batch_sizes, [sum(reference[b]) / len(reference[b]) for b in batch_sizes], color="black",
-                    linestyle="--", label=f"in-process {results['grpc']['server']['backend']}, batch = concurrency "
+                    linestyle="--", label=f"in-process {results['grpc']['server']['engine']}, batch = concurrency "
                                           "(mean of the rows' references)")
     throughput.set(xscale="log", ylim=(0, None), xlabel="concurrent requests", ylabel="images/s",
                    title="gRPC throughput")

@@ -23,10 +23,7 @@ squash constant 1): a model trained with another routing variant has no public c
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -96,18 +93,3 @@ def _squash(s: Tensor) -> Tensor:
     """The public code's squash: |s|² / (1 + |s|²) / (|s| + 1e-8) · s."""
     norm = torch.norm(s, p=2, dim=-1, keepdim=True)
     return norm**2 / (1 + norm**2) / (norm + 1e-8) * s
-
-
-def load_reference_backend(checkpoint_path: Path, threads: int) -> tuple[Callable[[np.ndarray], np.ndarray], str]:
-    """The `pytorch-public` backend of `capsnet bench` (capsnet.bench.backends): images -> probabilities on the CPU
-    with the checkpoint's weights, and what runs; CapsNetError for a model the public code cannot compute."""
-    from capsnet.models.checkpoint import load_checkpoint
-
-    torch.set_num_threads(threads)
-    model = PublicCapsNet(load_checkpoint(checkpoint_path).build_model())
-
-    def infer(images: np.ndarray) -> np.ndarray:
-        with torch.inference_mode():
-            return model(torch.from_numpy(images))[0].numpy()
-
-    return infer, f"{SOURCE}'s formulation, eager PyTorch ({DESCRIBED_IN}) on CPU, {threads} threads"

@@ -10,9 +10,9 @@ from capsnet.bench.report_files import QUICK_VERDICT, table
 def sections(results: dict) -> dict[str, list[str]]:
     """Markdown lines by where they go (capsnet.bench.report_files.SECTIONS)."""
     found = {
-        "backends": [
+        "engines": [
             "",
-            "`pytorch-public` is not our model: it is `capsnet/bench/analysis/public_reference.py`, a "
+            "`public` is not our model: it is `capsnet/bench/analysis/public_reference.py`, a "
             "re-implementation of how the most-used public PyTorch CapsNet (XifengGuo/CapsNet-Pytorch) computes a "
             "forward pass, run eagerly: PrimaryCaps as one convolution; W as a (J, I, D, P) parameter, (10, 1152, 16, "
             "8) in the paper model; û by a broadcast `torch.matmul` of W with u[:, None, :, :, None]; logits (B, 10, "

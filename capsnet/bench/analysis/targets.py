@@ -7,16 +7,19 @@ what bounds it (`bound`), from the same run's profile and server metrics.
 from __future__ import annotations
 
 from capsnet.bench.analysis.ortprofile import CONV_OP_TYPES
+from capsnet.bench.engines import fastest, ordered, split
+from capsnet.bench.results import PUBLIC, cells
 from capsnet.runtime.cpu import CpuKind
 
-FP32, INT8, PUBLIC = "onnxruntime-fp32", "onnxruntime-int8", "pytorch-public"
-TORCH_FP32, TORCH_BF16 = "pytorch", "pytorch-bf16"  # bf16 runs only on CPUs with native bf16
 MIN_BATCH = 8  # throughput targets apply at batch >= 8
 CEILING_SHARE = 0.90
 PUBLIC_SPEEDUP = 3.0
 # int8 dot products: VNNI/AMX hosts multiply-add u8×s8 in one instruction; AVX2 needs three, with an int16 step
 INT8_SPEEDUP = {"vnni": 3.0, "avx2": 2.0}
-MAX_ACCURACY_LOSS_POINTS = 0.3  # INT8 against FP32, bf16 against fp32
+MAX_ACCURACY_LOSS_POINTS = 0.3  # a reduced precision against the same backend's fp32
+# what bounds a reduced precision's accuracy, named where its loss is too large
+ROUNDING = {"int8": "the int8 convolutions' rounding and saturation", "bf16": "bf16's 8-bit mantissa in the "
+            "convolutions", "fp16": "fp16's 11-bit mantissa and its range"}
 GRPC_CONCURRENCY, GRPC_SHARE = 16, 0.90
 GRPC_P50_EXTRA_MS = 1.0
 SERVER_CPU_CORES = 1.2  # CPU seconds per second of the server at concurrency 1
@@ -24,63 +27,84 @@ SERVER_RSS_MIB = 1024
 
 
 def evaluate(results: dict) -> list[dict]:
-    """[{target, measured, met, values, short_by, bound}] for each target whose measurements this run has."""
-    rows = {(row["backend"], row["batch_size"]): row for row in results["inprocess"]["results"]}
-    batches = sorted({batch for name, batch in rows if name == FP32 and batch >= MIN_BATCH})
+    """[{target, measured, met, values, short_by, bound}] for each target whose measurements this run has.
+
+    Each precision is judged by its fastest engine at each batch size (capsnet.bench.engines.fastest): the INT8
+    verdict is the fastest INT8 engine against the fastest FP32 engine, whichever backends they are."""
+    figures = cells(results["inprocess"]["measurements"])
+    batches = sorted({batch for name, batch in figures if ":" in name and batch >= MIN_BATCH})
     profiles = results.get("profiles") or {}
     checks = []
 
-    def per_batch(target: str, numerator: str, denominator, threshold: float, fmt, bound: str) -> None:
-        """numerator's images/s over denominator(batch) at every batch >= MIN_BATCH, all >= threshold."""
+    def best(precision: str) -> dict[int, str]:
+        """batch -> the fastest engine at `precision` there."""
+        return {batch: name for batch in batches if (name := fastest(figures, precision, batch))}
+
+    def per_batch(target: str, numerator: dict[int, str], denominator, threshold: float, fmt, bound: str) -> None:
+        """The engines' images/s (batch -> engine) over denominator(batch) at every batch >= MIN_BATCH, all >=
+        threshold."""
         values = {}
-        for batch in batches:
-            if (numerator, batch) in rows:
-                base = denominator(batch)
-                if base:
-                    values[batch] = rows[numerator, batch]["images_per_s"] / base
+        for batch, name in numerator.items():
+            base = denominator(batch)
+            if base:
+                values[batch] = figures[name, batch]["images_per_s"] / base
         if values:
-            measured = ", ".join(f"batch {b}: {fmt(v)}" for b, v in values.items())
+            engines = ", ".join(dict.fromkeys(numerator[batch] for batch in values))
+            measured = ", ".join(f"batch {b}: {fmt(v)}" for b, v in values.items()) + f" ({engines})"
             worst = min(values.values())
             shortfall = f"{threshold / worst:.2f}× faster needed at the worst batch" if worst < threshold else ""
             checks.append(_check(target, measured, worst >= threshold, {str(b): v for b, v in values.items()},
                                  shortfall, bound))
 
+    def images_per_s(engines: dict[int, str]):
+        return lambda batch: figures[engines[batch], batch]["images_per_s"] if batch in engines else None
+
+    fp32, int8 = best("fp32"), best("int8")
     ceiling = results["ceiling"]["images_per_s"]
-    routing = _non_conv(profiles.get(FP32))
-    per_batch(f"ONNX Runtime FP32 at batch ≥ {MIN_BATCH}: ≥ {CEILING_SHARE:.0%} of the fp32 ceiling", FP32,
-              lambda batch: ceiling, CEILING_SHARE, _percent, routing)
-    public = {batch: rows[PUBLIC, batch]["images_per_s"] for batch in batches if (PUBLIC, batch) in rows}
-    per_batch(f"ONNX Runtime FP32 at batch ≥ {MIN_BATCH}: ≥ {PUBLIC_SPEEDUP:g}× the public PyTorch CapsNet "
-              "(XifengGuo/CapsNet-Pytorch formulation)", FP32, public.get, PUBLIC_SPEEDUP, _times,
-              f"at 100% of the ceiling ONNX Runtime would be {ceiling / max(public.values()):.2f}× the baseline at "
+    per_batch(f"the fastest FP32 engine at batch ≥ {MIN_BATCH}: ≥ {CEILING_SHARE:.0%} of the fp32 ceiling", fp32,
+              lambda batch: ceiling, CEILING_SHARE, _percent, _non_conv(_profile_of(profiles, fp32)))
+    public = {batch: figures[PUBLIC, batch]["images_per_s"] for batch in batches if (PUBLIC, batch) in figures}
+    per_batch(f"the fastest FP32 engine at batch ≥ {MIN_BATCH}: ≥ {PUBLIC_SPEEDUP:g}× the public PyTorch CapsNet "
+              "(XifengGuo/CapsNet-Pytorch formulation)", fp32, public.get, PUBLIC_SPEEDUP, _times,
+              f"at 100% of the ceiling an FP32 engine would be {ceiling / max(public.values()):.2f}× the baseline at "
               "the baseline's fastest batch" if public else "")
     isa = frozenset(results.get("machine", {}).get("isa", ()))
     kind = "vnni" if CpuKind("", isa).vnni else "avx2"
     int8_speedup = INT8_SPEEDUP[kind]
-    per_batch(f"INT8 at batch ≥ {MIN_BATCH}: ≥ {int8_speedup:g}× FP32 throughput "
-              f"({'a VNNI/AMX' if kind == 'vnni' else 'an AVX2, no-VNNI'} host)", INT8,
-              lambda batch: rows[FP32, batch]["images_per_s"], int8_speedup, _times, _non_conv(profiles.get(INT8)))
+    per_batch(f"INT8 at batch ≥ {MIN_BATCH}: ≥ {int8_speedup:g}× FP32 throughput, the fastest INT8 engine against "
+              f"the fastest FP32 engine ({'a VNNI/AMX' if kind == 'vnni' else 'an AVX2, no-VNNI'} host)", int8,
+              images_per_s(fp32), int8_speedup, _times, _non_conv(_profile_of(profiles, int8)))
 
     # bf16 pays where its convolutions beat fp32's in the same framework (oneDNN's AMX/AVX512_BF16 kernels)
-    per_batch(f"PyTorch with bf16 convolutions at batch ≥ {MIN_BATCH}: faster than PyTorch fp32 (a native-bf16 host)",
-              TORCH_BF16,
-              lambda batch: rows[TORCH_FP32, batch]["images_per_s"] if (TORCH_FP32, batch) in rows else None,
-              1.0, _times, "oneDNN's bf16 convolution kernels on this CPU against its fp32 ones")
+    for backend in dict.fromkeys(split(name)[0] for name, _ in figures if name.endswith(":bf16")):
+        same = {batch: f"{backend}:fp32" for batch in batches if (f"{backend}:fp32", batch) in figures}
+        per_batch(f"{backend} at bf16, batch ≥ {MIN_BATCH}: faster than {backend} at fp32 (a native-bf16 host)",
+                  {batch: f"{backend}:bf16" for batch in batches if (f"{backend}:bf16", batch) in figures},
+                  images_per_s(same), 1.0, _times,
+                  "oneDNN's bf16 convolution kernels on this CPU against its fp32 ones")
 
-    backends = results["inprocess"]["backends"]
-    for reduced, full, what, bound in ((INT8, FP32, "INT8", "the int8 convolutions' rounding and saturation"),
-                                       (TORCH_BF16, TORCH_FP32, "bf16", "bf16's 8-bit mantissa in the convolutions")):
-        if full in backends and reduced in backends:
-            loss = (backends[full]["accuracy"] - backends[reduced]["accuracy"]) * 100
-            met = loss <= MAX_ACCURACY_LOSS_POINTS
-            checks.append(_check(f"{what} accuracy loss ≤ {MAX_ACCURACY_LOSS_POINTS} points",
-                                 f"{loss:+.2f} points ({results['inprocess']['accuracy_images']} images)", met,
-                                 {"loss_points": loss}, f"{loss - MAX_ACCURACY_LOSS_POINTS:.2f} points", bound))
+    engines = results["inprocess"]["engines"]
+    for name in ordered(engines):
+        backend, precision = split(name)
+        full = f"{backend}:fp32"
+        if precision in ("", "fp32") or full not in engines:
+            continue
+        loss = (engines[full]["accuracy"] - engines[name]["accuracy"]) * 100
+        met = loss <= MAX_ACCURACY_LOSS_POINTS
+        checks.append(_check(f"{name} accuracy loss against {full} ≤ {MAX_ACCURACY_LOSS_POINTS} points",
+                             f"{loss:+.2f} points ({results['inprocess']['accuracy_images']} images)", met,
+                             {"loss_points": loss}, f"{loss - MAX_ACCURACY_LOSS_POINTS:.2f} points",
+                             ROUNDING.get(precision, "")))
 
     grpc_results = results.get("grpc")
     if grpc_results:
         checks += _grpc_checks(grpc_results)
     return checks
+
+
+def _profile_of(profiles: dict, engines: dict[int, str]) -> dict | None:
+    """The profile of the fastest engine at the largest batch size, where one was taken (ONNX Runtime's)."""
+    return profiles.get(engines[max(engines)]) if engines else None
 
 
 def _check(target: str, measured: str, met: bool, values: dict, short_by: str, bound: str) -> dict:
