@@ -15,8 +15,9 @@ from capsnet.export.config import ExportConfig
 from capsnet.export.fp32_stage import Fp32Stage, Reference
 from capsnet.export.metadata import output_shapes
 from capsnet.export.onnx_export import export_program
-from capsnet.export.parity import FP32_TOLERANCE, compare
-from capsnet.model_description.precision_gate import PrecisionGate, compare_outputs, outputs_in_batches
+from capsnet.export.parity import compare
+from capsnet.model_description.precision_gate import (
+    FP32_TOLERANCE, PrecisionGate, compare_outputs, outputs_in_batches)
 from capsnet.model_description.schema import AotiPackage
 from capsnet.runtime.reduced_precision import convolutions_in
 from capsnet.runtime.torch_runner import TorchRunner, cuda_unavailable_reason, package_forward

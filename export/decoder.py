@@ -17,7 +17,8 @@ import onnx
 from capsnet.errors import CapsNetError
 from capsnet.export.logs import quiet
 from capsnet.export.onnx_export import BATCH_DIM, check_graph, graph_opset
-from capsnet.export.parity import FP32_TOLERANCE, max_abs_diff, onnxruntime_session
+from capsnet.export.parity import onnxruntime_session
+from capsnet.model_description.precision_gate import FP32_TOLERANCE, max_abs_diff
 from capsnet.model_description.decoder import (
     CLASS_INPUT, DECODER_FILE, LENGTH_SLACK, POSES_INPUT, RECONSTRUCTION_OUTPUT, DecoderDescription,
 )

@@ -17,7 +17,6 @@ from capsnet.export.config import ExportConfig
 from capsnet.export.metadata import output_shapes
 from capsnet.export.onnx_export import export_onnx, export_program, graph_opset, op_counts
 from capsnet.export.parity import (
-    FP32_TOLERANCE,
     PARITY_BATCH_SIZES,
     Batch,
     Outputs,
@@ -31,6 +30,7 @@ from capsnet.export.parity import (
     torch_outputs,
 )
 from capsnet.model_description.files import ONNX_NAME, REFERENCE_NAME
+from capsnet.model_description.precision_gate import FP32_TOLERANCE
 from capsnet.models.checkpoint import Checkpoint
 from capsnet.training.data import Dataset
 

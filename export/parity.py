@@ -7,39 +7,17 @@ PyTorch, ONNX Runtime and TensorRT results compare with one function.
 from __future__ import annotations
 
 import itertools
-import math
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from capsnet.export.onnx_export import INPUT_NAME
-from capsnet.model_description.precision_gate import compare_outputs
+from capsnet.model_description.precision_gate import Comparison, compare_outputs
 from capsnet.training.data import to_float
 
 PARITY_BATCH_SIZES = (1, 7, 64)
-FP32_TOLERANCE = 1e-4
 
 Batch = np.ndarray  # (N, C, H, W) float32 in [0, 1]
 Outputs = dict[str, np.ndarray]
-
-
-@dataclass
-class Parity:
-    max_abs_diff: dict[str, float]  # per output, over every image
-    argmax_agreement: float  # fraction of images with the same predicted class
-    images: int
-
-    def passes(self, tolerance: float, min_agreement: float = 1.0) -> bool:
-        # every output on its own: max() over the values drops a NaN that is not first
-        return all(diff <= tolerance for diff in self.max_abs_diff.values()) and self.argmax_agreement >= min_agreement
-
-    def describe(self) -> str:
-        diffs = ", ".join(f"{name} {diff:.2e}" for name, diff in self.max_abs_diff.items())
-        return f"max |diff| {diffs}; same class for {self.argmax_agreement:.2%} of {self.images} images"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"max_abs_diff": self.max_abs_diff, "argmax_agreement": self.argmax_agreement, "images": self.images}
 
 
 def spread(images_uint8: np.ndarray, count: int) -> Batch:
@@ -101,21 +79,7 @@ def onnxruntime_probabilities(session, images_uint8: np.ndarray, batch: int = 25
     return np.concatenate(runs)
 
 
-def max_abs_diff(reference: np.ndarray, candidate: np.ndarray) -> float:
-    """max |reference - candidate|, infinite if either holds a NaN or an infinity: a NaN would otherwise compare
-    False with everything, and Python's max() over the batches kept whichever finite value came first."""
-    if not (np.isfinite(reference).all() and np.isfinite(candidate).all()):
-        return float("inf")
-    return float(np.abs(reference - candidate).max())
-
-
-def compare(reference: list[Outputs], candidate: list[Outputs]) -> Parity:
-    """Batch by batch (a model of any size answers each image size in outputs of its own shape), then over them all:
-    each output's largest |difference|, infinite where either side holds a NaN or an infinity, which no tolerance
-    passes."""
+def compare(reference: list[Outputs], candidate: list[Outputs]) -> Comparison:
+    """Batch by batch (a model of any size answers each image size in outputs of its own shape), then over them all."""
     names = tuple(reference[0])
-    batches = [compare_outputs(ref, cand, names) for ref, cand in zip(reference, candidate)]
-    images = sum(batch.images for batch in batches)
-    diffs = {name: float(np.max([batch.max_abs_diff[name] for batch in batches])) for name in names}  # NaN stays
-    return Parity({name: diff if math.isfinite(diff) else math.inf for name, diff in diffs.items()},
-                  sum(batch.argmax_agreement * batch.images for batch in batches) / images, images)
+    return Comparison.joined([compare_outputs(ref, cand, names) for ref, cand in zip(reference, candidate)])

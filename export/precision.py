@@ -9,15 +9,14 @@ oneDNN) up to the order of the sums. The server then checks that its real kernel
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 from torch import nn
 
+from capsnet.model_description.backend_table import GATE_FAMILIES
 from capsnet.model_description.precision_gate import PrecisionGate, compare_outputs
 from capsnet.runtime.cpu import CpuKind
-from capsnet.runtime.reduced_precision import DTYPES, convolutions_in, routing_inputs_in
+from capsnet.runtime.reduced_precision import convolutions_in, routing_inputs_in
 from capsnet.training.data import to_float
 
 ACCURACY_BATCH = 250
@@ -44,8 +43,7 @@ def measure_gate(precision: str, computed_by: str, reference: dict[str, np.ndarr
     accuracy = float((candidate_test.argmax(axis=1) == labels).mean())
     change = accuracy_change_points(accuracy_fp32, accuracy)
     compared = compare_outputs(reference, candidate, tuple(candidate))
-    # NaN as infinity: max() below drops a NaN that is not first, and infinity fails every bound as well
-    diffs = {name: float("inf") if math.isnan(diff) else diff for name, diff in compared.max_abs_diff.items()}
+    diffs = compared.max_abs_diff  # infinite where NaN or infinity: no bound passes it
     bounded = ("probabilities",) if precision == "int8" else tuple(candidate)  # int8 moves poses more (GATE_MAX_DIFF)
     gate = PrecisionGate(
         precision=precision, computed_by=computed_by, accuracy_fp32=accuracy_fp32, accuracy=accuracy,
@@ -58,25 +56,25 @@ def measure_gate(precision: str, computed_by: str, reference: dict[str, np.ndarr
 def torch_gates(model_factory, reference_images: np.ndarray, fp32_reference: dict[str, np.ndarray],
                 test_images: np.ndarray, labels: np.ndarray, fp32_test: np.ndarray, max_drop: float,
                 fused: bool = False) -> dict:
-    """The torch_fp16 and torch_bf16 gate entries, and fused_fp16 and fused_bf16 where `fused` (the model's routing
-    runs in the fused kernels), each measured by emulation on this CPU (`test_images` uint8). `model_factory()`
-    gives a fresh FP32 model (the conversion changes the model it is given)."""
+    """The gate entries of the backend table's families computed from the checkpoint (torch_fp16 and torch_bf16;
+    fused_fp16 and fused_bf16 where `fused`, the model's routing running in the fused kernels), each measured by
+    emulation on this CPU (`test_images` uint8). `model_factory()` gives a fresh FP32 model (the conversion changes
+    the model it is given)."""
     gates = {}
     cpu = CpuKind.this_host().describe()
-    engines = {"torch": "convolutions"}
-    if fused:
-        engines["fused"] = "convolutions and routing products' inputs"
-    for engine, rounded in engines.items():
-        for precision in DTYPES:
+    families = [family for family in GATE_FAMILIES.values()
+                if family.computed_by == "checkpoint" and (fused or not family.routing_rounded)]
+    for family in families:
+        for precision in family.precisions:
             model = model_factory()
             convolutions_in(model, precision, emulate=True)
-            if engine == "fused":
+            if family.routing_rounded:
                 routing_inputs_in(model, precision)
             candidate = model_outputs(model, reference_images, tuple(fp32_reference))
             candidate_test = model_outputs(model, test_images, ("probabilities",))["probabilities"]
-            gates[f"{engine}_{precision}"] = measure_gate(
-                precision, f"the checkpoint, {rounded} in {precision} (emulated in fp32)", fp32_reference, candidate,
-                labels, fp32_test, candidate_test, max_drop, cpu)
+            gates[f"{family.name}_{precision}"] = measure_gate(
+                precision, f"the checkpoint, {family.rounded} in {precision} (emulated in fp32)", fp32_reference,
+                candidate, labels, fp32_test, candidate_test, max_drop, cpu)
     return gates
 
 

@@ -1,17 +1,20 @@
 """Dynamic batching: concurrent requests share backend runs, the way Triton's dynamic batcher does.
 
-Requests wait in a bounded FIFO queue. A batch is cut when max_batch_size images are waiting or the
-oldest request has waited max_queue_delay; it takes images from the head of the queue and may split
-a request across two batches, so batches are full under load. One batch runs at a time, in a worker
-thread, so the event loop keeps accepting and queueing requests meanwhile (they form the next batch); a batch that
-holds every request the server is handling, of a size whose runs take under INLINE_RUN_S, runs on the event loop
-instead: nothing else could use the loop meanwhile, and handing it to the thread and back would cost about as much
-CPU and latency as the run (a small model's lone one-image requests on a CPU). Such a request that finds nothing
-queued or running, with no queue delay to wait, is run by its own caller at once, without entering the queue.
-Every image is computed independently of its batch-mates (the model has no cross-sample state), so
-the split and the grouping change nothing in the results. A model of any size gets requests of several image sizes;
-a batch holds one size (the oldest waiting request's), as a batch is one tensor, and padding an image to another size
-changes what a capsule model answers (blank positions vote under some presets).
+Requests wait in a bounded FIFO queue. A batch is cut when max_batch_size images are waiting or the oldest request has
+waited max_queue_delay; it takes images from the head of the queue and may split a request across two batches, so
+batches are full under load. One batch runs at a time: whatever queues while it runs forms the next batch.
+
+Where a batch runs is decided as measured in docs/serving.md ("Batching"): a batch runs on the event loop when its runs
+take under INLINE_RUN_S and the loop has nothing else ready to run meanwhile (a lone request: handing its run to the
+batch thread and back would cost about as much CPU as the run, and nothing could overlap it); otherwise the batch
+thread runs it, as a Triton model instance runs on its own thread, and the loop keeps handling the other calls
+meanwhile, which queue and form the next batch. A lone request that finds nothing queued or running, with no queue
+delay to wait, is run by its own caller at once, without entering the queue.
+
+Every image is computed independently of its batch-mates (the model has no cross-sample state), so the split and the
+grouping change nothing in the results. A model of any size gets requests of several image sizes; a batch holds one
+size (the oldest waiting request's), as a batch is one tensor, and padding an image to another size changes what a
+capsule model answers (blank positions vote under some presets).
 """
 
 from __future__ import annotations
@@ -23,22 +26,26 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, Union, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, Union, cast
 
 import numpy as np
 
+from capsnet.serving.backend_registry import device_input
 from capsnet.serving.backends.base import Backend
 from capsnet.serving.cuda_ipc import DeviceInput
-from capsnet.serving.errors import (BackendUnusable, DeadlineExceeded, InferenceError, QueueFull, ServingError,
-                                    past_deadline)
+from capsnet.serving.errors import (BackendUnusable, DeadlineExceeded, InferenceError, QueueFull, RequestTimeout,
+                                    ServingError, past_deadline)
 from capsnet.serving.metrics import VersionMetrics
 from capsnet.serving.statistics import ModelStatistics
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 # A backend run this short is not worth the hand-off to the batch thread and back (two thread wake-ups and GIL
-# hand-overs, about 50-100 µs of CPU and latency on a 2-core AMD EPYC with AVX2): the event loop runs it. Long enough
-# for a small model's one-image batch on a CPU, short enough that the loop is never held long.
+# hand-overs; measured in docs/serving.md, "Batching"): the event loop runs it. Long enough for a small model's batches
+# of a few images on a CPU, short enough that the loop is never held long.
 INLINE_RUN_S = 0.0005
 # How much one slower run raises a batch size's run estimate: the estimate follows the fastest of about the last
 # thousand runs, so a machine busy with other work (whose runs take 1.5-3x as long on a shared 2-core host) does
@@ -46,6 +53,14 @@ INLINE_RUN_S = 0.0005
 RUN_ESTIMATE_DRIFT = 1.001
 # what a request past its deadline before its run hears, queued or run at once
 WAITED_PAST_DEADLINE = "deadline exceeded while waiting for the model"
+
+
+def _loop_busy() -> bool:
+    """Whether the running event loop has other callbacks ready to run (other calls' steps). asyncio's own loops keep
+    them in `_ready`, a deque every CPython release has had; a loop without it counts as busy, so that its batches
+    take the batch thread, as Triton's model instances do."""
+    ready = getattr(asyncio.get_running_loop(), "_ready", None)
+    return ready is None or bool(ready)
 
 
 class ImageSource(Protocol):
@@ -103,11 +118,25 @@ class BatchRun(NamedTuple):
                 "compute_output": self.delivered - self.run_end}
 
 
+class Completion(Protocol):
+    """How a request hears its end: an asyncio.Future for a caller awaiting it (submit()), or an engine process's
+    answer to its front end (post())."""
+
+    def done(self) -> bool:
+        """Whether it has ended (answered, failed, or given up by its caller)."""
+
+    def set_result(self, output: BatchOutput) -> None:
+        """Answered: every output is in `output.outputs` or written into its sink."""
+
+    def set_exception(self, err: BaseException) -> None:
+        """Failed, or dropped (past its deadline, cancelled)."""
+
+
 @dataclass(eq=False)
 class _Request:
     images: Images  # (N, C, H, W) float32
     deadline: float | None  # time.monotonic()
-    future: asyncio.Future
+    future: Completion
     arrival: float = field(default_factory=time.monotonic)
     taken: int = 0  # images handed to batches so far
     done: int = 0  # images computed so far
@@ -132,22 +161,24 @@ class BatchOutput:
 
 class Batcher:
     def __init__(self, backend: Backend, config: BatcherConfig, metrics: VersionMetrics, stats: ModelStatistics,
-                 on_unusable: Callable[[str], Awaitable[None]] | None = None,
-                 handled: Callable[[], int] | None = None):
+                 on_unusable: Callable[[str], Awaitable[None]] | None = None):
         """`metrics` and `stats`: the model version's. `on_unusable(reason)` is awaited when the backend raises
-        BackendUnusable, after the batch's requests fail. `handled()`: the requests the server is handling now (None:
-        unknown), so that a batch runs on the event loop only when it holds all of them."""
+        BackendUnusable, after the batch's requests fail."""
         self.backend = backend
         self.config = config
         self.metrics = metrics
         self.stats = stats
         self._on_unusable = on_unusable
-        self._handled = handled
+        # A short batch takes the thread when the loop has other work ready, so that the work overlaps the run (a
+        # server's request path). An engine process sets it False: its loop only moves messages, and what its front
+        # ends send during an inline run waits in the socket and forms the next batch, without the hand-off.
+        self.overlap_loop_work = True
         self._queue: collections.deque[_Request] = collections.deque()
         self._queued_images = 0  # images of the queue not yet handed to a batch
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()  # set while no batch is queued or running
         self._idle.set()
+        self._depth_due = False  # the queue-depth gauge is to be written this loop iteration
         # One thread: batches run one after another; the backend parallelises within a batch.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsnet-backend")
         # batch size -> its backend run's seconds as the fastest recent runs say: a run slowed by other work on the
@@ -161,15 +192,16 @@ class Batcher:
         if len(self._queue) >= self.config.max_queue_size:
             raise QueueFull(f"queue full: {len(self._queue)} requests are waiting (--max-queue-size "
                             f"{self.config.max_queue_size}); retry later or on another replica")
-        request = _Request(images, deadline, asyncio.get_running_loop().create_future(), sinks=sinks or {})
+        future: asyncio.Future[BatchOutput] = asyncio.get_running_loop().create_future()
+        request = _Request(images, deadline, future, sinks=sinks or {})
         if self._runs_at_once(len(images)):
-            return await self._run_at_once(request)
+            return await self._run_at_once(request, future)
         self._queue.append(request)
         self._queued_images += len(images)
         self._changed()
         try:
             timeout = None if deadline is None else deadline - time.monotonic()
-            return await asyncio.wait_for(request.future, timeout)
+            return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:  # an alias of TimeoutError only from Python 3.11
             self._drop(request, "deadline")
             raise DeadlineExceeded(WAITED_PAST_DEADLINE) from None
@@ -177,6 +209,25 @@ class Batcher:
             past = past_deadline(None if deadline is None else deadline - time.monotonic())
             self._drop(request, "deadline" if past else "cancelled")
             raise
+
+    def post(self, images: Images, deadline: float | None, sinks: dict[str, OutputSink],
+             completion: Completion) -> object:
+        """Queue validated images without waiting: `completion` hears their end; their handle, for withdraw(). An
+        engine process posts the requests its front ends send, many in one wake-up, and the scheduler batches them."""
+        if len(self._queue) >= self.config.max_queue_size:
+            raise QueueFull(f"queue full: {len(self._queue)} requests are waiting (--max-queue-size "
+                            f"{self.config.max_queue_size}); retry later or on another replica")
+        request = _Request(images, deadline, completion, sinks=sinks)
+        self._queue.append(request)
+        self._queued_images += len(images)
+        self._changed()
+        return request
+
+    def withdraw(self, handle: object, reason: str) -> None:
+        """A posted request whose caller gave up (`reason`: "cancelled" or "deadline") leaves the queue if it is
+        still there, failing with its reason; once in a batch it runs to its end."""
+        assert isinstance(handle, _Request)
+        self._drop(handle, reason)
 
     async def submit_sizes(self, groups: list[Images], deadline: float | None = None,
                            sinks: dict[str, OutputSink] | None = None) -> list[BatchOutput]:
@@ -191,10 +242,19 @@ class Batcher:
         self._executor.shutdown(wait=True)
 
     def _changed(self) -> None:
-        self.metrics.queue_depth.set(len(self._queue))
+        self._depth_changed()
         if self._queue:
             self._idle.clear()
         self._wakeup.set()
+
+    def _depth_changed(self) -> None:
+        if not self._depth_due:  # the gauge is written once per loop iteration, not once per request of a burst
+            self._depth_due = True
+            asyncio.get_running_loop().call_soon(self._publish_depth)
+
+    def _publish_depth(self) -> None:
+        self._depth_due = False
+        self.metrics.queue_depth.set(len(self._queue))
 
     def _remove(self, request: _Request) -> bool:
         """Take a request out of the queue (freeing its slot); False if it was not there."""
@@ -206,9 +266,13 @@ class Batcher:
         return True
 
     def _drop(self, request: _Request, reason: str) -> None:
-        """A request that will not be answered (its caller gave up) leaves the queue uncomputed."""
+        """A request that will not be answered (its caller gave up, or its deadline passed) leaves the queue
+        uncomputed."""
         if self._remove(request):
             self.metrics.dropped[reason].inc()
+            if not request.future.done():
+                request.future.set_exception(DeadlineExceeded(WAITED_PAST_DEADLINE) if reason == "deadline"
+                                             else RequestTimeout("cancelled by its caller"))
 
     async def _schedule(self) -> None:
         loop = asyncio.get_running_loop()
@@ -238,7 +302,8 @@ class Batcher:
     def _take_batch(self) -> list[tuple[_Request, int, int]]:
         """Up to max_batch_size images of the oldest request's size, from the head of the queue on: (request, start,
         stop) slices. A model of any size is run on one size per batch; requests of other sizes keep their place."""
-        parts, count, now, size = [], 0, time.monotonic(), None
+        parts: list[tuple[_Request, int, int]] = []
+        count, now, size = 0, time.monotonic(), None
         expired: list[_Request] = []  # these two leave the queue after the walk, which must not change it
         taken: list[_Request] = []
         for request in self._queue:
@@ -261,41 +326,41 @@ class Batcher:
             self._drop(request, "deadline")
         for request in taken:  # from the head of the queue unless another size waits before it
             self._queue.remove(request)
-        self.metrics.queue_depth.set(len(self._queue))
+        self._depth_changed()
         return parts
 
-    def _runs_inline(self, size: int, requests: int) -> bool:
-        """Whether a batch of `size` images from `requests` requests runs on the event loop: alone (they are every
-        request the server is handling), the request has nothing to overlap its run with; with others being decoded,
-        the thread lets them queue meanwhile, and they form the next batch."""
+    def _runs_inline(self, size: int) -> bool:
+        """Whether a batch of `size` images runs on the event loop: its runs are known to take under INLINE_RUN_S,
+        and the loop has nothing else ready to run meanwhile. Otherwise the batch thread runs it, and the loop's other
+        work (other calls being decoded, answers being encoded) overlaps the run: those calls queue, and form the next
+        batch."""
         estimate = self._run_estimate_s.get(size)
-        return (estimate is not None and estimate < INLINE_RUN_S and self._handled is not None
-                and self._handled() <= requests)
+        return (estimate is not None and estimate < INLINE_RUN_S
+                and not (self.overlap_loop_work and _loop_busy()))
 
     def _runs_at_once(self, size: int) -> bool:
         """Whether a request of `size` images is its own batch, run now by its caller: nothing is queued or running,
         there is no delay to wait for others, and its run is one the loop takes inline. It skips the queue, the
         scheduler's wake-up and its own wake-up by the future: a lone small request's cost on the loop."""
         return (not self._queue and self._idle.is_set() and self.config.max_queue_delay_s <= 0
-                and self._runs_inline(size, 1))
+                and self._runs_inline(size))
 
-    async def _run_at_once(self, request: _Request) -> BatchOutput:
+    async def _run_at_once(self, request: _Request, future: asyncio.Future[BatchOutput]) -> BatchOutput:
         if request.deadline is not None and request.deadline <= time.monotonic():
             self.metrics.dropped["deadline"].inc()
             raise DeadlineExceeded(WAITED_PAST_DEADLINE)
         request.taken = len(request.images)
         await self._run(asyncio.get_running_loop(), [(request, 0, request.taken)])
-        return request.future.result()  # its outputs, or why its batch failed
+        return future.result()  # its outputs, or why its batch failed
 
     async def _run(self, loop: asyncio.AbstractEventLoop, parts: list[tuple[_Request, int, int]]) -> None:
         cut = time.monotonic()
         for request, start, _ in parts:
             if start == 0:
                 request.queue_wait = cut - request.arrival
-                self.metrics.queue_wait.observe(request.queue_wait)
         size = sum(stop - start for _, start, stop in parts)
         try:
-            if self._runs_inline(size, len(parts)):
+            if self._runs_inline(size):
                 outputs, failed, started, ended = self._gather_and_run(parts)
             else:
                 outputs, failed, started, ended = await loop.run_in_executor(self._executor, self._gather_and_run,
@@ -340,7 +405,8 @@ class Batcher:
         (cuda_ipc.DeviceInput) gets a batch with images from CUDA regions on its device, copied device to device, and
         its outputs go to the sinks from the device."""
         unread: list[tuple[_Request, ServingError]] = []
-        run_device = getattr(self.backend, "run_device", None)
+        device = device_input(self.backend)  # the backend table's row says whether it takes a batch on its GPU
+        run_device = device.run_device if device is not None else None
         if run_device is not None and any(not isinstance(request.images, np.ndarray) and request.images.on_device
                                           for request, _, _ in parts):
             batch = self._gather_on_device(parts, unread)
@@ -388,7 +454,7 @@ class Batcher:
             except ServingError as err:
                 failed.append((request, err))
 
-    def _gather_on_device(self, parts: list[tuple[_Request, int, int]], unread: list) -> object:
+    def _gather_on_device(self, parts: list[tuple[_Request, int, int]], unread: list) -> torch.Tensor:
         """The batch as a float32 CUDA tensor on the backend's device (B, C, H, W)."""
         import torch
 
@@ -412,7 +478,15 @@ class Batcher:
 
     @staticmethod
     def _copy_rows(parts: list[tuple[_Request, int, int]], outputs: dict[str, np.ndarray]) -> list[_Request]:
-        """Copy each request's rows of the batch outputs into its own arrays; the requests still waiting for them."""
+        """Copy each request's rows of the batch outputs into its own arrays; the requests still waiting for them. A
+        batch of one whole request hands it the batch's outputs, which are the batcher's to keep (Backend.run)."""
+        if len(parts) == 1 and parts[0][1] == 0 and parts[0][2] == len(parts[0][0].images):
+            request = parts[0][0]
+            if request.future.done():
+                return []
+            request.outputs = {name: array for name, array in outputs.items() if name not in request.sinks}
+            request.done = len(request.images)
+            return [request]
         offset = 0
         copied = []
         for request, start, stop in parts:

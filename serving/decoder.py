@@ -18,15 +18,18 @@ from capsnet.errors import CapsNetError, first_line
 from capsnet.model_description.decoder import (
     CLASS_INPUT, DECODER_PART, LENGTH_SLACK, POSES_INPUT, RECONSTRUCTION_OUTPUT, DecoderDescription,
 )
+from capsnet.model_description.backend_table import DECODER_BACKEND, DECODER_PRECISION
+from capsnet.model_description.precision_gate import FP32_TOLERANCE, abs_diffs
 from capsnet.runtime.cpu import CpuKind
 from capsnet.serving.artifacts import ModelArtifacts, load_artifacts
 from capsnet.serving.backends.base import Backend
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.errors import InvalidInput
-from capsnet.serving.self_check import FP32_TOLERANCE, SelfCheck, read_reference
+from capsnet.serving.self_check import SelfCheck, non_finite, read_reference
 
 GRID_STEPS = 11  # a perturbation grid's steps per pose dimension: -0.25 to +0.25 by 0.05, the paper's figure 4
-CHOICE = "the decoder alone runs on ONNX Runtime's CPU provider at FP32 (a few small matrix products)"
+CHOICE = (f"the decoder runs on {DECODER_BACKEND} at {DECODER_PRECISION} on the CPU, as the backend table says "
+          "(a few small matrix products)")
 
 
 def decoder_spec_fields(artifacts: ModelArtifacts, max_batch_size: int) -> dict:
@@ -84,8 +87,8 @@ def check_rows(packed: np.ndarray, decoder: DecoderDescription) -> None:
 class DecoderBackend(Backend):
     """decoder.onnx on ONNX Runtime's CPU provider, run on the batcher's rows."""
 
-    name = "onnxruntime"
-    precision = "fp32"
+    name = DECODER_BACKEND
+    precision = DECODER_PRECISION
     output_names = (RECONSTRUCTION_OUTPUT,)
 
     def __init__(self, artifacts: ModelArtifacts, threads: int):
@@ -129,7 +132,7 @@ def load_decoder(folder: Path, config: ServerConfig) -> tuple[ModelArtifacts, De
     """An export folder's decoder, self-checked: the reference images' poses with their predicted classes must draw
     the reconstruction the whole graph drew for them at export, within FP32's tolerance (blocking)."""
     artifacts = load_artifacts(folder)
-    backend = DecoderBackend.create(artifacts, "fp32", config)
+    backend = DecoderBackend.create(artifacts, DECODER_PRECISION, config)
     reference = read_reference(artifacts.reference, artifacts)
     if "poses" not in reference or RECONSTRUCTION_OUTPUT not in reference:
         raise CapsNetError(f"{artifacts.reference} has no poses and reconstruction to check the decoder with; "
@@ -139,14 +142,14 @@ def load_decoder(folder: Path, config: ServerConfig) -> tuple[ModelArtifacts, De
     packed = rows(poses, classes)  # (N, J*D + 1)
     drawn = np.concatenate([backend.run(packed[start:start + config.max_batch_size])[RECONSTRUCTION_OUTPUT]
                             for start in range(0, len(packed), config.max_batch_size)])
-    differences = np.abs(drawn - expected).reshape(len(drawn), -1).max(axis=1)  # (N,)
+    differences = abs_diffs(expected, drawn)  # (N,)
     check = SelfCheck(
-        precision="fp32", images=len(poses),
+        precision=DECODER_PRECISION, images=len(poses),
         max_abs_diff={RECONSTRUCTION_OUTPUT: float(differences.max())},
         # a decoder has no class to agree on: the share of reference rows drawn within the tolerance
         argmax_agreement=float((differences <= FP32_TOLERANCE).mean()),
         cpu=CpuKind.this_host().describe(), tolerance=FP32_TOLERANCE, min_agreement=1.0,
-        non_finite=() if np.isfinite(drawn).all() else (RECONSTRUCTION_OUTPUT,))
+        non_finite=non_finite({RECONSTRUCTION_OUTPUT: drawn}))
     if not check.passed:
         raise CapsNetError(f"decoder self-check failed: {check.describe()}")
     return artifacts, backend, check

@@ -1,20 +1,21 @@
 """A front-end process of a server with several (serving/workers.py): the whole request path of a single-process
-server (gRPC and REST, the interceptor, health, the data plane's checks, the encodings) with its models' versions in
-the engine process.
+server (gRPC and REST, the interceptor, health, the data plane's checks, statistics, metrics, traces, the encodings)
+with its models' versions in the engine process.
 
-Each served version is a RemoteService: an InferenceService whose batcher is the engine's, reached through an
-EngineLink. The request path runs unchanged down to the batcher's submit(): the images, checked here, are copied
-into one of the front end's tensor slots (serving/engine_link.py), the engine batches them with every front end's,
-and the outputs come back in the slot. Statistics are the engine's (it records every request it is given). When the
+Each served version is an InferenceService whose queue (service.VersionQueue) is an EngineQueue: the engine core's
+client over shared memory, where a single-process server's is the Batcher itself. The request path runs unchanged
+down to the queue's submit(), once, here: the images, checked, are copied into one of the front end's tensor slots
+(serving/engine_link.py), the engine batches them with every front end's and writes the outputs into the slot. The
+requests' statistics are this process's (the engine adds every front end's to its batches' when asked). When the
 engine goes away, requests waiting on it fail UNAVAILABLE and the front end stops.
 """
-
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import itertools
 import logging
+import pickle
 import time
 from collections.abc import Callable
 from typing import cast
@@ -22,15 +23,14 @@ from typing import cast
 import numpy as np
 
 from capsnet.serving import engine_link
-from capsnet.serving.backends.base import Backend
-from capsnet.serving.batcher import Batcher, BatcherConfig, BatchOutput, BatchRun, OutputSink
+from capsnet.serving.batcher import WAITED_PAST_DEADLINE, BatcherConfig, BatchOutput, BatchRun, Images, OutputSink
 from capsnet.serving.config import ServerConfig
-from capsnet.serving.engine_link import CANCEL, INFER, SLOTS, STATISTICS, TensorSlots
-from capsnet.serving.errors import ServerNotReady
+from capsnet.serving.engine_link import (Answered, Cancel, Failed, Infer, Report, ReportWanted, Slots, Specs,
+                                         Statistics, StatisticsQuery, TensorSlots)
+from capsnet.serving.errors import DeadlineExceeded, ServerNotReady, past_deadline
 from capsnet.serving.lifecycle import Lifecycle
 from capsnet.serving.metrics import Metrics
 from capsnet.serving.model_manager import ModelManager, ModelRef, ServedModel, VersionState, VersionStatus
-from capsnet.serving.observe import CURRENT
 from capsnet.serving.server import CapsNetServer
 from capsnet.serving.service import InferenceService, ModelSpec, batcher_config
 from capsnet.serving.statistics import ModelStatistics
@@ -43,45 +43,44 @@ INFLIGHT_REFRESH_S = 0.5
 
 
 class EngineLink:
-    """The front end's end of its engine connection: requests out, replies matched to them by id."""
+    """The front end's end of its engine connection: requests out, answers matched to them by id."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, specs: list[ModelSpec],
+    def __init__(self, inbox: engine_link.Inbox, writer: asyncio.StreamWriter, specs: list[ModelSpec],
                  slots: TensorSlots):
         self.specs = specs
         self.slots = slots
-        self._reader, self._writer = reader, writer
+        self._inbox = inbox
+        self._writer = writer
         self._outbox = engine_link.Outbox(writer)
         self._ids = itertools.count()
-        self._pending: dict[int, tuple[asyncio.Future, list[int]]] = {}  # id -> (its reply, its slots)
+        self._pending: dict[int, tuple[asyncio.Future, int]] = {}  # id -> (its answer, its slot)
         self._free = list(range(slots.count))
         self._available = asyncio.Semaphore(slots.count)
         # one request taking several slots (images of several sizes) at a time: two taking them one by one could
         # each hold some and wait for the other's
         self._taking_several = asyncio.Lock()
+        self.report: Callable[[], list[dict]] = list  # this process's statistics of its requests, per version
         self.lost = asyncio.Event()  # set once the engine has gone
         self._reading = asyncio.get_running_loop().create_task(self._read(), name="capsnet-engine-link")
 
     @classmethod
     async def connect(cls, socket_path: str, slots_name: str, config: ServerConfig) -> "EngineLink":
         reader, writer = await asyncio.open_unix_connection(socket_path)
-        (specs,) = await engine_link.receive(reader)
+        inbox = engine_link.Inbox(reader)
+        (hello,) = await inbox.receive()  # the engine's first message, and its only one until Slots
+        assert isinstance(hello, Specs)
+        specs = pickle.loads(hello.specs)
         # every request the engine may hold at once (its queue, and a batch computing) has a slot
         slots = TensorSlots.for_specs(slots_name, specs, config.max_queue_size + config.max_batch_size)
-        link = cls(reader, writer, specs, slots)
-        link._outbox.send((SLOTS, slots.name, slots.count, slots.size))
+        link = cls(inbox, writer, specs, slots)
+        link._outbox.send(Slots(slots.name, slots.count, slots.size))
         return link
 
     async def _read(self) -> None:
         try:
             while True:
-                request_id, error, payload = await engine_link.receive(self._reader)
-                reply, slots = self._pending.pop(request_id)
-                if reply.cancelled():  # its caller has gone: the slots are free once the engine is done with them
-                    self._release(slots)
-                elif error is not None:
-                    reply.set_exception(engine_link.error_from(error))
-                else:
-                    reply.set_result(payload)
+                for message in await self._inbox.receive():
+                    self._handle(message)
         except (asyncio.IncompleteReadError, ConnectionError):
             log.error("the engine process has closed its connection: this front end stops")
         finally:
@@ -91,8 +90,29 @@ class EngineLink:
                     reply.set_exception(ServerNotReady(ENGINE_GONE))
             self._pending.clear()
 
-    def _release(self, slots: list[int]) -> None:
-        for slot in slots:
+    def _handle(self, message: engine_link.Message) -> None:
+        if isinstance(message, Answered):
+            runs = [BatchRun(*run) for run in message.runs]
+            for request_id, indices in message.requests:
+                self._answer(request_id, [runs[index] for index in indices])
+        elif isinstance(message, Failed):
+            self._answer(request_id=message.id, error=engine_link.error_from(message.failure, message.message))
+        elif isinstance(message, Statistics):
+            self._answer(message.id, message.stats)
+        elif isinstance(message, ReportWanted):
+            self._outbox.send(Report(message.id, self.report()))
+
+    def _answer(self, request_id: int, result: object = None, error: BaseException | None = None) -> None:
+        reply, slot = self._pending.pop(request_id)
+        if reply.cancelled():  # its caller has gone: the slot is free once the engine is done with it
+            self._release(slot)
+        elif error is not None:
+            reply.set_exception(error)
+        else:
+            reply.set_result(result)
+
+    def _release(self, slot: int) -> None:
+        if slot >= 0:
             self._free.append(slot)
             self._available.release()
 
@@ -107,52 +127,59 @@ class EngineLink:
                     await self._available.acquire()
                     taken.append(self._free.pop())
             except BaseException:
-                self._release(taken)
+                for slot in taken:
+                    self._release(slot)
                 raise
             return taken
 
-    def _call(self, message: tuple, slots: list[int]) -> tuple[int, asyncio.Future]:
+    def _call(self, message_for: Callable[[int], engine_link.Message], slot: int = -1) -> tuple[int, asyncio.Future]:
         if self.lost.is_set():
             raise ServerNotReady(ENGINE_GONE)
         request_id = next(self._ids)
         reply = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = (reply, slots)
-        self._outbox.send((message[0], request_id, *message[1:]))
+        self._pending[request_id] = (reply, slot)
+        self._outbox.send(message_for(request_id))
         return request_id, reply
 
-    async def infer(self, spec: ModelSpec, groups: list[np.ndarray], deadline: float | None,
-                    arrival: float) -> list[BatchOutput]:
+    async def infer(self, version: int, groups: list[np.ndarray], deadline: float | None) -> list[BatchOutput]:
         """One request's images, (N, C, H, W) float32 and checked, of one size or several (a group each), through
-        the engine's batcher for `spec`'s version: one slot per group, one request to the engine (which counts it
-        once)."""
+        the engine's batcher for the version Specs listed at `version`: one slot and one posted request per group,
+        answered side by side."""
         slots = await self._take(len(groups))
-        owned = True  # the slots are released here, unless the engine still holds them
+        return list(await asyncio.gather(*(self._infer_group(version, slot, images, deadline)
+                                           for slot, images in zip(slots, groups))))
+
+    async def _infer_group(self, version: int, slot: int, images: np.ndarray,
+                           deadline: float | None) -> BatchOutput:
+        owned = True  # the slot is released here, unless the engine still holds it
         try:
-            for slot, images in zip(slots, groups):
-                self.slots.images(slot, images.shape)[...] = images
-            request_id, reply = self._call((INFER, spec.name, spec.version,
-                                            [(slot, images.shape) for slot, images in zip(slots, groups)], deadline,
-                                            arrival), slots)
+            self.slots.images(slot, images.shape)[...] = images
+            submitted = time.monotonic()
+            request_id, reply = self._call(lambda request_id: Infer(request_id, version, slot, images.shape,
+                                                                    deadline), slot)
             try:
-                answers = await reply
-            except asyncio.CancelledError:
-                if reply.cancelled() and not self.lost.is_set():  # the engine is told; its reply frees the slots
+                runs = await asyncio.wait_for(reply, None if deadline is None else deadline - submitted)
+            except (asyncio.CancelledError, asyncio.TimeoutError) as err:
+                if reply.cancelled() and not self.lost.is_set():  # the engine is told; its answer frees the slot
                     owned = False
-                    self._outbox.send((CANCEL, request_id))
+                    past = isinstance(err, asyncio.TimeoutError) or past_deadline(
+                        None if deadline is None else deadline - time.monotonic())
+                    self._outbox.send(Cancel(request_id, past))
+                if isinstance(err, asyncio.TimeoutError):  # an alias of TimeoutError only from Python 3.11
+                    raise DeadlineExceeded(WAITED_PAST_DEADLINE) from None
                 raise
-            outputs = []
-            for slot, images, (names, shapes, queue_wait, runs) in zip(slots, groups, answers):
-                offsets = self.slots.output_offsets(images.shape, shapes)
-                outputs.append(BatchOutput({name: self.slots.array(slot, offset, shape).copy()
-                                            for name, shape, offset in zip(names, shapes, offsets)},
-                                           queue_wait, [BatchRun(*run) for run in runs], arrival))
-            return outputs
+            spec = self.specs[version]
+            shapes = [(len(images), *shape) for shape in spec.output_shapes.values()]
+            offsets = self.slots.output_offsets(images.shape, shapes)
+            return BatchOutput({name: self.slots.array(slot, offset, shape).copy()
+                                for name, shape, offset in zip(spec.output_shapes, shapes, offsets)},
+                               runs[0].cut - submitted, runs, submitted)
         finally:
             if owned:
-                self._release(slots)
+                self._release(slot)
 
-    async def statistics(self, ref: ModelRef) -> list[dict]:
-        _, reply = self._call((STATISTICS, ref.name, ref.version), [])
+    async def statistics(self, versions: list[int]) -> list[dict]:
+        _, reply = self._call(lambda request_id: StatisticsQuery(request_id, versions))
         return await reply
 
     async def close(self) -> None:
@@ -165,22 +192,24 @@ class EngineLink:
 
 
 class EngineQueue:
-    """The engine's batcher for one version, as the version's InferenceService submits to it."""
+    """A version's batcher in the engine process, as the version's InferenceService submits to it (VersionQueue)."""
 
-    def __init__(self, link: EngineLink, spec: ModelSpec, config: BatcherConfig):
-        self.link, self.spec, self.config = link, spec, config
+    def __init__(self, link: EngineLink, version: int, config: BatcherConfig):
+        self.link, self.version, self.config = link, version, config
 
-    async def submit(self, images: np.ndarray, deadline: float | None = None,
+    async def submit(self, images: Images, deadline: float | None = None,
                      sinks: dict[str, OutputSink] | None = None) -> BatchOutput:
         (output,) = await self.submit_sizes([images], deadline, sinks)
         return output
 
-    async def submit_sizes(self, groups: list[np.ndarray], deadline: float | None = None,
+    async def submit_sizes(self, groups: list[Images], deadline: float | None = None,
                            sinks: dict[str, OutputSink] | None = None) -> list[BatchOutput]:
-        assert not sinks, "client shared memory is not served by front-end processes (serving/workers.py)"
-        record = CURRENT.get()
-        arrival = record.started if record is not None else time.monotonic()
-        return await self.link.infer(self.spec, groups, deadline, arrival)
+        # client shared memory is not served by front-end processes (serving/workers.py): images are in memory
+        assert not sinks and all(isinstance(images, np.ndarray) for images in groups)
+        return await self.link.infer(self.version, cast(list[np.ndarray], groups), deadline)
+
+    async def drain(self) -> None:
+        """The server closes its models after its listeners: no request of this process is left."""
 
 
 class RemoteModels(ModelManager):
@@ -190,19 +219,27 @@ class RemoteModels(ModelManager):
                  check_spec: Callable[[ModelSpec], None]):
         super().__init__(source, config, metrics, lifecycle, check_spec)
         self.link = link
+        self._indices: dict[int, int] = {}  # id(service) -> its index in the engine's list
+        link.report = self._report
 
     async def start(self) -> None:
         self.source.check()  # the names it lists (a model and its decoder) are read from model.json
-        for spec in self.link.specs:
+        for index, spec in enumerate(self.link.specs):
             self.check_spec(spec)
             model = self.models.setdefault(spec.name, ServedModel(spec.name))
-            queue = cast(Batcher, EngineQueue(self.link, spec, batcher_config(spec, self.config)))
-            # no backend here: the engine's runs it; the statistics this process would keep are the engine's
-            service = InferenceService(spec, cast(Backend, None), queue, self.lifecycle,
+            queue = EngineQueue(self.link, index, batcher_config(spec, self.config))
+            # no backend here: the engine process runs it
+            service = InferenceService(spec, None, queue, self.lifecycle,
                                        self.metrics.for_version(spec.name, spec.version),
                                        ModelStatistics(spec.name, spec.version))
+            self._indices[id(service)] = index
             model.serving = {**model.serving, spec.version: service}
             model.status[spec.version] = VersionStatus(VersionState.READY)
+
+    def _report(self) -> list[dict]:
+        """This process's statistics of its requests, per version in the engine's order."""
+        by_index = {self._indices[id(service)]: service for service in self.services()}
+        return [by_index[index].stats.to_json() for index in range(len(self.link.specs))]
 
     async def warmup(self) -> None:
         """The engine warmed the backends up before this front end started."""
@@ -212,7 +249,8 @@ class RemoteModels(ModelManager):
         self._closed = True
 
     async def statistics(self, ref: ModelRef) -> list[dict]:
-        return await self.link.statistics(ref)
+        """Every front end's requests and the engine's batches, summed by the engine."""
+        return await self.link.statistics([self._indices[id(service)] for service in self.selected(ref)])
 
 
 class FrontEnd(CapsNetServer):

@@ -17,8 +17,8 @@ default; it holds that version until answered, and the answer names it.
 
 Triton's extensions that act on tensors are served here for both transports: shared memory (a tensor's
 shared_memory_* parameters name a region of `serving/shared_memory.py`: the input is read from it by the batcher, an
-output written into it, and the request holds its regions until answered) and classification (an output's top k
-classes as "score:index:label" strings).
+output written into it (`serving/region_tensors.py`), and the request holds its regions until answered) and
+classification (an output's top k classes as "score:index:label" strings).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from capsnet.serving.errors import InvalidInput, Unauthenticated
 from capsnet.serving.lifecycle import Lifecycle
 from capsnet.serving.model_manager import ModelManager, ModelRef
 from capsnet.serving.batcher import OutputSink
-from capsnet.serving.service import InferenceService, ModelSpec, check_image_shape, check_values
-from capsnet.serving.shared_memory import CUDA, CudaRegion, Region, RegionRef, SharedMemory, region_ref
+from capsnet.serving.service import InferenceService, ModelSpec, check_image_shape
+from capsnet.serving.region_tensors import RegionImages, RegionOutput, check_room
+from capsnet.serving.shared_memory import Region, RegionRef, SharedMemory, region_ref
 
 SERVER_NAME = "capsnet-serve"
 
@@ -321,59 +322,6 @@ def serialize_bytes(array: np.ndarray) -> bytes:
     return b"".join(len(item).to_bytes(4, "little") + item for item in array.ravel())
 
 
-class RegionImages:
-    """A request's images in a shared-memory region, read by the batcher straight into its batch (ImageSource): the
-    region stays held by the request, and is held again for each read."""
-
-    def __init__(self, region: Region, offset: int, tensor: InputTensor, field: str):
-        self.region = region
-        self.offset = offset
-        self.tensor = tensor
-        self.field = field
-        self.shape = tuple(tensor.shape)
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def read(self, out: np.ndarray, start: int, stop: int) -> None:
-        """Images [start, stop) into `out` (float32, contiguous), checked as any request's values."""
-        row_bytes = math.prod(self.shape[1:]) * self.tensor.dtype.itemsize
-        with self.region.in_use(self.field):
-            if self.tensor.datatype == "FP32":
-                self.region.read(out, self.offset + start * row_bytes, self.field)
-            else:
-                pixels = np.empty(out.shape, dtype=self.tensor.dtype)
-                self.region.read(pixels, self.offset + start * row_bytes, self.field)
-                np.divide(pixels, np.float32(255), out=out)
-        check_values(out, self.field, first=start)
-
-    @property
-    def on_device(self) -> bool:
-        return self.region.kind == CUDA
-
-    def read_device(self, out, start: int, stop: int) -> None:
-        """Images [start, stop) into `out`, a float32 CUDA tensor: from a CUDA region device to device, checked there
-        (on the host only to name a bad image); from a system region through the host."""
-        import torch
-
-        if not isinstance(self.region, CudaRegion):
-            rows = np.empty(tuple(out.shape), dtype=np.float32)
-            self.read(rows, start, stop)
-            out.copy_(torch.from_numpy(rows))
-            return
-        itemsize = self.tensor.dtype.itemsize
-        count = out.numel()
-        with self.region.in_use(self.field):
-            source = self.region.buffer.view(self.offset + start * (count // len(out)) * itemsize, count * itemsize)
-            if self.tensor.datatype == "FP32":
-                out.reshape(-1).view(source.dtype).copy_(source)  # device to device, bytes for bytes
-            else:
-                out.copy_(source.view(out.shape).float().div_(255))
-        low, high = out.aminmax()
-        if not (0 <= low.item() and high.item() <= 1):  # False with NaN
-            check_values(out.cpu().numpy(), self.field, first=start)
-
-
 class DataPlane:
     """The protocol's operations on the models this server serves, for both transports."""
 
@@ -466,7 +414,8 @@ class DataPlane:
                     raise InvalidInput(f"inputs[0].parameters.shared_memory_byte_size: expected {expected} bytes for "
                                        f"{tensor.datatype} shape {tensor.shape}, got {shared.byte_size}")
                 region = held.enter_context(self.shared_memory.held(shared, "inputs[0]"))
-                images = RegionImages(region, shared.offset, tensor, "inputs[0]")
+                images = RegionImages(region, shared.offset, tuple(tensor.shape), tensor.datatype, tensor.dtype,
+                                      "inputs[0]")
             else:
                 images = images_from_values(await decoder.values(tensor), tensor)
             regions = {plan.name: held.enter_context(self.shared_memory.held(plan.region, f"outputs[{index}]"))
@@ -475,7 +424,7 @@ class DataPlane:
             for index, plan in enumerate(plans):
                 if plan.region is not None and plan.classes is None:
                     shape = (tensor.shape[0], *spec.output_shapes[plan.name])
-                    _check_room(plan.region, math.prod(shape) * 4, shape, f"outputs[{index}]")
+                    check_room(plan.region, math.prod(shape) * 4, shape, f"outputs[{index}]")
                     sinks[plan.name] = RegionOutput(regions[plan.name], plan.region.offset, shape[1:],
                                                     f"outputs[{index}]")
             names = [plan.name for plan in plans]
@@ -498,7 +447,7 @@ class DataPlane:
             return Output(plan.name, datatype, data.shape, data)
         raw = (np.frombuffer(serialize_bytes(data), np.uint8) if datatype == "BYTES"
                else np.ascontiguousarray(data, "<f4"))
-        _check_room(plan.region, raw.nbytes, data.shape, field)
+        check_room(plan.region, raw.nbytes, data.shape, field)
         region.write(raw, plan.region.offset, field)
         return Output(plan.name, datatype, data.shape, None)
 
@@ -530,31 +479,6 @@ def _remembered(accepted: dict, key: tuple, check: Callable[[], Any]) -> Any:
         if len(accepted) < ACCEPTED_HEADERS:
             accepted[key] = found
     return found
-
-
-class RegionOutput:
-    """A requested output's region, as the batcher writes it (OutputSink): row by row at the request's offset, held
-    for each write."""
-
-    def __init__(self, region: Region, offset: int, row_shape: tuple[int, ...], field: str):
-        self.region = region
-        self.offset = offset
-        self.row_bytes = math.prod(row_shape) * 4  # float32
-        self.field = field
-
-    def write(self, rows, start: int) -> None:
-        offset = self.offset + start * self.row_bytes
-        with self.region.in_use(self.field):
-            if isinstance(rows, np.ndarray):
-                self.region.write(np.ascontiguousarray(rows, dtype="<f4"), offset, self.field)
-            else:
-                self.region.write_device(rows, offset, self.field)
-
-
-def _check_room(ref: RegionRef, size: int, shape: tuple[int, ...], field: str) -> None:
-    if ref.byte_size < size:
-        raise InvalidInput(f"{field}.parameters.shared_memory_byte_size: {ref.byte_size} bytes cannot hold the output "
-                           f"of shape {list(shape)} ({size} bytes)")
 
 
 def _one_repository(name: str) -> None:

@@ -164,12 +164,13 @@ class VersionMetrics:
         self._info: tuple[str, ...] | None = None
         self._outputs: tuple[str, ...] = ()
 
-    def record_serving(self, spec, backend: Backend) -> None:
-        """The version serves: its model_info and self-check series, and on a GPU the GPUs' and its GPU time's."""
+    def record_serving(self, spec, backend: Backend | None) -> None:
+        """The version serves: its model_info and self-check series, and on a GPU the GPUs' and its GPU time's (None:
+        its backend runs in another process, which records those)."""
         metrics, check = self._metrics, spec.self_check
-        if backend.on_gpu:
+        if backend is not None and backend.on_gpu:
             metrics.watch_gpus()
-        if backend.gpu_timer is not None:
+        if backend is not None and backend.gpu_timer is not None:
             self.gpu_compute = metrics.gpu_compute().labels(*self.labels)
         self._info = (*self.labels, spec.backend, spec.precision, str(spec.routing.get("iterations", "")))
         metrics.model_info.labels(*self._info).set(1)

@@ -245,14 +245,16 @@ class ModelManager:
     async def statistics(self, ref: ModelRef) -> list[dict]:
         """Triton's statistics of the serving versions `ref` selects: every model's ("" name), a model's every
         version ("" version), or one version."""
+        return [service.stats.to_json() for service in self.selected(ref)]
+
+    def selected(self, ref: ModelRef) -> list[InferenceService]:
+        """The serving versions a statistics request's `ref` selects."""
         if not ref.name:
-            services = [self.models[name].serving[version] for name in self.models for version in self.versions(name)]
-        elif not ref.version:
+            return [self.models[name].serving[version] for name in self.models for version in self.versions(name)]
+        if not ref.version:
             model = self.model(ref.name, ref.name_field)
-            services = [model.serving[version] for version in self.versions(model.name)]
-        else:
-            services = [self.resolve(ref)]
-        return [service.stats.to_json() for service in services]
+            return [model.serving[version] for version in self.versions(model.name)]
+        return [self.resolve(ref)]
 
     # -- the repository extension
 

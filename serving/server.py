@@ -340,7 +340,8 @@ class CapsNetServer:
     def _on_gpu(self) -> bool:
         """Whether a model version serves on a CUDA device with a backend that takes CUDA shared memory there."""
         return self.models is not None and any(
-            takes_cuda_shared_memory(service.backend) for service in self.models.services())
+            service.backend is not None and takes_cuda_shared_memory(service.backend)
+            for service in self.models.services())
 
     async def stop(self) -> None:
         """Drain (see the module's docstring); requests still running after the grace period are cancelled.

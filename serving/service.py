@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -128,12 +128,32 @@ def _load(folder: Path, config: ServerConfig) -> tuple[ModelArtifacts, LoadedBac
         return artifacts, load_backend(artifacts, config)
 
 
-class InferenceService:
-    """One model version as served: its description, backend, batcher and statistics; it serves while the server's
-    lifecycle allows."""
+class VersionQueue(Protocol):
+    """The engine core's one interface for a version: validated images in, outputs out (or into sinks). Two clients
+    keep this contract: the version's Batcher itself, in process, and a front end's queue to the engine process
+    (serving/front_end.py), whose Batcher is the same code."""
 
-    def __init__(self, spec: ModelSpec, backend: Backend, batcher: Batcher, lifecycle: Lifecycle,
+    config: BatcherConfig
+
+    async def submit(self, images: np.ndarray | ImageSource, deadline: float | None = None,
+                     sinks: dict[str, OutputSink] | None = None) -> BatchOutput:
+        """One group of images of one size."""
+
+    async def submit_sizes(self, groups: list, deadline: float | None = None,
+                           sinks: dict[str, OutputSink] | None = None) -> list[BatchOutput]:
+        """One request's groups of several sizes, side by side."""
+
+    async def drain(self) -> None:
+        """Until every request it holds is answered."""
+
+
+class InferenceService:
+    """One model version as served: its description, its queue to the engine core, statistics and metrics; it serves
+    while the server's lifecycle allows."""
+
+    def __init__(self, spec: ModelSpec, backend: Backend | None, batcher: VersionQueue, lifecycle: Lifecycle,
                  metrics: VersionMetrics, stats: ModelStatistics):
+        """`backend`: the version's, where this process runs it; None in a front end, whose engine process runs it."""
         self.spec = spec
         self.backend = backend
         self.batcher = batcher
@@ -177,8 +197,7 @@ class InferenceService:
             choice=loaded.why,
         )
         series, stats = metrics.for_version(name, version), ModelStatistics(name, version)
-        batcher = Batcher(backend, batcher_config(spec, config), series, stats, on_unusable=lifecycle.fail,
-                          handled=lifecycle.in_flight.__len__)
+        batcher = Batcher(backend, batcher_config(spec, config), series, stats, on_unusable=lifecycle.fail)
         return cls(spec, backend, batcher, lifecycle, series, stats)
 
     async def warmup(self) -> None:
@@ -186,6 +205,7 @@ class InferenceService:
         started = time.monotonic()
         limit = self.spec.max_batch_size
         sizes = sorted({2 ** i for i in range(limit.bit_length())} | {limit})
+        assert self.backend is not None  # a front end's versions are warmed up by the engine process
         with _startup_step(f"warming up batch sizes {sizes}", limit):
             await asyncio.to_thread(self.backend.warmup, sizes, self.spec.input_shape)
         log.info("warmed up batch sizes %s in %.2f s", sizes, time.monotonic() - started)
@@ -209,7 +229,8 @@ class InferenceService:
         """Once no request holds this version and its queue is empty, free the backend."""
         await self._unused.wait()
         await self.batcher.drain()
-        self.backend.close()
+        if self.backend is not None:
+            self.backend.close()
 
     def check_batch_size(self, count: int, field: str) -> None:
         """Servicers call it before decoding anything, so an oversized batch costs no decoding."""
@@ -270,6 +291,8 @@ class InferenceService:
             self.stats.record_request(False, time.monotonic() - arrival)
             raise
         images_count = sum(len(images) for images in groups)
+        for output in outputs:
+            self.metrics.queue_wait.observe(output.queue_wait)
         runs = [run for output in outputs for run in output.runs]
         queue_wait = max(output.queue_wait for output in outputs)  # the sizes waited side by side
         phases = runs[0].phases() if len(runs) == 1 else {name: sum(run.phases()[name] for run in runs)

@@ -66,6 +66,15 @@ class ModelStatistics:
         self.inference_count += images
         self.last_inference_ms = time.time_ns() // 1_000_000
 
+    def add_requests(self, other: dict) -> None:
+        """Another process's requests of this version (its to_json()), counted with these: a front end's, in the
+        engine process that runs the batches."""
+        for name, duration in self.requests.items():
+            duration.count += other["inference_stats"][name]["count"]
+            duration.ns += other["inference_stats"][name]["ns"]
+        self.inference_count += other["inference_count"]
+        self.last_inference_ms = max(self.last_inference_ms, other["last_inference"])
+
     def to_json(self) -> dict:
         """Triton's JSON form (REST), which gRPC's ModelStatistics message parses from."""
         empty = Duration().to_json()

@@ -92,6 +92,19 @@ def random_tiny_export(random_tiny_checkpoint, tmp_path_factory) -> Path:
         random_tiny_checkpoint, folder / "model", reconstruction=True)) / "model"
 
 
+@pytest.fixture(scope="session")
+def paper_int8_export(tmp_path_factory) -> Path:
+    """An untrained `paper` model exported with INT8, its gate opened wide: engines compared at the paper's size
+    (its near-uniform answers are for comparing engines, not for accuracy)."""
+    from capsnet.export.exporter import export_model
+
+    def export(folder: Path) -> None:
+        checkpoint = save_random_checkpoint(preset("paper"), folder / "model.ckpt")
+        export_model(checkpoint, folder / "model", int8=True, max_accuracy_drop=100.0)
+
+    return built_once(tmp_path_factory, "paper-int8-export", export) / "model"
+
+
 @pytest.fixture()
 def random_checkpoint(tmp_path):
     """random_checkpoint(config, name) -> an untrained checkpoint of `config` in this test's tmp dir."""

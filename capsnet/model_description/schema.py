@@ -19,7 +19,8 @@ from capsnet.errors import CapsNetError
 from capsnet.model_description.decoder import DecoderDescription
 from capsnet.model_description.files import AOTI_PRECISIONS, SIDECAR_NAME, file_sha256, read_json
 from capsnet.model_description.input_sizes import INPUT_SIZE_KEYS, InputSizes
-from capsnet.model_description.precision_gate import GATE_KEYS, GATE_VARIANTS, PrecisionGate, gate_criterion
+from capsnet.model_description.backend_table import GATE_VARIANTS
+from capsnet.model_description.precision_gate import GATE_KEYS, PrecisionGate, gate_criterion
 
 FORMAT_NAME = "capsnet-model"
 # 2: file hashes, the self-check reference set, the INT8 gate's data and CPU, the FP16 gate

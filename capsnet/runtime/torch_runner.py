@@ -137,11 +137,9 @@ def strict_fp32(enabled: bool = True) -> Iterator[None]:
 
 @contextlib.contextmanager
 def timed_convolutions() -> Iterator[None]:
-    """cuDNN times its convolution algorithms for each shape first met inside, and keeps the fastest for that shape.
-    With its heuristics alone (torch's default) the torch backend in bf16, whose graphs differ from the model eager
-    only in their convolutions' precision, ran 2.3x slower than the model eager with TF32 convolutions (6.35
-    against 2.75 ms at batch 256 on an H200). Scoped like `strict_fp32`: graphs captured inside keep the kernels
-    chosen."""
+    """cuDNN times its convolution algorithms for each shape first met inside, and keeps the fastest for that shape:
+    its heuristics alone (torch's default) chose slow bf16 convolutions (docs/experiments/README.md, "What the
+    server's settings rest on"). Scoped like `strict_fp32`: graphs captured inside keep the kernels chosen."""
     benchmark = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = True
     try:

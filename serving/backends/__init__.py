@@ -1,9 +1,11 @@
 """Backend and precision choice: `--backend auto` takes the fastest backend that can run here,
 `--precision auto` the fastest precision whose self-check passes on this machine; both log why.
 
-On a GPU host without a usable TensorRT plan, auto loads every GPU candidate (the fused routing kernels, torch with
-CUDA graphs, ONNX Runtime's GPU providers where installed; see gpu_candidates), self-checks each, times each on a
-full batch and serves the fastest; a reduced precision must beat FP32 by AUTO_MIN_SPEEDUP. None passing: the CPU.
+What auto may race on each device is the backend table's (capsnet/model_description/backend_table.py): on a GPU host
+without a usable TensorRT plan, the fused routing kernels, torch with CUDA graphs and ONNX Runtime's GPU providers; on
+the CPU, ONNX Runtime's and OpenVINO's FP32 and INT8 graphs, where installed. Every candidate is loaded, self-checked
+and timed at the batch sizes the batcher cuts (`race_batch_sizes`); the fastest passing one serves, and a reduced
+precision only when AUTO_MIN_SPEEDUP faster than the fastest FP32 (`pick`). One line says what won and by how much.
 
 Every backend is self-checked on the export's reference images before the server reports SERVING
 (serving/self_check.py): a backend that fails is refused with one line, never served.
@@ -13,24 +15,28 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from capsnet.errors import CapsNetError
+from capsnet.model_description.backend_table import BACKEND_TABLE, auto_candidates
 from capsnet.serving.artifacts import ModelArtifacts
-from capsnet.serving.backend_registry import BACKEND_KINDS
+from capsnet.serving.backend_registry import backend_class
 from capsnet.serving.backends.base import Backend
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.self_check import SelfCheck, best_times, refusal, self_check
 
 log = logging.getLogger(__name__)
 
-# --precision auto serves INT8 only when it is at least this much faster than FP32 at warm-up:
+# --precision auto serves a reduced precision only when it is at least this much faster than FP32 at warm-up:
 # the margin keeps timing noise from flipping the choice between runs.
 AUTO_MIN_SPEEDUP = 1.1
 AUTO_TIMING_ROUNDS = 5
+# a burst of concurrent clients, between a lone request and the largest batch the batcher cuts
+RACE_MIDDLE_BATCH = 16
 
 
 @dataclass
@@ -38,6 +44,7 @@ class LoadedBackend:
     backend: Backend
     check: SelfCheck  # the self-check it passed
     why: str  # why this backend and precision
+    race: list[Entrant] = field(default_factory=list)  # auto's: every candidate that passed, as timed
 
 
 def gpu_host() -> bool:
@@ -48,7 +55,8 @@ def gpu_host() -> bool:
 
 def choose_backend(artifacts: ModelArtifacts, config: ServerConfig) -> tuple[str | None, str]:
     """(backend name, why): "tensorrt" for a TensorRT plan on its GPU, else None on a host with a CUDA GPU (the
-    fastest of gpu_candidates() is measured next), else "onnxruntime" (on its GPU providers if any)."""
+    fastest of the GPU candidates is measured next), else "onnxruntime" (on its GPU providers if any; on the CPU,
+    raced against the table's other CPU candidates)."""
     from capsnet.serving.backends.onnxruntime_backend import gpu_providers_installed
     from capsnet.runtime.tensorrt_runner import unavailable_reason
 
@@ -75,7 +83,7 @@ def choose_backend(artifacts: ModelArtifacts, config: ServerConfig) -> tuple[str
 
 
 def create_backend(name: str, precision: str, artifacts: ModelArtifacts, config: ServerConfig) -> Backend:
-    return BACKEND_KINDS[name].backend_class().create(artifacts, precision, config)
+    return backend_class(name).create(artifacts, precision, config)
 
 
 def checked(backend: Backend, artifacts: ModelArtifacts, config: ServerConfig) -> SelfCheck:
@@ -84,54 +92,136 @@ def checked(backend: Backend, artifacts: ModelArtifacts, config: ServerConfig) -
     return check
 
 
+def unavailable(name: str, precision: str, artifacts: ModelArtifacts, device: str) -> str | None:
+    """Why the table's row `name` cannot be raced at `precision` on `device` ("cpu" or "gpu") for this export, before
+    anything is loaded; None where it can."""
+    row = BACKEND_TABLE[name]
+    if row.requires is not None and importlib.util.find_spec(row.requires) is None:
+        return f"{row.requires} is not installed (pip install 'capsnet-serve[{row.extra}]')"
+    if row.reads == "onnx" and precision not in artifacts.onnx:
+        return f"no {precision} ONNX model in the export"
+    if row.routing_engine is not None and artifacts.routing.get("gpu_engine") != row.routing_engine:
+        return (f"model.json: its routing does not run in the {row.routing_engine} engine "
+                f"({artifacts.routing.get('gpu_engine')})")
+    return backend_class(name).unavailable_reason(device)
+
+
+def candidates(device: str, artifacts: ModelArtifacts, config: ServerConfig,
+               backend: str | None = None) -> list[tuple[str, str]]:
+    """(backend, precision) pairs auto races on `device` for this export: the table's, those that can run here, of
+    --precision (all of the row's for auto), of `backend` alone where one was named."""
+    return [(name, precision) for name, precision in auto_candidates(device, config.precision)
+            if backend in (None, name) and unavailable(name, precision, artifacts, device) is None]
+
+
 def load_backend(artifacts: ModelArtifacts, config: ServerConfig) -> LoadedBackend:
     """The backend to serve with, self-checked; CapsNetError if it cannot load or fails its self-check."""
     name, why = config.backend, "asked for"
     if name == "auto":
         chosen, why = choose_backend(artifacts, config)
         if chosen is None:
-            loaded = _fastest_gpu_backend(artifacts, replace(config, gpu=config.gpu_or_first), why)
+            gpu_config = replace(config, gpu=config.gpu_or_first)
+            loaded, _ = race(candidates("gpu", artifacts, gpu_config), artifacts, gpu_config, why,
+                             f" on GPU {gpu_config.gpu}")
             if loaded is not None:
                 return loaded
             chosen, why = "onnxruntime", "on the CPU: no GPU backend passed its self-check (logged above)"
+        if chosen == "onnxruntime" and config.precision in ("auto", "fp32", "int8"):
+            # the CPU (or ONNX Runtime's GPU providers): the table's CPU candidates raced
+            return _race_or_refuse(candidates("cpu", artifacts, config), artifacts, config, why)
+        log.info("backend auto: %s %s", chosen, why)
         name = chosen
-        log.info("backend auto: %s %s", name, why)
-    if name == "onnxruntime" and config.precision == "auto":
-        return _choose_onnxruntime_precision(artifacts, config)
-    backend = create_backend(name, config.precision, artifacts, config)
+    if config.precision == "auto" and BACKEND_TABLE[name].auto_cpu:
+        return _race_or_refuse(candidates("cpu", artifacts, config, backend=name), artifacts, config, why)
+    return _served(create_backend(name, config.precision, artifacts, config), artifacts, config, f"{name}: {why}")
+
+
+def _served(backend: Backend, artifacts: ModelArtifacts, config: ServerConfig, why: str) -> LoadedBackend:
     check = checked(backend, artifacts, config)
     if not check.passed:
+        backend.close()
         raise refusal(check)
-    return LoadedBackend(backend, check, f"{name}: {why}")
+    return LoadedBackend(backend, check, why)
 
 
-def gpu_candidates(artifacts: ModelArtifacts, config: ServerConfig) -> list[tuple[str, str]]:
-    """(backend, precision) pairs that can serve on the GPU: the fused kernels where model.json says the model's
-    routing runs in them and triton is installed, torch in every precision, ONNX Runtime's exported precisions
-    where onnxruntime-gpu is installed. Not the CUDA AOTInductor packages: one loaded in the process that had
-    captured the torch backend's CUDA graphs died of a segmentation fault on an H100 (torch 2.11), so they serve
-    only when asked for by name."""
-    from capsnet.serving.backends.onnxruntime_backend import gpu_providers_installed
-
-    precisions = ("fp32", "fp16", "bf16", "int8") if config.precision == "auto" else (config.precision,)
-    candidates = []
-    if artifacts.routing.get("gpu_engine") == "fused" and importlib.util.find_spec("triton") is not None:
-        candidates += [("fused", p) for p in precisions if p != "int8"]
-    candidates += [("torch", p) for p in precisions if p != "int8"]
-    if gpu_providers_installed():
-        candidates += [("onnxruntime", p) for p in precisions if p in artifacts.onnx]
-    return candidates
+def _race_or_refuse(pairs: list[tuple[str, str]], artifacts: ModelArtifacts, config: ServerConfig,
+                    why: str) -> LoadedBackend:
+    """The CPU race, or CapsNetError naming every refusal."""
+    if not pairs:  # nothing can run it here: the backend asked for says why (no such ONNX model, not installed)
+        name = "onnxruntime" if config.backend == "auto" else config.backend
+        precision = "fp32" if config.precision == "auto" else config.precision
+        return _served(create_backend(name, precision, artifacts, config), artifacts, config, f"{name}: {why}")
+    loaded, refused = race(pairs, artifacts, config, why)
+    if loaded is None:
+        raise CapsNetError("; ".join(refused))
+    return loaded
 
 
-def _fastest_gpu_backend(artifacts: ModelArtifacts, config: ServerConfig, why: str) -> LoadedBackend | None:
-    """Every GPU candidate loaded and self-checked, the fastest of those passing (`_fastest`), or None when none
-    passes."""
-    passed, refused = [], []
-    for name, precision in gpu_candidates(artifacts, config):
+@dataclass(frozen=True)
+class Entrant:
+    """A candidate that passed its self-check, timed: its best time at each race batch size (seconds)."""
+
+    name: str
+    precision: str
+    seconds: dict[int, float]
+
+    @property
+    def score(self) -> float:
+        """The geometric mean of its times over the race's batch sizes: each size counts alike, whatever its
+        length, and a ratio of two scores is the geometric mean of their ratios at each size."""
+        return math.exp(sum(map(math.log, self.seconds.values())) / len(self.seconds))
+
+    def label(self) -> str:
+        return f"{self.name} {self.precision}"
+
+
+def race_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
+    """A lone request, a burst of concurrent clients, and the largest batch the batcher cuts."""
+    return tuple(sorted({1, min(RACE_MIDDLE_BATCH, max_batch_size), max_batch_size}))
+
+
+def pick(entrants: list[Entrant], min_speedup: float = AUTO_MIN_SPEEDUP) -> int:
+    """The index of the entrant to serve: the best score, except that a reduced precision serves only when
+    `min_speedup` faster than the best FP32 entrant (one not clearly faster changes answers for nothing); among
+    equal scores, the earlier (the table's order)."""
+    order = sorted(range(len(entrants)), key=lambda index: entrants[index].score)
+    best = order[0]
+    fp32 = [index for index in order if entrants[index].precision == "fp32"]
+    if fp32 and entrants[best].precision != "fp32" and entrants[best].score * min_speedup > entrants[fp32[0]].score:
+        best = fp32[0]
+    return best
+
+
+def describe_choice(entrants: list[Entrant], best: int) -> str:
+    """"<precision> on <backend>, at batch 1/16/32: 0.41/2.9/5.6 ms, 1.14/1.35/1.36x onnxruntime int8, ..." (each
+    other entrant's time over the winner's, at each race batch size; its geometric mean beside it)."""
+    winner = entrants[best]
+    sizes = list(winner.seconds)
+    ms = "/".join(f"{1e3 * winner.seconds[size]:.3g}" for size in sizes)
+    text = f"{winner.precision} on {winner.name}, at batch {'/'.join(map(str, sizes))}: {ms} ms"
+    for other in sorted((e for e in entrants if e is not winner), key=lambda e: e.score):
+        ratios = "/".join(f"{other.seconds[size] / winner.seconds[size]:.2f}" for size in sizes)
+        text += f", {ratios}x {other.label()} ({other.score / winner.score:.2f}x)"
+    fp32 = [e for e in entrants if e.precision == "fp32"]
+    if winner.precision == "fp32" and len(fp32) < len(entrants):
+        fastest = min((e for e in entrants if e.precision != "fp32"), key=lambda e: e.score)
+        text += (f"; {fastest.label()} runs at {winner.score / fastest.score:.2f}x fp32's speed here, short of "
+                 f"{AUTO_MIN_SPEEDUP:g}x")
+    return text
+
+
+def race(pairs: list[tuple[str, str]], artifacts: ModelArtifacts, config: ServerConfig, why: str,
+         where: str = "") -> tuple[LoadedBackend | None, list[str]]:
+    """Every (backend, precision) of `pairs` made and self-checked, those passing timed at race_batch_sizes and the
+    one `pick` names served, and why each other was refused. None where none passes, or where under --precision auto
+    no FP32 candidate does (a reduced precision's gate is relative to FP32's answers)."""
+    passed: list[tuple[Backend, SelfCheck]] = []
+    refused = []
+    for name, precision in pairs:
         try:
             backend = create_backend(name, precision, artifacts, config)
             check = checked(backend, artifacts, config)
-        except Exception as err:  # CapsNetError, or torch's own (a failed graph capture): the next candidate
+        except Exception as err:  # CapsNetError, or the runtime's own (a failed graph capture): the next candidate
             refused.append(f"{name} {precision}: {err if isinstance(err, CapsNetError) else repr(err)[:300]}")
             continue
         if check.passed:
@@ -140,62 +230,32 @@ def _fastest_gpu_backend(artifacts: ModelArtifacts, config: ServerConfig, why: s
             refused.append(f"{name} {precision}: {refusal(check)}")
             backend.close()
     for reason in refused:
-        log.warning("backend auto: GPU %d candidate refused: %s", config.gpu, reason)
-    if not passed:
-        return None
-    best, times = _fastest([backend for backend, _ in passed], artifacts, config)
-    backend, check = passed[best]
-    table = ", ".join(f"{passed[index][0].name} {passed[index][0].precision} {1e3 * times[index]:.2f} ms"
-                      for index in sorted(range(len(passed)), key=times.__getitem__))
-    choice = (f"{backend.name} {backend.precision} on GPU {config.gpu}, the fastest of those passing their self-check "
-              f"at batch {config.max_batch_size} ({table}){'; refused: ' + str(len(refused)) if refused else ''}; "
-              f"{why}")
-    log.info("backend auto: %s", choice)
-    return LoadedBackend(backend, check, choice)
-
-
-def _choose_onnxruntime_precision(artifacts: ModelArtifacts, config: ServerConfig) -> LoadedBackend:
-    """INT8 where it was exported, passes its self-check here and is measurably faster here (`_fastest`); else
-    FP32."""
-    fp32 = create_backend("onnxruntime", "fp32", artifacts, config)
-    fp32_check = checked(fp32, artifacts, config)
-    if not fp32_check.passed:
-        raise refusal(fp32_check)
-    if "int8" not in artifacts.onnx:
-        return _auto(fp32, fp32_check, "no INT8 model in the export")
-    int8 = create_backend("onnxruntime", "int8", artifacts, config)
-    int8_check = checked(int8, artifacts, config)
-    if not int8_check.passed:
-        int8.close()
-        return _auto(fp32, fp32_check, f"the INT8 self-check failed on this CPU: {refusal(int8_check)}", warn=True)
-    best, (fp32_time, int8_time) = _fastest([fp32, int8], artifacts, config)
-    timing = (f"batch {config.max_batch_size}: INT8 {1e3 * int8_time:.1f} ms, FP32 {1e3 * fp32_time:.1f} ms "
-              f"({fp32_time / int8_time:.2f}x)")
-    if best == 0:
-        return _auto(fp32, fp32_check, f"INT8 is not {AUTO_MIN_SPEEDUP:g}x faster here ({timing})")
-    return _auto(int8, int8_check, f"INT8 passed its self-check and is faster here ({timing})")
-
-
-def _fastest(backends: list[Backend], artifacts: ModelArtifacts, config: ServerConfig) -> tuple[int, list[float]]:
-    """The one chooser of both autos: each backend run once (allocations and kernel choices), then timed in turns on
-    a --max-batch-size batch, best of AUTO_TIMING_ROUNDS; the fastest, except that a reduced precision serves only
-    when AUTO_MIN_SPEEDUP x faster than the fastest FP32 (one that is not clearly faster changes answers for
-    nothing). Returns its index and every backend's time; the others are closed."""
-    images = np.zeros((config.max_batch_size, *artifacts.input_shape), dtype=np.float32)  # (B, C, H, W)
-    for backend in backends:
-        backend.run(images)
-    times = best_times(backends, images, AUTO_TIMING_ROUNDS)
-    order = sorted(range(len(backends)), key=times.__getitem__)
-    best = order[0]
-    fp32 = [index for index in order if backends[index].precision == "fp32"]
-    if fp32 and backends[best].precision != "fp32" and times[best] * AUTO_MIN_SPEEDUP > times[fp32[0]]:
-        best = fp32[0]
+        log.warning("backend auto: candidate refused%s: %s", where, reason)
+    if not passed or (config.precision == "auto" and all(check.precision != "fp32" for _, check in passed)):
+        for backend, _ in passed:
+            backend.close()
+        return None, refused
+    backends = [backend for backend, _ in passed]
+    entrants = time_entrants(backends, artifacts.input_shape, race_batch_sizes(config.max_batch_size))
+    best = pick(entrants)
     for index, backend in enumerate(backends):
         if index != best:
             backend.close()
-    return best, times
+    choice = describe_choice(entrants, best) + where + (f"; refused: {'; '.join(refused)}" if refused else "")
+    log.log(logging.WARNING if refused else logging.INFO, "precision auto: %s", choice)
+    backend, check = passed[best]
+    return LoadedBackend(backend, check, f"{backend.name}, auto: {choice}; {why}", entrants), refused
 
 
-def _auto(backend: Backend, check: SelfCheck, why: str, warn: bool = False) -> LoadedBackend:
-    log.log(logging.WARNING if warn else logging.INFO, "precision auto: %s: %s", backend.precision, why)
-    return LoadedBackend(backend, check, f"onnxruntime, precision auto: {why}")
+def time_entrants(backends: list[Backend], input_shape: tuple[int, int, int],
+                  sizes: tuple[int, ...]) -> list[Entrant]:
+    """Each backend's best of AUTO_TIMING_ROUNDS at each of `sizes`, after one untimed run each (allocations and
+    kernel choices); the backends take turns (best_times), so a burst of other work slows them alike."""
+    seconds: list[dict[int, float]] = [{} for _ in backends]
+    for size in sizes:
+        images = np.zeros((size, *input_shape), dtype=np.float32)  # (B, C, H, W)
+        for backend in backends:
+            backend.run(images)
+        for timed, best in zip(seconds, best_times(backends, images, AUTO_TIMING_ROUNDS)):
+            timed[size] = best
+    return [Entrant(backend.name, backend.precision, timed) for backend, timed in zip(backends, seconds)]

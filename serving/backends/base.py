@@ -30,6 +30,12 @@ class Backend(ABC):
     def create(cls, artifacts: ModelArtifacts, precision: str, config: ServerConfig) -> Backend:
         """The backend for `config` in `precision` ("auto": the backend's own choice)."""
 
+    @classmethod
+    def unavailable_reason(cls, device: str) -> str | None:
+        """Why this backend cannot serve on `device` ("cpu" or "gpu") on this host, beyond its backend table row's
+        `requires`, checked before one is made; None where it can."""
+        return None
+
     @abstractmethod
     def run(self, images: np.ndarray) -> dict[str, np.ndarray]:
         """images float32 (N, C, H, W) in [0, 1] -> {output name: float32 (N, ...)}.

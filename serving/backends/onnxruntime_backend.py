@@ -4,6 +4,7 @@ when onnxruntime-gpu is installed and a GPU answers (ONNX Runtime falls back to 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -23,21 +24,33 @@ def gpu_providers_installed() -> list[str]:
     return [p for p in GPU_PROVIDERS if p in ort.get_available_providers()]
 
 
+def onnx_file(artifacts: ModelArtifacts, precision: str) -> Path:
+    """The export's ONNX graph in `precision`; CapsNetError saying why there is none."""
+    path = artifacts.onnx.get(precision)
+    if path is None:
+        file = {"int8": ONNX_INT8_NAME, "fp16": ONNX_FP16_NAME}.get(precision)
+        if file in artifacts.refused:  # asked for at export, and the precision gate refused it there
+            raise CapsNetError(f"{artifacts.directory} has no {precision} ONNX model: the export did not write "
+                               f"{file}: {artifacts.refused[file]}")
+        raise CapsNetError(f"{artifacts.directory} has no {precision} ONNX model; export it with --{precision}")
+    return path
+
+
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
+
+    @classmethod
+    def unavailable_reason(cls, device: str) -> str | None:
+        if device == "gpu" and not gpu_providers_installed():
+            return "onnxruntime-gpu is not installed"
+        return None
 
     @classmethod
     def create(cls, artifacts: ModelArtifacts, precision: str, config: ServerConfig) -> OnnxRuntimeBackend:
         return cls(artifacts, precision, config.intra_op_threads, config.max_batch_size, config.gpu_or_first)
 
     def __init__(self, artifacts: ModelArtifacts, precision: str, threads: int, max_batch_size: int, gpu: int = 0):
-        path = artifacts.onnx.get(precision)
-        if path is None:
-            file = {"int8": ONNX_INT8_NAME, "fp16": ONNX_FP16_NAME}.get(precision)
-            if file in artifacts.refused:  # asked for at export, and the precision gate refused it there
-                raise CapsNetError(f"{artifacts.directory} has no {precision} ONNX model: the export did not write "
-                                   f"{file}: {artifacts.refused[file]}")
-            raise CapsNetError(f"{artifacts.directory} has no {precision} ONNX model; export it with --{precision}")
+        path = onnx_file(artifacts, precision)
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         # The batcher runs one batch at a time, so parallelism is within operators.

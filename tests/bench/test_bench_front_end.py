@@ -64,3 +64,29 @@ def test_ratios_divide_each_cell_by_both_floors():
     assert f"| capsnet-1 | {1.2 / 0.5:.2f}× / {1.2 / 0.8:.2f}× | {0.9 / 0.4:.2f}× / {0.9 / 0.6:.2f}× |" in lines
     assert f"| floor+engine | {0.8 / 0.5:.2f}× / 1.00× | {0.6 / 0.4:.2f}× / 1.00× |" in lines
     assert not any(line.startswith("| floor |") for line in lines)
+
+
+def test_targets_and_the_engine_rows_read_each_server_s_cells():
+    def cell(rate, cpu, batch=1.0, engine_ms=None):
+        found = {"requests_per_s": rate, "server_cpu_ms_per_request": cpu, "mean_batch": batch}
+        if engine_ms is not None:
+            found["engine_process"] = {"cpu_ms_per_request": engine_ms, "less_the_backend_ms": engine_ms / 4,
+                                       "requests_per_s_one_engine_takes": 1e3 / engine_ms}
+        return found
+
+    report = {"concurrency": [1, 16, 64], "device": "", "cores": 2, "servers": {
+        "floor+engine": {"cells": {"1": cell(1000, 0.5), "16": cell(1400, 0.45), "64": cell(1500, 0.44)}},
+        "capsnet-1": {"cells": {"1": cell(900, 0.6), "16": cell(2800, 0.4, 3.5), "64": cell(2900, 0.4, 4.0)}},
+        "capsnet-2": {"cells": {"64": cell(2500, 0.45, 15.0, engine_ms=0.1)}},
+        "kserve": {"cells": {"1": cell(850, 0.7), "16": cell(1200, 0.8), "64": cell(1300, 0.8)}}}}
+    lines = bench_front_end.targets(report)
+    assert "| mean batch ≥ 3 at c16 | capsnet-1 | 3.5 | yes |" in lines
+    assert "| mean batch ≥ 6 at c64 | capsnet-1 | 4.0 | **no** |" in lines
+    assert (f"| requests/s at c64 ≥ floor+engine's | capsnet-1 | 2,900 against 1,500 ({2900 / 1500:.2f}×) "
+            "| yes |") in lines
+    assert "| CPU per request at c1 ≤ 1.3× floor+engine's | capsnet-1 | 0.600 against 0.500 ms (1.20×) | yes |" in lines
+    assert (f"| requests/s at c16 ≥ 1.3× KServe's | capsnet-1 | 2,800 against 1,200 ({2800 / 1200:.2f}×) "
+            "| yes |") in lines
+    assert ("| engine process CPU per request at c64 ≤ 0.05 ms | capsnet-2 | 0.100 ms (0.025 not the backend's run) "
+            "| **no** |") in lines
+    assert "| capsnet-2 | 64 | 0.100 | 0.025 | 10,000 |" in bench_front_end.engine_process(report)

@@ -123,6 +123,7 @@ def test_bench_quick_writes_the_report(quick_run):
     int8 = figures["onnxruntime:int8", 8]["images_per_s"]
     assert f"{int8:,.0f} ({int8 / best_fp32:.2f}×)" in readme.split("## Engines side by side")[1]
     checks = 8 if bf16_unavailable_reason() else 10  # bf16's speed and accuracy where it ran
+    checks += "openvino:int8" in results["inprocess"]["engines"]  # its accuracy, where the openvino extra is installed
     assert len(results["targets"]) == checks and all(isinstance(t["met"], bool) for t in results["targets"])
     # Fractions of a second of timing: no verdict on the console or in the report, only the figures.
     assert stdout.count("[not judged: --quick]") == checks and "[met]" not in stdout and "[MISSED]" not in stdout

@@ -147,9 +147,10 @@ def test_server_metadata_lists_the_extensions_served(rest_and_grpc):
 @pytest.mark.parametrize("on_gpu", [True, False], ids=["gpu", "cpu"])
 def test_cuda_shared_memory_is_taken_by_the_gpu_engines_on_a_gpu(name, on_gpu):
     """What the registry's rows say decides the cuda_shared_memory extension: the torch, AOTInductor, fused and
-    TensorRT engines on a GPU; never a backend on the CPU, nor ONNX Runtime's GPU providers."""
+    TensorRT engines on a GPU; never a backend on the CPU, nor ONNX Runtime's GPU providers (nor OpenVINO, a CPU
+    engine here)."""
     backend = SimpleNamespace(name=name, on_gpu=on_gpu)
-    assert takes_cuda_shared_memory(backend) is (on_gpu and name != "onnxruntime")  # type: ignore[arg-type]
+    assert takes_cuda_shared_memory(backend) is (on_gpu and name not in ("onnxruntime", "openvino"))  # type: ignore[arg-type]
 
 
 def _code(call) -> tuple[str, str]:

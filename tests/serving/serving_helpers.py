@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,12 +19,44 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import onnx
+from onnx import numpy_helper
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
+from capsnet.model_description.files import file_sha256
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.server import CapsNetServer
 from capsnet.training.data import load_dataset
+
+def copy_export(model_dir: Path, tmp_path: Path) -> Path:
+    """A copy of an export folder that a test may damage."""
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    return copy
+
+
+def rehash(model_dir: Path, name: str) -> None:
+    """model.json's SHA-256 of `name` rewritten to match the file, as an exporter bug would leave it."""
+    sidecar = json.loads((model_dir / "model.json").read_text())
+    sidecar["sha256"][name] = file_sha256(model_dir / name)
+    (model_dir / "model.json").write_text(json.dumps(sidecar))
+
+
+def scale_int8_weights(model_dir: Path, factor: float) -> None:
+    """Multiply the dequantisation scales of the INT8 convolution weights, i.e. the weights themselves."""
+    path = model_dir / "model.int8.onnx"
+    model = onnx.load(str(path))
+    scales = {node.input[1] for node in model.graph.node
+              if node.op_type == "DequantizeLinear" and node.input[0].endswith("weight_quantized")}
+    for index, init in enumerate(model.graph.initializer):
+        if init.name in scales:
+            scaled = numpy_helper.from_array(numpy_helper.to_array(init) * factor, init.name)
+            model.graph.initializer[index].CopyFrom(scaled)
+    onnx.save(model, str(path))
+    rehash(model_dir, "model.int8.onnx")
+
+
 
 READY_LINE = re.compile(r"ready: .* grpcs?://[^:]+:(\d+) metrics http://[^:]+:(\d+)/metrics")
 

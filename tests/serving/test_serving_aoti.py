@@ -100,8 +100,8 @@ def test_an_export_without_packages_is_refused(model_dir, capsys):
     assert _serve_error(model_dir, capsys, "--backend", "aoti") == (
         f"{model_dir} has no AOTInductor package for cpu fp32 (it has: none); export with --aoti")
     assert _serve_error(model_dir, capsys, "--backend", "aoti", "--precision", "int8") == (
-        "--precision int8 is an ONNX model: the aoti backend runs fp32, fp16 or bf16 (int8: --backend onnxruntime "
-        "or tensorrt)")
+        "--precision int8 is an ONNX model: the aoti backend runs fp32, fp16 or bf16 (int8: --backend onnxruntime, "
+        "openvino or tensorrt)")
 
 
 def test_a_changed_package_is_refused(aoti_model_dir, tmp_path, capsys):

@@ -79,8 +79,10 @@ def test_auto_serves_the_fastest_gpu_backend_and_says_why(cuda_model_dir):
     try:
         spec = served.server.service.spec
         assert spec.backend in ("fused", "torch") and spec.self_check.passed
-        assert "the fastest of those passing their self-check" in spec.choice and "not tensorrt" in spec.choice
-        assert "fused fp32" in spec.choice and "torch fp32" in spec.choice  # both timed
+        assert f"{spec.precision} on {spec.backend}, at batch 1/16/{MAX_BATCH}: " in spec.choice
+        assert " on GPU 0" in spec.choice and "not tensorrt" in spec.choice
+        rivals = {"fused fp32", "torch fp32"} - {f"{spec.backend} {spec.precision}"}
+        assert all(f"x {rival} (" in spec.choice for rival in rivals)  # both timed
     finally:
         served.stop()
 

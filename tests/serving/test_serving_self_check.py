@@ -10,42 +10,14 @@ import shutil
 from pathlib import Path
 
 import grpc
-import onnx
 import pytest
-from onnx import numpy_helper
 
 from capsnet.cli import main
 from capsnet.runtime.cpu import CpuKind
 from capsnet.model_description.files import file_sha256
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
-from serving_helpers import ServerThread, metric, scrape, server_config
-
-
-def _copy(model_dir: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "model"
-    shutil.copytree(model_dir, copy)
-    return copy
-
-
-def _rehash(model_dir: Path, name: str) -> None:
-    sidecar = json.loads((model_dir / "model.json").read_text())
-    sidecar["sha256"][name] = file_sha256(model_dir / name)
-    (model_dir / "model.json").write_text(json.dumps(sidecar))
-
-
-def _scale_int8_weights(model_dir: Path, factor: float) -> None:
-    """Multiply the dequantisation scales of the INT8 convolution weights, i.e. the weights themselves."""
-    path = model_dir / "model.int8.onnx"
-    model = onnx.load(str(path))
-    scales = {node.input[1] for node in model.graph.node
-              if node.op_type == "DequantizeLinear" and node.input[0].endswith("weight_quantized")}
-    for index, init in enumerate(model.graph.initializer):
-        if init.name in scales:
-            scaled = numpy_helper.from_array(numpy_helper.to_array(init) * factor, init.name)
-            model.graph.initializer[index].CopyFrom(scaled)
-    onnx.save(model, str(path))
-    _rehash(model_dir, "model.int8.onnx")
+from serving_helpers import ServerThread, copy_export, metric, rehash, scale_int8_weights, scrape, server_config
 
 
 def _serve_errors(model_dir: Path, capsys, *flags: str) -> tuple[int, list[str]]:
@@ -55,8 +27,8 @@ def _serve_errors(model_dir: Path, capsys, *flags: str) -> tuple[int, list[str]]
 
 
 def test_a_corrupted_int8_model_is_refused_at_startup_with_one_line(int8_model_dir, tmp_path, capsys):
-    copy = _copy(int8_model_dir, tmp_path)
-    _scale_int8_weights(copy, 3.0)
+    copy = copy_export(int8_model_dir, tmp_path)
+    scale_int8_weights(copy, 3.0)
     code, errors = _serve_errors(copy, capsys, "--precision", "int8")
     assert code == 2 and len(errors) == 1, errors
     assert "self-check failed: int8 against the FP32 reference on 128 images" in errors[0]
@@ -64,15 +36,16 @@ def test_a_corrupted_int8_model_is_refused_at_startup_with_one_line(int8_model_d
 
 
 def test_precision_auto_falls_back_to_fp32_when_the_int8_self_check_fails(int8_model_dir, tmp_path, caplog):
-    copy = _copy(int8_model_dir, tmp_path)
-    _scale_int8_weights(copy, 3.0)
+    copy = copy_export(int8_model_dir, tmp_path)
+    scale_int8_weights(copy, 3.0)
     with caplog.at_level(logging.INFO, logger="capsnet.serving"):
         server = ServerThread(server_config(copy, precision="auto"))
     try:
         spec = server.server.service.spec
         assert spec.precision == "fp32" and spec.self_check.passed
-        assert "the INT8 self-check failed on this CPU" in spec.choice
-        assert any(r.levelno == logging.WARNING and "precision auto: fp32" in r.message for r in caplog.records)
+        assert "refused: onnxruntime int8: self-check failed: int8 against the FP32 reference" in spec.choice
+        assert any(r.levelno == logging.WARNING and r.message.startswith("precision auto: fp32 on ")
+                   for r in caplog.records)
     finally:
         server.stop()
 
@@ -100,7 +73,11 @@ def test_precision_auto_serves_a_checked_precision_and_says_why(int8_model_dir):
         spec = server.server.service.spec
         assert spec.self_check.passed and spec.self_check.precision == spec.precision
         # which one wins depends on this CPU's int8 kernels; the choice says what was measured
-        assert spec.precision in ("fp32", "int8") and "INT8" in spec.choice and "ms" in spec.choice
+        backend = server.server.service.backend
+        assert spec.precision in ("fp32", "int8")
+        assert f"{spec.precision} on {backend.name}, at batch 1/8: " in spec.choice
+        other = "fp32" if spec.precision == "int8" else "int8"
+        assert f"x onnxruntime {other} (" in spec.choice and " ms, " in spec.choice
     finally:
         server.stop()
 
@@ -108,18 +85,18 @@ def test_precision_auto_serves_a_checked_precision_and_says_why(int8_model_dir):
 def test_fp32_must_match_the_reference_exactly_enough(int8_model_dir, tmp_path, capsys):
     import numpy as np
 
-    copy = _copy(int8_model_dir, tmp_path)
+    copy = copy_export(int8_model_dir, tmp_path)
     with np.load(copy / "reference.npz") as archive:
         reference = {name: archive[name] for name in archive.files}
     reference["poses"] = reference["poses"] + 1e-3  # FP32 outputs that another model would give
     np.savez_compressed(copy / "reference.npz", **reference)
-    _rehash(copy, "reference.npz")
+    rehash(copy, "reference.npz")
     code, errors = _serve_errors(copy, capsys, "--precision", "fp32")
     assert code == 2 and len(errors) == 1 and "self-check failed: fp32" in errors[0] and "allowed 0.0001" in errors[0]
 
 
 def test_a_file_changed_after_export_is_refused(int8_model_dir, tmp_path, capsys):
-    copy = _copy(int8_model_dir, tmp_path)
+    copy = copy_export(int8_model_dir, tmp_path)
     path = copy / "model.int8.onnx"
     path.write_bytes(path.read_bytes() + b"\0")
     code, errors = _serve_errors(copy, capsys)
@@ -128,7 +105,7 @@ def test_a_file_changed_after_export_is_refused(int8_model_dir, tmp_path, capsys
 
 @pytest.mark.parametrize("name", ["../outside.onnx", "/etc/hostname", "sub/../../outside.onnx"])
 def test_model_json_cannot_point_outside_the_model_directory(int8_model_dir, tmp_path, capsys, name):
-    copy = _copy(int8_model_dir, tmp_path)
+    copy = copy_export(int8_model_dir, tmp_path)
     shutil.copy(copy / "model.onnx", tmp_path / "outside.onnx")
     sidecar = json.loads((copy / "model.json").read_text())
     sidecar["artifacts"]["onnx"] = name

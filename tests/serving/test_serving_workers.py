@@ -187,6 +187,42 @@ def _answers(client) -> bool:
     return True
 
 
+def test_statistics_and_metrics_count_exactly_what_concurrent_clients_sent(served):
+    # Requests are counted once, in the front end that handled them; batches in the engine. Under concurrent load
+    # over both front ends, every count matches what the clients sent, whichever front end is asked.
+    connections = clients(served, 8)
+    sent: list[int] = []  # images of each answered request
+
+    def load(index: int, client) -> None:
+        for step in range(25):
+            count = 1 + (index + step) % 3
+            infer(client, IMAGES[:count], timeout=30)
+            sent.append(count)
+
+    threads = [threading.Thread(target=load, args=(index, client)) for index, client in enumerate(connections)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert len(sent) == 8 * 25
+    for client in connections[:4]:  # connections spread over both front ends: each answers the same totals
+        stats = client.get_inference_statistics("capsnet", as_json=True)["model_stats"][0]
+        assert int(stats["inference_stats"]["success"]["count"]) == len(sent)
+        assert int(stats["inference_stats"]["queue"]["count"]) == len(sent)
+        assert int(stats["inference_stats"].get("fail", {}).get("count", 0)) == 0
+        assert int(stats["inference_count"]) == sum(sent)
+        batches = stats["batch_stats"]
+        assert sum(int(batch["compute_infer"]["count"]) for batch in batches) == int(stats["execution_count"])
+        assert sum(int(batch["batch_size"]) * int(batch["compute_infer"]["count"]) for batch in batches) == sum(sent)
+    samples = scrape(f"http://127.0.0.1:{served.metrics_port}/metrics")
+    assert metric(samples, "capsnet_requests_total", method="ModelInfer", code="OK") == len(sent)
+    assert metric(samples, "capsnet_images_total") == sum(sent)
+    assert metric(samples, "capsnet_queue_wait_seconds_count") == len(sent)
+    assert metric(samples, "capsnet_batch_size_count") == int(stats["execution_count"])
+    for client in connections:
+        client.close()
+
+
 def test_sigterm_drains_every_front_end_with_no_request_lost(served):
     outcomes: list[str] = []
     stop = threading.Event()
