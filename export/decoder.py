@@ -20,15 +20,12 @@ from capsnet.export.onnx_export import BATCH_DIM, check_graph, graph_opset
 from capsnet.export.parity import onnxruntime_session
 from capsnet.model_description.precision_gate import FP32_TOLERANCE, max_abs_diff
 from capsnet.model_description.decoder import (
-    CLASS_INPUT, DECODER_FILE, LENGTH_SLACK, POSES_INPUT, RECONSTRUCTION_OUTPUT, UNIT_LENGTH, DecoderDescription,
+    CLASS_INPUT, DECODER_FILE, LENGTH_SLACK, POSES_INPUT, RECONSTRUCTION_OUTPUT, DecoderDescription,
 )
+from capsnet.model_description.pose import PoseFigures
+from capsnet.training.pose import pose_length_limit
 
 PERTURBATION_STEPS = np.linspace(-0.25, 0.25, 11, dtype=np.float32)  # the paper's figure 4
-
-
-def max_pose_length(config) -> float | None:
-    """A capsule network's poses are squashed to a length under 1; EM's matrix capsules are not bounded."""
-    return UNIT_LENGTH if config.arch == "capsnet" else None
 
 
 def export_decoder(model, directory: Path, opset: int) -> onnx.ModelProto:
@@ -78,14 +75,14 @@ def parity_poses(poses: np.ndarray, classes: np.ndarray, limit: float | None) ->
 
 
 def check_decoder(model, directory: Path, reference_poses: np.ndarray, reference_probabilities: np.ndarray,
-                  reference_reconstruction: np.ndarray) -> DecoderDescription:
+                  reference_reconstruction: np.ndarray, pose: PoseFigures | None) -> DecoderDescription:
     """decoder.onnx on ONNX Runtime against PyTorch's decoder on parity_poses, and against the full graph's
     reconstruction of the reference images (the same decoder, masked by the predicted class); CapsNetError beyond
-    FP32_TOLERANCE."""
+    FP32_TOLERANCE. `pose`: the pose figures measured on the model, recorded with it."""
     import torch
 
     config = model.config
-    limit = max_pose_length(config)
+    limit = pose_length_limit(config)
     predicted = reference_probabilities.argmax(axis=1)  # (N,)
     poses, classes = parity_poses(reference_poses, predicted, limit)
     session = onnxruntime_session(str(directory / DECODER_FILE))
@@ -101,4 +98,4 @@ def check_decoder(model, directory: Path, reference_poses: np.ndarray, reference
                            f"{against_pytorch:.2e} against PyTorch's decoder on {len(poses)} poses, "
                            f"{against_graph:.2e} against the full graph's reconstruction")
     return DecoderDescription(DECODER_FILE, config.num_classes, config.digit_caps_dim, config.input_size, limit,
-                              parity)
+                              parity, pose)

@@ -51,6 +51,7 @@ from capsnet.models.checkpoint import Checkpoint, load_checkpoint
 from capsnet.models.config import CAPSULE_ARCHITECTURES
 from capsnet.runtime.tensorrt_runner import unavailable_reason
 from capsnet.training.evaluate import load_checkpoint_data
+from capsnet.training.pose import measure_pose
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +163,10 @@ def _write_decoder(fp32: Fp32Stage) -> DecoderDescription:
     model = job.checkpoint.build_model()
     export_decoder(model, job.staging, job.config.opset)
     outputs = fp32.reference.outputs
+    pose = measure_pose(model, job.dataset)
+    log.info("%s", pose.describe())
     decoder = check_decoder(model, job.staging, outputs["poses"], outputs["probabilities"],
-                            outputs["reconstruction"])
+                            outputs["reconstruction"], pose)
     log.info("decoder ONNX Runtime vs PyTorch on %d poses: max |diff| %.2e", decoder.parity["rows"],
              decoder.parity["max_abs_diff"])
     return decoder

@@ -2,16 +2,16 @@
 # Command 1 of the README: set up, get a model, serve it.
 #   1. scripts/setup-env.sh: creates .venv (or uses $CAPSNET_VENV) and installs capsnet-serve into it, with the
 #      bench and visualize extras the README's benchmark and pictures use (EXTRAS= for none);
-#   2. deploy/prepare-model.sh: if the model folder has no exported model, trains the `paper` preset briefly on
+#   2. deploy/prepare-model.sh: if the model folder has no exported model, trains the `paper-pose` preset briefly on
 #      the embedded MNIST digits (progress bar) and exports it to ONNX; a re-run reuses the model;
 #   3. writes a few sample digit PNGs, prints how to send a request, and runs `capsnet serve` in the
 #      foreground (KServe v2 REST on 127.0.0.1:8000, gRPC on 127.0.0.1:8001, Prometheus metrics on 127.0.0.1:8002)
 #      until Ctrl-C / SIGTERM.
 #
-# Usage: bash scripts/quickstart.sh [--model-dir DIR] [--preset paper|tiny] [--epochs N] [-- capsnet serve flags]
+# Usage: bash scripts/quickstart.sh [--model-dir DIR] [--preset paper-pose|paper|tiny] [--epochs N] [-- capsnet serve flags]
 # Environment (the same knobs, for scripts and tests):
 #   CAPSNET_MODEL_DIR  exported model folder (default models/quickstart in the repository)
-#   CAPSNET_PRESET     model to train when there is none (default paper)
+#   CAPSNET_PRESET     model to train when there is none (default paper-pose)
 #   CAPSNET_EPOCHS     training epochs (default 3)
 #   CAPSNET_VENV       environment to create or reuse (default .venv in the repository)
 #   CAPSNET_HOST, CAPSNET_HTTP_PORT, CAPSNET_GRPC_PORT, CAPSNET_METRICS_PORT   where `capsnet serve` listens

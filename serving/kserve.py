@@ -24,6 +24,7 @@ classification (an output's top k classes as "score:index:label" strings).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
@@ -53,6 +54,7 @@ INPUT_DATATYPES: dict[str, tuple[np.dtype, str]] = {
 }
 IMAGE_DATATYPES = ("FP32", "UINT8")
 MAX_POSE_LENGTH_PARAMETER = "max_pose_length"  # a decoder's model config parameter
+POSE_FIGURES_PARAMETER = "pose_figures"  # a decoder's: how far its poses show (model.json's decoder.pose), as JSON
 CLASSIFICATION_PARAMETER = "classification"  # on a requested output: its top k classes instead of the tensor
 CLASSIFIED_OUTPUT = "probabilities"  # the output classification ranks: one score per class
 # Accepted input headers and output lists remembered per version (a bound, against clients that vary them endlessly)
@@ -83,11 +85,12 @@ def model_inputs(spec: ModelSpec) -> list[dict]:
 
 def decoder_parameters(spec: ModelSpec) -> dict[str, dict[str, str]]:
     """A decoder's config `parameters`: the longest pose it takes ("none": unbounded), which a client keeps
-    perturbed poses within."""
+    perturbed poses within, and how far its poses show in its drawings where the export measured it."""
     if spec.part != DECODER_PART or spec.decoder is None:
         return {}
-    length = spec.decoder.max_pose_length
-    return {MAX_POSE_LENGTH_PARAMETER: {"string_value": "none" if length is None else f"{length:g}"}}
+    length, pose = spec.decoder.max_pose_length, spec.decoder.pose
+    return {MAX_POSE_LENGTH_PARAMETER: {"string_value": "none" if length is None else f"{length:g}"},
+            **({POSE_FIGURES_PARAMETER: {"string_value": json.dumps(pose.to_json())}} if pose else {})}
 
 
 def model_metadata(spec: ModelSpec, versions: list[str]) -> dict:

@@ -48,6 +48,7 @@ from capsnet.serving.observe import CURRENT, TRACEPARENT, Observer, RequestRecor
 from capsnet.serving.shared_memory import CUDA, SYSTEM
 
 PAGE = resources.files("capsnet.serving") / "ui" / "index.html"  # shipped in the package (pyproject's package-data)
+ICON = resources.files("capsnet.serving") / "ui" / "favicon.svg"  # what browsers ask /favicon.ico for, as SVG
 log = logging.getLogger(__name__)
 
 API = "kserve_http"
@@ -88,6 +89,7 @@ class KServeHTTP:
         self._observer = observer
         self._bodies = BodyReader(max_body_bytes)
         self._page_bytes = PAGE.read_bytes() if ui else b""  # read once: the file ships with the package
+        self._icon_bytes = ICON.read_bytes() if ui else b""
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
         app = web.Application(client_max_size=max_body_bytes, middlewares=[self._middleware])
@@ -112,7 +114,7 @@ class KServeHTTP:
                 ("POST", base + "/region/{name}/unregister", rpc + "Unregister", self._shm_unregister),
             ]
         if ui:
-            routes.append(("GET", "/", "Page", self._page))
+            routes += [("GET", "/", "Page", self._page), ("GET", "/favicon.ico", "Page", self._icon)]
         for prefix in (model, model + "/versions/{version}"):
             routes += [
                 ("GET", prefix, "ModelMetadata", self._model_metadata),
@@ -213,6 +215,10 @@ class KServeHTTP:
             "Content-Security-Policy": "default-src 'none'; connect-src 'self'; img-src 'self' blob: data:; "
                                        "script-src 'unsafe-inline'; style-src 'unsafe-inline'",
             "Cache-Control": "no-cache"})
+
+    async def _icon(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._icon_bytes, content_type="image/svg+xml",
+                            headers={"Cache-Control": "max-age=86400"})
 
     async def _server_live(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self._plane.live else 400)

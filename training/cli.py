@@ -118,6 +118,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pairs.add_argument("--pair-count", type=int, metavar="N",
                        help=f"pairs, at most {MAX_PAIRS:,} (default: one per image of the split)")
     pairs.add_argument("--seed", type=int, metavar="N", help="seed of the pairs (default 0)")
+    pose = evaluate.add_argument_group("how far the poses show in the decoder's drawings")
+    pose.add_argument("--pose", action="store_true",
+                      help="also measure, on the split: fidelity (reconstruction MSE / class-template MSE) and how "
+                           "many grey levels moving each pose dimension by ±0.25 changes the drawing")
+    pose.add_argument("--pose-images", type=int, default=1000, metavar="N", help="images measured (default 1000)")
+    pose.add_argument("--pose-out", type=Path, metavar="FILE", help="also write the pose figures to FILE as JSON")
     evaluate.set_defaults(handler=run_eval)
 
 
@@ -152,6 +158,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from capsnet.models.checkpoint import load_checkpoint
     from capsnet.training.distributed import DistributedContext, resolve_device
     from capsnet.training.evaluate import Scoring, evaluate, load_checkpoint_data
+    from capsnet.training.pose import pose_report
     from capsnet.training.options import SEED_LIMIT
     from capsnet.training.pairs import PairSpec, build_pairs, score_pairs
     from capsnet.training.robustness import MAX_PAIRS
@@ -179,14 +186,18 @@ def run_eval(args: argparse.Namespace) -> int:
     scoring = Scoring(args.batch_size, device)
     result = evaluate(model, split, tuple(checkpoint.class_names), scoring)
     pair_scores = None if spec is None else score_pairs(model, pairs, spec, scoring)[1]
+    pose = pose_report(model, dataset, args.split, args.pose_images, device, args.pose_out) if args.pose else None
     if args.json:
         # the checkpoint's share, also where the test split alone needed nothing held out
         print(json.dumps({"checkpoint": str(args.checkpoint), "data": dataset.name, "split": args.split,
                           "validation_fraction": checkpoint.metrics.get("validation_fraction", 0.0),
-                          **result.to_dict(), **({"pairs": pair_scores.to_dict()} if pair_scores else {})}))
+                          **result.to_dict(), **({"pairs": pair_scores.to_dict()} if pair_scores else {}),
+                          **({"pose": pose.to_json()} if pose else {})}))
     else:
         print(f"checkpoint {args.checkpoint} (epoch {checkpoint.epoch}) on {dataset.name}, {args.split} split")
         print(result.format_report())
         if pair_scores:
             print(pair_scores.format_report())
+        if pose:
+            print(pose.describe())
     return 0

@@ -18,6 +18,7 @@ from capsnet.training import distributed
 from capsnet.training.data import Dataset, data_location
 from capsnet.training.distributed import DistributedContext
 from capsnet.training.history import EpochRecord
+from capsnet.training.optimizer import parameter_groups
 from capsnet.training.options import RunOptions
 from capsnet.training.resume import EpochProgress
 
@@ -92,7 +93,7 @@ def new_state(run: Run, steps_per_epoch: int) -> TrainingState:
     options, device = run.options, run.device
     torch.manual_seed(options.seed)
     model = create_model(run.config).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=options.lr)
+    optimizer = torch.optim.Adam(parameter_groups(model, options.lr), lr=options.lr)
     scheduler = learning_rate_scheduler(optimizer, options, steps_per_epoch)
     scaler = torch.amp.GradScaler(device.type, enabled=options.amp and device.type == "cuda")
     return TrainingState(model, optimizer, scheduler, scaler)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from capsnet.model_description.pose import PoseFigures
 
 DECODER_FILE = "decoder.onnx"
 POSES_INPUT = "poses"
@@ -39,6 +40,7 @@ class DecoderDescription:
     output_size: int  # C*H*W
     max_pose_length: float | None
     parity: dict = field(default_factory=dict)  # decoder.onnx on ONNX Runtime against PyTorch's decoder
+    pose: PoseFigures | None = None  # how far its poses show in its drawings; absent from older exports
 
     @property
     def pose_shape(self) -> tuple[int, int]:
@@ -54,7 +56,7 @@ class DecoderDescription:
     def to_json(self) -> dict[str, Any]:
         inputs, outputs = self.tensors()
         return {"file": self.file, "inputs": inputs, "outputs": outputs, "max_pose_length": self.max_pose_length,
-                "parity": self.parity}
+                "parity": self.parity, "pose": self.pose.to_json() if self.pose else None}
 
     @classmethod
     def from_json(cls, value: Any, fail, classes: int, pose_dim: int, output_size: int) -> "DecoderDescription":
@@ -72,6 +74,7 @@ class DecoderDescription:
         parity = value.get("parity", {})
         if not isinstance(parity, dict):
             raise fail("decoder.parity must be an object")
+        pose = None if value.get("pose") is None else PoseFigures.from_json(value["pose"], fail, pose_dim)
         return cls(value["file"], classes, pose_dim, output_size, None if length is None else float(length),
-                   dict(parity))
+                   dict(parity), pose)
 

@@ -5,9 +5,11 @@ both see the same machine load, and prints the median seconds per step and their
 it asks torch for transparent huge pages (THP_MEM_ALLOC_ENABLE=0 in the environment measures without them).
 
 Usage: python scripts/experiments/step_time.py [--steps 5] [--batch-size 64] [--amp] [--threads 1]
-       [--em FIELD=JSON ...] [--only paper|em]
+       [--em FIELD=JSON ...] [--only paper|em] [--presets NAME ...]
 (--em changes a field of the `em` preset for the measurement, e.g. --em 'conv_caps_types=[16, 16]'; --only times
-one model alone in the process: alternating with `paper` made the `em` preset's steps slower, docs/experiments)
+one model alone in the process: alternating with `paper` made the `em` preset's steps slower, docs/experiments;
+--presets alternates other presets, e.g. `--presets paper paper-half paper-quarter`, and prints each one's speed-up
+over the first)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def main() -> None:
     parser.add_argument("--em", action="append", default=[], metavar="FIELD=JSON",
                         help="a field of the em preset and its value as JSON (repeatable)")
     parser.add_argument("--only", choices=("paper", "em"), help="time this model alone (default: both, alternating)")
+    parser.add_argument("--presets", nargs="+", metavar="NAME", help="alternate these presets instead")
     args = parser.parse_args()
     em_changes = {}
     for change in args.em:
@@ -49,7 +52,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     models = {}
-    for name in [args.only] if args.only else ("paper", "em"):
+    for name in args.presets or ([args.only] if args.only else ("paper", "em")):
         config = preset(name)
         if name == "em" and em_changes:
             try:
@@ -77,7 +80,9 @@ def main() -> None:
     print(json.dumps({"thp_mem_alloc_enable": os.environ["THP_MEM_ALLOC_ENABLE"], "em_changes": em_changes,
                       "batch_size": args.batch_size, "amp": args.amp, "threads": args.threads, "steps": args.steps,
                       "seconds_per_step": medians,
-                      **({} if args.only else {"em_over_paper": medians["em"] / medians["paper"]})}, indent=1))
+                      **({"speed_up_over_first": {name: medians[args.presets[0]] / value
+                                                  for name, value in medians.items()}} if args.presets
+                         else {} if args.only else {"em_over_paper": medians["em"] / medians["paper"]})}, indent=1))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ repository, parsed with Triton's own schema."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnxruntime
 import pytest
@@ -11,6 +13,7 @@ import torch
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
+from capsnet.cli import main
 from capsnet.errors import CapsNetError
 from capsnet.model_description.files import file_sha256
 from capsnet.model_description.schema import ModelDescription
@@ -28,6 +31,17 @@ def test_model_json_describes_the_decoder_and_its_parity(tiny_export):
     assert parity["max_abs_diff"] <= parity["tolerance"] == 1e-4 and parity["vs_full_graph_max_abs_diff"] <= 1e-4
     assert tiny_export.sidecar["sha256"]["decoder.onnx"] == file_sha256(tiny_export.out / "decoder.onnx")
     assert ModelDescription.read(tiny_export.out).decoder.pose_shape == (10, 16)
+
+
+def test_model_json_records_the_pose_figures_capsnet_eval_measures(tiny_export, tmp_path):
+    recorded = tiny_export.sidecar["decoder"]["pose"]
+    assert main(["eval", str(tiny_export.checkpoint), "--pose", "--pose-out", str(tmp_path / "pose.json")]) == 0
+    measured = json.loads((tmp_path / "pose.json").read_text())
+    assert recorded["images"] == measured["images"] == 1000 and recorded["split"] == "test"
+    for key in ("reconstruction_mse", "template_mse", "fidelity"):
+        assert recorded[key] == pytest.approx(measured[key], rel=1e-5)
+    assert recorded["sensitivity"] == pytest.approx(measured["sensitivity"], rel=1e-4, abs=1e-3)
+    assert ModelDescription.read(tiny_export.out).decoder.pose.visible_dimensions == recorded["visible_dimensions"]
 
 
 def test_the_decoder_graph_draws_as_pytorchs_decoder_at_any_batch_size(tiny_export):

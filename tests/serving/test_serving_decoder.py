@@ -5,6 +5,8 @@ the field named, and the server carries on."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import numpy as np
 import onnxruntime
@@ -13,6 +15,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from capsnet.model_description.schema import ModelDescription
 from capsnet.training.data import load_dataset, to_float
 from capsnet.v1 import capsnet_pb2 as pb
 from serving_helpers import metric, rest, scrape
@@ -84,7 +87,7 @@ def test_the_decoder_redraws_the_classifiers_reconstruction_and_any_pose_as_any_
     np.testing.assert_allclose(decode(triton_http, httpclient, batch, as_class), served, rtol=0, atol=1e-6)
 
 
-def test_it_has_metadata_config_statistics_and_metrics_like_any_model(server, triton, classified):
+def test_it_has_metadata_config_statistics_and_metrics_like_any_model(server, model_dir, triton, classified):
     metadata = triton.get_model_metadata(DECODER, as_json=True)
     assert metadata["inputs"] == [{"name": "poses", "datatype": "FP32", "shape": ["-1", "10", "16"]},
                                   {"name": "class_index", "datatype": "INT64", "shape": ["-1"]}]
@@ -94,6 +97,9 @@ def test_it_has_metadata_config_statistics_and_metrics_like_any_model(server, tr
     assert config["input"][1] == {"name": "class_index", "data_type": "TYPE_INT64", "dims": ["1"],
                                   "reshape": {}}  # to no dims: the graph takes (N,)
     assert config["parameters"]["max_pose_length"]["string_value"] == "1"
+    # how far the poses show, as the export measured it: what the page tells its users
+    recorded = ModelDescription.read(model_dir).decoder.pose
+    assert json.loads(config["parameters"]["pose_figures"]["string_value"]) == recorded.to_json()
     assert [entry["name"] for entry in triton.get_model_repository_index(as_json=True)["models"]] == [
         "capsnet", DECODER]
 

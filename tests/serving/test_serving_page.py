@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from capsnet.serving.kserve_http import PAGE
+from capsnet.serving.kserve_http import ICON, PAGE
 from capsnet.training.data import load_dataset
-from serving_helpers import ServerThread, graph_probabilities, rest, server_config
+from serving_helpers import ServerThread, graph_probabilities, metric, rest, scrape, server_config
 
 CHROMIUM = Path("/usr/bin/chromium")
 # what keeps Chromium off the network it would otherwise reach for at start (the page itself fetches nothing else)
@@ -171,6 +171,20 @@ def test_the_page_is_one_file_that_fetches_nothing_elsewhere_and_no_ui_turns_it_
         without.stop()
 
 
+def test_the_favicon_is_served_and_counted_as_the_pages_own(server):
+    def counts():
+        samples = scrape(server.metrics_url)
+        return (metric(samples, "capsnet_requests_total", api="kserve_http", method="Page", code="OK"),
+                metric(samples, "capsnet_requests_total", code="UNIMPLEMENTED"))
+
+    before = counts()
+    with urllib.request.urlopen(url(server) + "favicon.ico", timeout=30) as answer:
+        assert answer.status == 200 and answer.headers["Content-Type"] == "image/svg+xml"
+        assert answer.read() == ICON.read_bytes()
+    assert np.subtract(counts(), before).tolist() == [1, 0]
+    assert '<link rel="icon" href="/favicon.ico"' in PAGE.read_text()
+
+
 # --- the capsule explorer: the served decoder redraws a capsule's pose as it is moved ------------------------------
 
 # Set, `capsnet serve`'s defaults serve this export for the explorer tests (a trained model), and the timings of its
@@ -200,7 +214,7 @@ def explorer(request, browser):
     yield served, folder, page
     if EXPLORER_REPORT:
         write_report(Path(EXPLORER_REPORT), page.evaluate("window.explorerTimings"), browser.version, folder,
-                     (load, os.getloadavg()))
+                     (load, os.getloadavg()), served_engines(served))
     page.close()
     if EXPLORER_MODEL:
         served.stop()
@@ -211,7 +225,16 @@ REPORT_COMMAND = ("CAPSNET_EXPLORER_MODEL=MODEL_DIR CAPSNET_EXPLORER_REPORT=docs
                   "-k 'keyboard or faster or picker or grid or refused'")
 
 
-def write_report(path: Path, measured: list[dict], chromium: str, folder: Path, load: tuple) -> None:
+def served_engines(served: ServerThread) -> str:
+    """What the server ran each model with, from its capsnet_model_info series, and on how many threads."""
+    models = sorted(dict(labels) for (name, labels), _ in scrape(served.metrics_url).items()
+                    if name == "capsnet_model_info")
+    engines = "; ".join(f"{model['model']}: {model['backend']} {model['precision'].upper()}" for model in models)
+    threads = served.server.config.intra_op_threads
+    return f"{engines}; {threads} intra-op thread{'s' if threads > 1 else ''}"
+
+
+def write_report(path: Path, measured: list[dict], chromium: str, folder: Path, load: tuple, engines: str) -> None:
     """The explorer's timings, as the page measured them (from the input event to the pixels drawn), as markdown and
     as JSON beside it."""
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
@@ -226,7 +249,7 @@ def write_report(path: Path, measured: list[dict], chromium: str, folder: Path, 
         rows[kind] = {"count": int(times.size), "p50_ms": float(np.percentile(times, 50)),
                       "p95_ms": float(np.percentile(times, 95)), "max_ms": float(times.max()), "target_ms": target}
     model = json.loads((folder / "model.json").read_text())
-    summary = {"command": REPORT_COMMAND, "machine": machine, "load_average_before_after": load,
+    summary = {"command": REPORT_COMMAND, "machine": machine, "engines": engines, "load_average_before_after": load,
                "chromium": chromium, "model": {"training_metrics": model.get("training_metrics", {}),
                                                "decoder": model["decoder"]}, "timings": rows}
     path.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -237,7 +260,7 @@ def write_report(path: Path, measured: list[dict], chromium: str, folder: Path, 
         "# The capsule explorer: a slider move and a perturbation grid, answered and drawn", "",
         "Measured by the page itself in Debian's headless Chromium (`window.explorerTimings`: from the input "
         "event to the pixels drawn, the served decoder's call over KServe REST in between), against `capsnet "
-        "serve`'s defaults (ONNX Runtime FP32 on every core, no queue delay) on loopback, by the browser tests of "
+        f"serve`'s defaults with no queue delay ({engines}) on loopback, by the browser tests of "
         "`tests/serving/test_serving_page.py`:", "", "```", REPORT_COMMAND, "```", "",
         "A slider move: the keyboard's arrow, one move at a time (each answered and drawn before the next: p95 of "
         "what a person holding the key waits for each step). A grid: 16 pose dimensions x 11 steps, 176 "
@@ -245,7 +268,8 @@ def write_report(path: Path, measured: list[dict], chromium: str, folder: Path, 
         "| what | n | p50 ms | p95 ms | max ms | target ms (p95) |", "|---|---|---|---|---|---|", *lines, "",
         f"Machine: {machine}; load average (1, 5, 15 min) before {', '.join(f'{v:.2f}' for v in load[0])}, after "
         f"{', '.join(f'{v:.2f}' for v in load[1])} (other work on the machine included). Chromium {chromium}.",
-        f"Model: the `paper` preset ({'%.2f%% test accuracy, ' % (100 * accuracy) if accuracy else ''}"
+        f"Model: {model.get('training_metrics', {}).get('parameters', 0):,} parameters "
+        f"({'%.2f%% test accuracy, ' % (100 * accuracy) if accuracy else ''}"
         f"poses {model['decoder']['inputs'][0]['shape']}), exported with `--reconstruction`.", ""]))
 
 
@@ -409,6 +433,130 @@ def test_a_refused_call_shows_the_servers_message(explorer):
     page.unroute(DECODER_INFER)
     page.keyboard.press("ArrowLeft")
     page.wait_for_selector("#explorer-status:not(.error)", timeout=30_000)
+
+
+def moved_drawing(page, dim: int, key: str, count: int) -> tuple[np.ndarray, int]:
+    """The decoder's drawing (float, as the page received it) after `key` on dimension `dim`'s slider."""
+    page.focus(f"#dim-{dim}")
+    page.keyboard.press(key)
+    count = drawn_count(page, above=count)
+    return np.array(page.evaluate("Array.from(state.drawn.image)")), count
+
+
+@needs_browser
+def test_the_page_says_how_far_the_poses_show_with_the_figures_the_export_recorded(explorer):
+    _, folder, page = explorer
+    pose = json.loads((folder / "model.json").read_text())["decoder"]["pose"]
+    note = page.locator("#pose-note")
+    assert note.is_visible()
+    dims = len(pose["sensitivity"])
+    shows = 2 * pose["visible_dimensions"] >= dims
+    assert note.get_attribute("data-shows") == str(shows).lower()
+    text = note.inner_text()
+    assert text.startswith("This decoder follows the pose" if shows else "This decoder barely follows the pose")
+    levels = sorted(pose["sensitivity"])
+    for figure in (f"{levels[0]:.1f} to {levels[-1]:.1f} grey levels", f"{pose['visible_dimensions']} of {dims}",
+                   f"{pose['fidelity']:.2f}×", f"on {pose['images']} held-out digits"):
+        assert figure in text
+
+
+@needs_browser
+def test_the_thumbs_of_untouched_sliders_stay_put_as_the_capsule_nears_its_longest(explorer):
+    _, _, page = explorer
+    # the chosen capsule made 0.99 long, then its first dimension pushed as far as it goes
+    page.evaluate("""() => { window.classifiedPoses = Float32Array.from(state.poses);
+        const d = state.decoder.dims, s = state.source;
+        const pose = state.poses.subarray(s * d, (s + 1) * d), length = norm(pose);
+        for (let k = 0; k < d; k++) pose[k] *= 0.99 / length; }""")
+    page.click("#reset")
+    count = drawn_count(page, above=0)
+    dims = page.evaluate("state.decoder.dims")
+
+    def thumbs():  # what places each slider's thumb: its range and value
+        return [(page.locator(f"#dim-{k}").get_attribute("min"), page.locator(f"#dim-{k}").get_attribute("max"),
+                 page.locator(f"#dim-{k}").input_value()) for k in range(dims)]
+
+    assert set(thumbs()) == {("-0.25", "0.25", "0")}
+    held = []
+    for key in ("End", "Home"):
+        _, count = moved_drawing(page, 0, key, count)
+        held.append(abs(float(page.locator("#dim-0").input_value())))
+        assert page.evaluate("norm(currentPose())") <= page.evaluate("state.decoder.maxLength")
+        assert thumbs()[1:] == [("-0.25", "0.25", "0")] * (dims - 1)  # the others' ranges and values as they were
+        assert "+0.00" in page.locator("#dim-1-value").inner_text()
+    assert min(held) < 0.25  # one way at least, the move stopped where the capsule reached its longest
+    page.evaluate("() => { state.poses = window.classifiedPoses; }")
+    page.click("#reset")
+
+
+@needs_browser
+def test_the_difference_view_is_the_drawing_minus_the_drawing_at_the_own_pose_amplified(explorer):
+    _, folder, page = explorer
+    page.click("#reset")
+    count = drawn_count(page, above=0)
+    assert page.locator("#difference").get_attribute("data-change") == "0.000"
+    assert page.locator("#change").inner_text() == "no change"
+    moved, count = moved_drawing(page, 2, "End", count)
+    dims, source = page.evaluate("state.decoder.dims"), page.evaluate("state.source")
+    delta = np.zeros(dims, dtype=np.float32)
+    delta[2] = float(page.locator("#dim-2").input_value())
+    original = page.evaluate("Array.from(state.drawn.original)")
+    change = np.asarray(moved) - np.asarray(original)
+    np.testing.assert_allclose(np.round(np.asarray(moved).reshape(28, 28) * 255),
+                               decoder_draws(folder, page, delta, source), atol=1)
+    assert float(page.locator("#difference").get_attribute("data-change")) == pytest.approx(
+        255 * np.abs(change).mean(), abs=1e-3)
+    for gain in ("1", "32"):
+        page.select_option("#gain", gain)
+        red = drawn_pixels(page, "difference").astype(float)
+        expected = np.clip(255 * float(gain) * change, 0, 255).reshape(28, 28)
+        assert np.abs(red - expected).max() <= 1
+    page.select_option("#gain", "8")
+
+
+@needs_browser
+def test_a_slider_on_a_trained_model_moves_the_drawing_by_the_figure_the_export_recorded(request, browser, tmp_path):
+    """Moving one pose dimension from -0.25 to +0.25 on the page changes the decoder's drawing as much as the
+    export's measurement says, for the same digits: the page moves poses as the figures are measured. The trained
+    tiny model, or CAPSNET_EXPLORER_MODEL's (the quickstart's: its dimensions must then reach the visible level)."""
+    from capsnet.models.checkpoint import load_checkpoint
+    from capsnet.training.data import Dataset, Split
+    from capsnet.training.pose import measure_pose
+
+    folder = Path(EXPLORER_MODEL) if EXPLORER_MODEL else request.getfixturevalue("full_tiny_export") / "model"
+    description = json.loads((folder / "model.json").read_text())
+    pose = description["decoder"]["pose"]
+    dim = int(np.argmax(pose["sensitivity"]))
+    test = load_dataset("embedded").test
+    model = load_checkpoint(folder / description["artifacts"]["checkpoint"]).build_model()
+    served = ServerThread(server_config(folder, precision="fp32"))  # the poses PyTorch's FP32 model gives
+    try:
+        page, _ = open_page(browser, served)
+        changes, measured_on = [], []
+        for index in range(len(test.labels)):
+            if len(changes) == 4:
+                break
+            path = tmp_path / f"digit-{index}.png"
+            Image.fromarray(test.images[index][0]).save(path)
+            count = int(page.locator("#reconstruction").get_attribute("data-drawn"))
+            page.set_input_files("#file", str(path))
+            count = drawn_count(page, above=count)
+            if page.evaluate("state.source") != test.labels[index]:
+                continue  # the page draws the longest capsule; the figures, the true class's
+            low, count = moved_drawing(page, dim, "Home", count)
+            high, count = moved_drawing(page, dim, "End", count)
+            changes.append(255 * np.abs(high - low).mean())
+            measured_on.append(index)
+        page.close()
+    finally:
+        served.stop()
+    digits = Dataset("embedded-mnist-5k", load_dataset("embedded").train,
+                     Split(test.images[measured_on], test.labels[measured_on]), tuple(str(k) for k in range(10)))
+    expected = measure_pose(model, digits, images=len(measured_on)).sensitivity[dim]
+    assert np.mean(changes) == pytest.approx(expected, rel=0.05)  # the same measurement, end to end
+    assert np.mean(changes) >= 0.5 * pose["sensitivity"][dim] > 0  # and of the size recorded over 1,000 digits
+    if EXPLORER_MODEL and 2 * pose["visible_dimensions"] >= len(pose["sensitivity"]):  # a model whose poses show
+        assert np.mean(changes) >= pose["visible_grey_levels"]
 
 
 @needs_browser
