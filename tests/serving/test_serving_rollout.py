@@ -147,15 +147,17 @@ def test_bad_versions_are_refused_under_load_and_the_current_one_serves_on(serve
     assert {outcome.version for outcome in outcomes} == {"1"}
     assert corrupt.value.status() == wrong.value.status() == "StatusCode.FAILED_PRECONDITION"
     assert "version 2 refused" in corrupt.value.message() and "does not match" in corrupt.value.message()
-    assert "version 3 refused: self-check failed" in wrong.value.message()
+    # under --backend auto each engine raced names its own refusal ("onnxruntime fp32: self-check failed: ...")
+    assert "version 3 refused: " in wrong.value.message() and "self-check failed" in wrong.value.message()
     states = index(triton, "steady")
     assert states["1"] == ("READY", "")
     assert states["2"][0] == states["3"][0] == "UNAVAILABLE"
-    assert "does not match" in states["2"][1] and states["3"][1].startswith("self-check failed")
+    assert "does not match" in states["2"][1] and "self-check failed" in states["3"][1]
     refusals = [record.getMessage() for record in caplog.records if "refused" in record.getMessage()]
     assert any(line.startswith("model steady version 2 refused:") and line.endswith("version 1 serves on")
                for line in refusals), refusals
-    assert any(line.startswith("model steady version 3 refused: self-check failed") for line in refusals), refusals
+    assert any(line.startswith("model steady version 3 refused: ") and "self-check failed" in line
+               for line in refusals), refusals
     samples = scrape(served.metrics_url)
     for version in ("2", "3"):
         assert metric(samples, "capsnet_model_loads_total", model="steady", version=version, outcome="refused") == 1
