@@ -1,7 +1,9 @@
 """The CPU engines of the backend table as the server builds them, timed in one run: ONNX Runtime and OpenVINO on the
-export's FP32 and INT8 graphs (and OpenVINO under other settings with --openvino-settings), each batch size in turns,
-so that other work on the machine slows every engine alike. Prints a markdown table of images/s (median of the
-rounds) with each engine's ratio to ONNX Runtime at the same precision, and one JSON object per cell with --json.
+export's FP32 and INT8 graphs (built by capsnet.bench.engines, as every benchmark builds them), and OpenVINO under other
+settings with --openvino-settings (this study's own: no served engine). Each batch size is timed with the auto race's
+loop (times_in_turns), the engines taking turns, so that other work on the machine slows every engine alike. Prints a
+markdown table of images/s (median of the rounds) with each engine's ratio to ONNX Runtime at the same precision, and
+one JSON object per cell with --json.
 
     python scripts/engine_race.py --model DIR [--batches 1 16 64] [--threads 2] [--rounds 30]
 """
@@ -11,16 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from capsnet.bench.engines import WARMUP_CALLS, Engine, build_engine
 from capsnet.runtime.cpu import CpuKind
 from capsnet.serving.artifacts import load_artifacts
-from capsnet.serving.backends import create_backend
-from capsnet.serving.backends.base import Backend
+from capsnet.serving.backends.openvino_backend import COMPILE_CONFIG, OpenVinoBackend  # imports openvino when built
 from capsnet.serving.config import ServerConfig
+from capsnet.serving.self_check import times_in_turns  # after the backends package, which imports it
 
 # OpenVINO settings the served one is measured against (docs/serving.md, "OpenVINO")
 OPENVINO_SETTINGS = {
@@ -30,65 +33,56 @@ OPENVINO_SETTINGS = {
 }
 
 
-class StaticShapes(Backend):
-    """OpenVINO with the graph compiled once per batch size, at a fixed batch: what "static shapes" would serve."""
+def static_shapes(artifacts, precision: str, threads: int, batches: list[int]) -> Callable[[np.ndarray], dict]:
+    """OpenVINO with the graph compiled once per batch size, at a fixed batch: what "static shapes" would serve. A
+    run of a batch size not compiled is a KeyError."""
+    import openvino
 
-    def __init__(self, artifacts, precision: str, threads: int, batches: list[int]):
-        import openvino
+    core = openvino.Core()
+    requests = {}
+    for batch in batches:
+        model = core.read_model(str(artifacts.onnx[precision]))
+        model.reshape({artifacts.input_name: [batch, *artifacts.input_shape]})
+        compiled = core.compile_model(model, "CPU", {**COMPILE_CONFIG, "INFERENCE_NUM_THREADS": threads})
+        requests[batch] = (compiled.create_infer_request(), compiled.output("probabilities"))
 
-        from capsnet.serving.backends.openvino_backend import COMPILE_CONFIG
+    def run(images: np.ndarray) -> dict[str, np.ndarray]:
+        request, output = requests[len(images)]
+        return {"probabilities": np.array(request.infer({artifacts.input_name: images})[output])}
 
-        core = openvino.Core()
-        path = artifacts.onnx[precision]
-        self.requests = {}
-        for batch in batches:
-            model = core.read_model(str(path))
-            model.reshape({artifacts.input_name: [batch, *artifacts.input_shape]})
-            compiled = core.compile_model(model, "CPU", {**COMPILE_CONFIG, "INFERENCE_NUM_THREADS": threads})
-            self.requests[batch] = (compiled.create_infer_request(), compiled.output("probabilities"))
-        self.name, self.precision, self.input_name = "openvino", precision, artifacts.input_name
-        self.output_names = ("probabilities",)
-
-    @classmethod
-    def create(cls, artifacts, precision, config):
-        raise NotImplementedError
-
-    def run(self, images: np.ndarray) -> dict[str, np.ndarray]:
-        request, output = self.requests[len(images)]
-        return {"probabilities": np.array(request.infer({self.input_name: images})[output])}
+    return run
 
 
-def engines(model: Path, threads: int, batches: list[int], settings: list[str]) -> dict[str, Backend]:
-    from capsnet.serving.backends.openvino_backend import OpenVinoBackend
-
+def engines(model: Path, threads: int, batches: list[int], settings: list[str]) -> dict[str, Engine]:
+    """The served engines as the benchmarks build them (capsnet.bench.engines), then this study's OpenVINO variants,
+    which no registry row serves: by label, "<engine> <precision>[ <setting>]"."""
     artifacts = load_artifacts(model)
     config = ServerConfig(model_dir=model, threads=threads, max_batch_size=max(batches))
-    built: dict[str, Backend] = {}
+    built: dict[str, Engine] = {}
     for precision in ("fp32", "int8"):
         for name in ("onnxruntime", "openvino"):
-            built[f"{name} {precision}"] = create_backend(name, precision, artifacts, config)
+            built[f"{name} {precision}"] = build_engine(f"{name}:{precision}", model, threads=threads,
+                                                       max_batch=max(batches))
         for setting in settings:
+            label = f"openvino {precision} {setting}"
             if setting == "static":
-                built[f"openvino {precision} static"] = StaticShapes(artifacts, precision, threads, batches)
+                built[label] = Engine(label, "static shapes", static_shapes(artifacts, precision, threads, batches))
             else:
-                built[f"openvino {precision} {setting}"] = OpenVinoBackend(
-                    artifacts, precision, config.intra_op_threads, OPENVINO_SETTINGS[setting])
+                backend = OpenVinoBackend(artifacts, precision, config.intra_op_threads, OPENVINO_SETTINGS[setting])
+                built[label] = Engine(label, backend.description, backend.run)
     return built
 
 
-def race(built: dict[str, Backend], shape: tuple[int, ...], batches: list[int], rounds: int) -> dict:
+def race(built: dict[str, Engine], shape: tuple[int, ...], batches: list[int], rounds: int) -> dict:
     """{(engine, batch): [seconds of each round]}, the engines taking turns in every round."""
     times: dict[tuple[str, int], list[float]] = {}
     for batch in batches:
         images = np.random.default_rng(0).random((batch, *shape), dtype=np.float32)  # (B, C, H, W)
-        for backend in built.values():
-            for _ in range(3):  # allocations, kernel choices, a shape's first compilation
-                backend.run(images)
-        for _ in range(rounds):
-            for label, backend in built.items():
-                started = time.perf_counter()
-                backend.run(images)
-                times.setdefault((label, batch), []).append(time.perf_counter() - started)
+        for engine in built.values():
+            for _ in range(WARMUP_CALLS):  # allocations, kernel choices, a shape's first compilation
+                engine.run(images)
+        taken = times_in_turns({label: engine.run for label, engine in built.items()}, images, rounds)
+        times.update({(label, batch): seconds for label, seconds in taken.items()})
     return times
 
 
@@ -105,8 +99,8 @@ def main() -> None:
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
     print(f"CPU: {CpuKind.this_host().describe()}; load average before: {load}")
-    for label, backend in built.items():
-        print(f"- {label}: {backend.description if hasattr(backend, 'description') else 'static shapes'}")
+    for label, engine in built.items():
+        print(f"- {label}: {engine.description}")
     times = race(built, load_artifacts(args.model).input_shape, args.batches, args.rounds)
     with open("/proc/loadavg") as f:
         print(f"load average after: {' '.join(f.read().split()[:3])}\n")

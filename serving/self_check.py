@@ -11,8 +11,10 @@ machine is checked again on the one that serves it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -23,6 +25,8 @@ from capsnet.model_description.precision_gate import (
 from capsnet.model_description.schema import ModelDescription
 from capsnet.model_description.backend_table import gate_variant
 from capsnet.serving.backends.base import Backend
+
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -144,13 +148,22 @@ def refusal(check: SelfCheck) -> CapsNetError:
     return CapsNetError(f"self-check failed: {check.describe()}; this CPU: {check.cpu}")
 
 
-def best_times(backends: list[Backend], images: np.ndarray, rounds: int) -> list[float]:
-    """The fastest of `rounds` runs of `images` by each backend, in seconds (the least disturbed by other work);
-    the backends take turns, so a burst of other work on the machine slows them alike instead of one of them."""
-    times: list[list[float]] = [[] for _ in backends]
+def times_in_turns(runs: Mapping[K, Callable[[np.ndarray], object]], images: np.ndarray,
+                   rounds: int) -> dict[K, list[float]]:
+    """Seconds of each of `rounds` calls of every run on `images`, by key. The runs take turns in every round, so a
+    burst of other work on the machine slows them alike instead of one of them. The auto race's loop (best_times); here,
+    not in capsnet.bench.timing, because the benchmarks may import serving and serving may not import them."""
+    times: dict[K, list[float]] = {key: [] for key in runs}
     for _ in range(rounds):
-        for backend, taken in zip(backends, times):
+        for key, run in runs.items():
             started = time.perf_counter()
-            backend.run(images)
-            taken.append(time.perf_counter() - started)
-    return [min(taken) for taken in times]
+            run(images)
+            times[key].append(time.perf_counter() - started)
+    return times
+
+
+def best_times(backends: list[Backend], images: np.ndarray, rounds: int) -> list[float]:
+    """The fastest of `rounds` runs of `images` by each backend, in seconds (the least disturbed by other work),
+    the backends taking turns (times_in_turns)."""
+    times = times_in_turns(dict(enumerate(backend.run for backend in backends)), images, rounds)
+    return [min(taken) for taken in times.values()]
