@@ -162,16 +162,21 @@ def test_a_lone_request_runs_at_once_on_the_event_loop(model_dir, monkeypatch):
         with grpc.insecure_channel(running.target) as channel:
             stub = capsnet_pb2_grpc.CapsNetServiceStub(channel)
             images = RNG.random((1, 1, 28, 28), dtype=np.float32)  # (1, 1, 28, 28)
-            alone = []
-            for _ in range(8):  # one at a time, each once the loop has finished the last one's answer
-                alone.append(probabilities(stub.Classify(request(images), timeout=10)))
-                time.sleep(0.05)
             # the first run of a size has no estimate yet, so it goes to the thread; later ones run on the loop, in
             # the call's own task rather than the batcher's scheduler, unless gRPC happened to have another callback
-            # ready at that moment (on a busy host, its own housekeeping): then the thread, never the scheduler inline
-            assert runs[0] == "capsnet-backend_0" and len(runs) == 8, runs
-            at_once = [task for task in runs[1:] if task not in {"capsnet-batcher", "capsnet-backend_0"}]
-            assert len(at_once) >= 5 and "capsnet-batcher" not in runs, runs
+            # ready at that moment (on a busy host, its own housekeeping): then the thread, never the scheduler inline.
+            # So requests go one at a time, each once the loop has finished the last one's answer, until 5 ran at
+            # once (at most 24: a loaded CI host sent some of them to the thread).
+            alone: list[np.ndarray] = []
+
+            def ran_at_once() -> list[str]:
+                return [task for task in runs[1:] if task not in {"capsnet-batcher", "capsnet-backend_0"}]
+
+            while len(alone) < 24 and (len(alone) < 8 or len(ran_at_once()) < 5):
+                alone.append(probabilities(stub.Classify(request(images), timeout=10)))
+                time.sleep(0.05)
+            assert runs[0] == "capsnet-backend_0" and len(runs) == len(alone), runs
+            assert len(ran_at_once()) >= 5 and "capsnet-batcher" not in runs, runs
             assert all(np.array_equal(answer, alone[0]) for answer in alone)
             assert metric(scrape(running.metrics_url), "capsnet_queue_depth") == 0
     finally:

@@ -29,7 +29,7 @@ def assert_one_line_error(capsys, argv, message):
 
 @pytest.mark.parametrize("flags, message", [
     (["--data", "/nonexistent/mnist"], "data directory /nonexistent/mnist does not exist"),
-    (["--preset", "huge"], "unknown preset 'huge'; choose one of paper, tiny"),
+    (["--preset", "huge"], "unknown preset 'huge'; choose one of paper, paper-half, paper-pose, paper-quarter, tiny"),
     (["--epochs", "0"], "--epochs must be at least 1"),
     (["--batch-size", "-4"], "--batch-size must be at least 1"),
     (["--lr", "0"], "--lr must be a positive number"),
@@ -212,7 +212,8 @@ def test_commands_that_read_a_checkpoint_default_to_its_training_data(capsys, ra
     (["--arch", "gap-cnn", "--preset", "shared-tiny"],
      "--preset shared-tiny is a shared-capsnet preset; --arch gap-cnn takes gap-cnn or gap-cnn-article or "
      "gap-cnn-tiny"),
-    (["--arch", "cnn-baseline", "--preset", "shared"], "--arch cnn-baseline takes paper or tiny or em or em-tiny"),
+    (["--arch", "cnn-baseline", "--preset", "shared"],
+     "--arch cnn-baseline takes paper or paper-half or paper-pose or paper-quarter or tiny or em or em-tiny"),
     (["--preset", "shared-tiny", "--reconstruction-weight", "0.1"],
      "config: a shared-capsnet model has no decoder; reconstruction_weight must be 0"),
 ])

@@ -226,7 +226,8 @@ def test_trained_em_tiny_learns_and_is_batch_invariant(trained_em_tiny_checkpoin
 
 @pytest.mark.parametrize("flags, message", [
     (["--arch", "em", "--preset", "paper"], "--preset paper is a capsnet preset; --arch em takes em or em-tiny"),
-    (["--arch", "capsnet", "--preset", "em"], "--preset em is a em preset; --arch capsnet takes paper or tiny"),
+    (["--arch", "capsnet", "--preset", "em"],
+     "--preset em is a em preset; --arch capsnet takes paper or paper-half or paper-pose or paper-quarter or tiny"),
     (["--arch", "em", "--routing", "leaky"], "--routing sets dynamic routing; EM routing (--arch em) has no such"),
     (["--preset", "em-tiny", "--squash-constant", "0.5"], "--squash-constant sets dynamic routing"),
 ])
