@@ -23,7 +23,7 @@ from capsnet.runtime.cpu import CpuKind
 from capsnet.serving.artifacts import load_artifacts
 from capsnet.serving.backends.openvino_backend import COMPILE_CONFIG, OpenVinoBackend  # imports openvino when built
 from capsnet.serving.config import ServerConfig
-from capsnet.serving.self_check import times_in_turns  # after the backends package, which imports it
+from capsnet.serving.self_check import times_in_turns
 
 # OpenVINO settings the served one is measured against (docs/serving.md, "OpenVINO")
 OPENVINO_SETTINGS = {

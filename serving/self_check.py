@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -24,7 +24,9 @@ from capsnet.model_description.precision_gate import (
     FP32_TOLERANCE, Comparison, PrecisionGate, compare_outputs, outputs_in_batches)
 from capsnet.model_description.schema import ModelDescription
 from capsnet.model_description.backend_table import gate_variant
-from capsnet.serving.backends.base import Backend
+
+if TYPE_CHECKING:  # the backends package imports this module: a type is all it needs from there
+    from capsnet.serving.backends.base import Backend
 
 K = TypeVar("K")
 
