@@ -27,8 +27,8 @@ _COMMANDS = {
     "robustness": "capsnet.training.robustness",
     "export": "capsnet.export.cli",
     "serve": "capsnet.serving.cli",
-    "predict": "capsnet.serving.cli",
-    "health": "capsnet.serving.cli",
+    "predict": "capsnet.client.cli",
+    "health": "capsnet.client.cli",
     "bench": "capsnet.bench.cli",
 }
 

@@ -4,7 +4,7 @@
 
 `--concurrency` clients each send Classify requests (`--batch` images of the model's input shape, uint8 pixels,
 poses left out of the answers) back to back over one shared HTTP/2 channel for `--duration` seconds after
-`--warmup` seconds that are not counted, through the project's load generator (capsnet.serving.loadgen). Prints one
+`--warmup` seconds that are not counted, through the project's load generator (capsnet.bench.loadgen). Prints one
 JSON object: requests, errors by gRPC code, requests and images per second, latency percentiles in milliseconds.
 Every call has a deadline, so the run ends within duration + warmup + 30 s.
 """
@@ -20,7 +20,7 @@ import sys
 import grpc
 import numpy as np
 
-from capsnet.serving.loadgen import run_load
+from capsnet.bench.loadgen import run_load
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc as pb_grpc
 

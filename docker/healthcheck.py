@@ -14,7 +14,7 @@ import sys
 
 import grpc
 
-from capsnet.serving.client import check_health
+from capsnet.client.api import check_health
 
 
 def main(argv: list[str] | None = None) -> int:

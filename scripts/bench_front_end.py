@@ -5,13 +5,13 @@ KServe's Python model server (the reference servers: scripts/front_end_servers.p
 - floor and floor+engine: what Python gRPC itself costs a request, and the least a Python gRPC server that runs the
   model costs, with no checks, batching, statistics or metrics;
 - capsnet-1 and capsnet-N: `capsnet serve --workers 1|N` on the ONNX Runtime backend (FP32), N front ends beside one
-  engine process (serving/workers.py); on a GPU host also N = cores - 2;
+  engine process (serving/processes/supervisor.py); on a GPU host also N = cores - 2;
 - pytriton (--pytriton-python: a Python with nvidia-pytriton and onnxruntime) and kserve (--kserve-python: a Python
   with kserve 0.21 and onnxruntime); each skipped without its Python.
 
 perf_analyzer drives each at each concurrency (1-image requests, `--input-data zero`), read from its CSV: requests/s,
 p50 and p99. perf_analyzer runs from tritonclient 2.41's wheel in a venv of its own (docs/benchmarks/README.md);
-without --perf-analyzer, the project's load generator (serving/loadgen.py, tritonclient's asyncio client in this
+without --perf-analyzer, the project's load generator (capsnet/bench/loadgen.py, tritonclient's asyncio client in this
 process) applies the load instead. Around each cell the server's process tree's CPU time (user + system, every
 process of it) and its request count (its ModelStatistics, or what KServe's model wrote) give the server CPU time per
 request, and its images over its backend runs the mean batch. Behind N front ends, the engine process's CPU time per
@@ -47,17 +47,15 @@ import tempfile
 import time
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))  # serving_ab: the same checkpoint, ready line and machine facts, imported
 # where used, as the floor, PyTriton and KServe run in Pythons without the project's dependencies
-from front_end_servers import (COUNTS, MODEL, floor, free_port, kserve_server, model_config_response,  # noqa: E402
-                               model_io, pytriton)
+from front_end_servers import COUNTS, MODEL, floor, free_port, kserve_server, model_config_response, model_io, pytriton  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 BATCH_SIZES = (1, 4, 16, 64)  # the engine's CPU time per image is measured at these
 CPU_PARTS = ("total", "main thread", "gRPC threads", "engine process")
-ENGINE_ARGV = b"capsnet.serving.workers\0engine\0"  # in the command line of `--workers N`'s engine process
+ENGINE_ARGV = b"capsnet.serving.processes.supervisor\0engine\0"  # in the command line of `--workers N`'s engine process
 
 
 # -- the servers -------------------------------------------------------------------------------------------------
@@ -151,7 +149,7 @@ def perf_analyzer(binary: Path, target: str, concurrency: int, seconds: float, s
 
 
 def loadgen(target: str, concurrency: int, seconds: float, image: list[int]) -> dict:
-    from capsnet.serving.loadgen import random_images, run_load
+    from capsnet.bench.loadgen import random_images, run_load
 
     result = asyncio.run(run_load(target, random_images(64, tuple(image)), concurrency=concurrency,
                                   max_requests=10 ** 7, max_seconds=seconds, warmup_seconds=1.0, api="kserve",
@@ -449,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         "preset": args.preset, "concurrency": args.concurrency, "engine_spec": args.engine,
         "device": "" if args.gpu is None else f" on CUDA device {args.gpu}",
         "load_by": "perf_analyzer (tritonclient 2.41.0's build)" if args.perf_analyzer
-        else "serving/loadgen.py (tritonclient's asyncio client, in the benchmark's process)"})
+        else "capsnet/bench/loadgen.py (tritonclient's asyncio client, in the benchmark's process)"})
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text("\n".join(markdown(report)) + "\n")

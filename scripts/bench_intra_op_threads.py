@@ -23,7 +23,7 @@ SETTINGS = ((1, False), (1, True), (2, False), (2, True))  # (intra-op threads, 
 
 
 def session(onnx: Path, threads: int, spinning: bool) -> ort.InferenceSession:
-    """Set up as serving/backends/onnxruntime_backend.py does, but for the threads and spinning."""
+    """Set up as serving/engine/backends/onnxruntime_backend.py does, but for the threads and spinning."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1

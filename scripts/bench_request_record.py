@@ -1,6 +1,6 @@
-"""What the server's bookkeeping of one request costs on the event loop (serving/observe.py), with tracing and JSON
-access logs off and on: a RequestRecord made, served by a version, answered from one batch, and ended (metrics; the
-access line, to a handler that discards it; the spans, to a BatchSpanProcessor exporting over OTLP/gRPC to
+"""What the server's bookkeeping of one request costs on the event loop (serving/observability/observe.py), with tracing
+and JSON access logs off and on: a RequestRecord made, served by a version, answered from one batch, and ended (metrics;
+the access line, to a handler that discards it; the spans, to a BatchSpanProcessor exporting over OTLP/gRPC to
 --otlp-endpoint, e.g. scripts/otlp_sink.py), and traced with 1 request in 100 sampled (OTEL_TRACES_SAMPLER
 traceidratio, requests without a traceparent). Prints microseconds per request, best of --repeats.
 
@@ -15,9 +15,9 @@ import logging
 import os
 import time
 
-from capsnet.serving.batcher import BatchOutput, BatchRun
-from capsnet.serving.metrics import Metrics
-from capsnet.serving.observe import ACCESS_LOG, JsonFormatter, Observer, RequestRecord
+from capsnet.serving.engine.batcher import BatchOutput, BatchRun
+from capsnet.serving.observability.metrics import Metrics
+from capsnet.serving.observability.observe import ACCESS_LOG, JsonFormatter, Observer, RequestRecord
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    from capsnet.serving.tracing import Tracing
+    from capsnet.serving.observability.tracing import Tracing
 
     handler = logging.StreamHandler(open(os.devnull, "w"))  # formatted and written, to nowhere
     handler.setFormatter(JsonFormatter())

@@ -20,10 +20,12 @@ import numpy as np
 
 from capsnet.bench.engines import WARMUP_CALLS, Engine, build_engine
 from capsnet.runtime.cpu import CpuKind
-from capsnet.serving.artifacts import load_artifacts
-from capsnet.serving.backends.openvino_backend import COMPILE_CONFIG, OpenVinoBackend  # imports openvino when built
 from capsnet.serving.config import ServerConfig
-from capsnet.serving.self_check import times_in_turns
+from capsnet.serving.engine.artifacts import load_artifacts
+
+# imports openvino when built
+from capsnet.serving.engine.backends.openvino_backend import COMPILE_CONFIG, OpenVinoBackend
+from capsnet.serving.engine.self_check import times_in_turns
 
 # OpenVINO settings the served one is measured against (docs/serving.md, "OpenVINO")
 OPENVINO_SETTINGS = {

@@ -1,6 +1,6 @@
 """A screenshot of the capsule explorer (README's picture): a test digit of the embedded split dropped on the page of a
 running `capsnet serve`, one pose dimension moved, the perturbation grid drawn; in Debian's headless Chromium driven
-by Playwright (the dev extra), as tests/serving/test_serving_page.py drives it.
+by Playwright (the dev extra), as tests/serving/transports/test_serving_page.py drives it.
 
 Usage: python scripts/explorer_screenshot.py OUT.png [--url http://127.0.0.1:8000/] [--digit 3] [--dimension D]
 (--dimension: the slider moved, by default the dimension the export recorded as moving the drawing most)

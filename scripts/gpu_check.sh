@@ -97,7 +97,7 @@ install_project() {
     unpack_wheels "$python" "$repo" "$work/site" || return 1
     link_package_tree "$repo" "$work/pkg"
     # what the server, training and export import, from here (the checkout's bare capsnet/ would shadow the tree)
-    cd "$work" && "$python" -c "import capsnet.serving.server, capsnet.training.train, capsnet.export.exporter, aiohttp
+    cd "$work" && "$python" -c "import capsnet.serving.transports.server, capsnet.training.train, capsnet.export.exporter, aiohttp
 import torch; print('capsnet', capsnet.__file__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 }
 export PYTHONPATH="$work/pkg:$work/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -131,7 +131,7 @@ if (cd "$work" && "$python" -c "import pytest") 2>/dev/null; then
     # the GPU backends' tests, and the fused kernels' parity compiled for the GPU (on the CPU: the interpreter); not
     # the kernel report's, which reads the compiler's output on the CPU and needs no GPU time
     step tests 150 "$python" -m pytest -q -rs -p no:cacheprovider --rootdir "$repo" -c "$repo/pyproject.toml" \
-        -k "not cuda_packages" "$repo/tests/serving/test_serving_gpu_backends.py" "$repo/tests/runtime" \
+        -k "not cuda_packages" "$repo/tests/serving/engine/test_serving_gpu_backends.py" "$repo/tests/runtime" \
         --ignore "$repo/tests/runtime/test_kernel_report.py" \
         > "$work/tests.log" 2>&1
     save_tail tests "$work/tests.log"

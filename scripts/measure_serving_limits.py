@@ -3,7 +3,7 @@
     python scripts/measure_serving_limits.py --model DIR [--seconds 30] [--drain-runs 3]
 
 Each part starts its own `capsnet serve --model DIR` on free loopback ports (capsnet.bench.server_process) and loads
-it with the project's closed-loop load generator (capsnet.serving.loadgen):
+it with the project's closed-loop load generator (capsnet.bench.loadgen):
 - memory: 4 clients send KServe requests refused for their batch size (12 MiB: over the message limit,
   refused by gRPC, or by aiohttp over REST; 1 MiB: under it, refused by the handler), over gRPC and then over
   REST (Triton's binary data), in two rounds of --seconds on one server each; RSS before, peak, and 10 s after
@@ -25,9 +25,9 @@ import grpc
 import numpy as np
 
 from capsnet.bench.server_process import ServerProcess
+from capsnet.client import loadgen
+from capsnet.client.api import image_message
 from capsnet.runtime.cpu import CpuKind
-from capsnet.serving import loadgen
-from capsnet.serving.client import image_message
 from capsnet.v1 import capsnet_pb2 as pb
 
 # the model's KServe names and input shape (a 1x28x28 export)

@@ -46,7 +46,6 @@ sys.path.insert(0, str(REPO / "scripts"))
 from serving_ab import CHECKPOINT, cpu_kind, wait_until_ready  # noqa: E402 (the same checkpoint and machine facts)
 
 
-
 def export(preset: str, scratch: Path) -> Path:
     checkpoint, out = scratch / "model.ckpt", scratch / "model"
     for args in (["-c", CHECKPOINT, str(checkpoint), preset],
@@ -80,15 +79,15 @@ class Server:
 
 def in_process(model_dir: Path, batch: int, seconds: float, gpu: int | None, precision: str) -> dict:
     """The server's own backend (its settings, one thread per core), called directly: numpy in, numpy out."""
-    from capsnet.serving.artifacts import load_artifacts
+    from capsnet.serving.engine.artifacts import load_artifacts
 
     artifacts, threads = load_artifacts(model_dir), len(os.sched_getaffinity(0))
     if gpu is None:
-        from capsnet.serving.backends.onnxruntime_backend import OnnxRuntimeBackend
+        from capsnet.serving.engine.backends.onnxruntime_backend import OnnxRuntimeBackend
 
         backend = OnnxRuntimeBackend(artifacts, precision, threads, batch)
     else:
-        from capsnet.serving.backends.torch_backend import TorchBackend
+        from capsnet.serving.engine.backends.torch_backend import TorchBackend
 
         backend = TorchBackend(artifacts, precision, threads, gpu, max_batch_size=batch)
     images = np.random.default_rng(0).random((batch, 1, 28, 28), dtype=np.float32)

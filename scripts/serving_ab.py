@@ -34,9 +34,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from capsnet.bench.loadgen import random_images, run_load
 from capsnet.bench.results import portable, portable_command
 from capsnet.bench.server_process import scrape
-from capsnet.serving.loadgen import random_images, run_load
 
 REPO = Path(__file__).resolve().parents[1]
 READY_LINE = re.compile(r"ready: .* grpcs?://[^:]+:(\d+) metrics http://[^:]+:(\d+)/metrics")

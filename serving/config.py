@@ -10,8 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from capsnet.errors import CapsNetError
-from capsnet.serving.backend_registry import BACKEND_KINDS, BACKENDS
-from capsnet.serving.repository import VersionPolicy
+from capsnet.model_description.backend_table import BACKEND_TABLE
+from capsnet.serving.version_policy import VersionPolicy
+
+# --backend: a row of the backend table, or auto
+BACKENDS = ("auto", *BACKEND_TABLE)
 
 # Who may change the models served: nobody (as loaded at start), clients of the repository extension, or a rescan of
 # the repository every poll interval (Triton's --model-control-mode none, explicit, poll). SIGHUP rescans in the last
@@ -46,7 +49,8 @@ class ServerConfig:
     model_control: str = "none"
     poll_seconds: float | None = None  # --model-control poll: seconds between rescans (None: DEFAULT_POLL_S)
     log_format: str = "text"  # json: every log line as JSON, and one access line per request
-    otlp_endpoint: str | None = None  # traces over OTLP/gRPC there (serving/tracing.py); None: the OTEL_* variables'
+    # traces over OTLP/gRPC there (serving/observability/tracing.py); None: the OTEL_* variables'
+    otlp_endpoint: str | None = None
     # Loopback by default, so a server started for a try-out is not exposed; 0.0.0.0 only when asked.
     host: str = "127.0.0.1"
     grpc_port: int = 8001  # Triton's ports, so KServe tooling finds us where it looks
@@ -80,11 +84,11 @@ class ServerConfig:
     max_pending_rpcs: int = 4096
     threads: int = 0  # backend intra-op threads; 0: one fewer than the CPU cores available (at least 1)
     # Largest request or response. None: derived from the model, a full batch of its largest accepted
-    # images (serving/server.py: message_limit), so a request cannot make the server hold much more.
+    # images (serving/transports/server.py: message_limit), so a request cannot make the server hold much more.
     max_message_bytes: int | None = None
     # Encoded images may be at most this many times the model's height and width (refused from the header).
     max_image_scale: int = 8
-    # Triton's shared-memory extensions (serving/shared_memory.py): clients on this host may register POSIX
+    # Triton's shared-memory extensions (serving/protocol/shared_memory.py): clients on this host may register POSIX
     # shared-memory objects (and, where a GPU serves, CUDA buffers) for tensors to be read from and written to, within
     # these limits; off (--no-allow-client-shm, Triton's --allow-client-shm=false), every register call is refused.
     allow_client_shm: bool = True
@@ -98,8 +102,8 @@ class ServerConfig:
     # balancers stop sending first; then new requests get UNAVAILABLE and in-flight ones grace_period_s.
     drain_window_s: float = 1.0
     grace_period_s: float = 10.0
-    # Front-end processes (serving/workers.py): None, the host's default (one per 2 cores where the server needs
-    # neither model control nor clients' shared memory, else 1); 1 is a single process, as without the flag.
+    # Front-end processes (serving/processes/supervisor.py): None, the host's default (one per 2 cores where the server
+    # needs neither model control nor clients' shared memory, else 1); 1 is a single process, as without the flag.
     workers: int | None = None
 
     def __post_init__(self) -> None:
@@ -124,13 +128,13 @@ class ServerConfig:
             raise CapsNetError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.precision not in PRECISIONS:
             raise CapsNetError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        runs = [kind.name for kind in BACKEND_KINDS.values() if self.precision in kind.precisions]
+        runs = [kind.name for kind in BACKEND_TABLE.values() if self.precision in kind.precisions]
         if self.precision == "bf16" and self.backend not in runs:
             raise CapsNetError("--precision bf16 runs the checkpoint's convolutions in bf16 on the "
                                f"{either(runs)} backend: add --backend {either(runs)}")
         if self.precision == "int8" and self.backend not in ("auto", *runs):
             raise CapsNetError(f"--precision int8 is an ONNX model: the {self.backend} backend runs "
-                               f"{either(BACKEND_KINDS[self.backend].precisions)} (int8: --backend {either(runs)})")
+                               f"{either(BACKEND_TABLE[self.backend].precisions)} (int8: --backend {either(runs)})")
         for name in ("grpc_port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise CapsNetError(f"{name.replace('_', '-')} must be in 0..65535 (0: any free port), got "

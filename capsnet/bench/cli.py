@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from capsnet.runtime.cpu import MAX_THREADS
 from capsnet.errors import CapsNetError
+from capsnet.runtime.cpu import MAX_THREADS
 
 # (full run, --quick) for each setting the user did not give
 DEFAULTS: dict[str, tuple[Any, Any]] = {
@@ -140,7 +140,7 @@ def default_engines() -> tuple[str, ...]:
     """The public reference and every served engine this host runs (capsnet.bench.engines.served_here)."""
     from capsnet.bench.engines import served_here
     from capsnet.bench.results import PUBLIC
-    from capsnet.serving.backends import gpu_host
+    from capsnet.serving.engine.backends import gpu_host
 
     return (PUBLIC, *served_here(gpu_host()))
 

@@ -27,7 +27,7 @@ from capsnet.errors import CapsNetError, first_line
 
 
 def _kinds():
-    from capsnet.serving.backend_registry import BACKEND_KINDS
+    from capsnet.serving.engine.backend_registry import BACKEND_KINDS
 
     return BACKEND_KINDS.values()
 
@@ -104,9 +104,9 @@ def build_engine(name: str, model_dir: Path, *, threads: int, max_batch: int, gp
 
 
 def _served(name: str, model_dir: Path, threads: int, max_batch: int, gpu: int | None, check: bool) -> Engine:
-    from capsnet.serving.artifacts import load_artifacts
-    from capsnet.serving.backends import create_backend  # before self_check, which the backends package imports
     from capsnet.serving.config import ServerConfig
+    from capsnet.serving.engine.artifacts import load_artifacts
+    from capsnet.serving.engine.backends import create_backend  # before self_check, which the backends package imports
 
     kind, precision = split(name)
     artifacts = load_artifacts(model_dir)
@@ -115,7 +115,7 @@ def _served(name: str, model_dir: Path, threads: int, max_batch: int, gpu: int |
     backend = create_backend(kind, precision, artifacts, config)
     result = None
     if check:
-        from capsnet.serving.self_check import self_check
+        from capsnet.serving.engine.self_check import self_check
 
         passed = self_check(backend, artifacts.reference, max_batch, artifacts)
         result = {"passed": passed.passed, "describe": passed.describe()}
@@ -129,7 +129,7 @@ def _reference(name: str, model_dir: Path, threads: int, gpu: int | None) -> Eng
 
     from capsnet.bench.analysis.public_reference import DESCRIBED_IN, SOURCE, PublicCapsNet
     from capsnet.models.checkpoint import load_checkpoint
-    from capsnet.serving.artifacts import load_artifacts
+    from capsnet.serving.engine.artifacts import load_artifacts
 
     device = torch.device("cpu") if gpu is None else torch.device("cuda", gpu)
     if device.type == "cpu" and threads:

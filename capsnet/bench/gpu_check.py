@@ -104,7 +104,7 @@ def peak(args) -> dict:
 def serve(args) -> dict:
     from capsnet.bench.results import portable
     from capsnet.bench.server_process import ServerProcess
-    from capsnet.serving.client import CapsNetClient
+    from capsnet.client.api import CapsNetClient
 
     flags = ["--model", args.model, "--backend", args.backend, "--max-batch-size", str(SERVE_MAX_BATCH),
              "--threads", str(args.threads)]
@@ -165,7 +165,7 @@ def _load_cell(target: str, api: str, batch: int, concurrency: int, args, model:
 def load(args) -> None:
     """One load-generator process: prints its latencies as JSON."""
     from capsnet.bench.harness import input_shape
-    from capsnet.serving.loadgen import random_images, run_load
+    from capsnet.bench.loadgen import random_images, run_load
 
     images = random_images(256, input_shape(Path(args.model)), seed=2)
     result = asyncio.run(run_load(args.target, images, concurrency=args.concurrency[0], batch_size=args.batch,

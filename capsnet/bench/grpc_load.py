@@ -1,7 +1,7 @@
 """End-to-end gRPC: `capsnet serve` in a child process under closed-loop load, through both APIs.
 
 For dynamic batching on and off, one server is started; for each API (our Classify, KServe
-ModelInfer) and each concurrency, a closed-loop load generator (serving/loadgen.py) keeps that many
+ModelInfer) and each concurrency, a closed-loop load generator (capsnet/bench/loadgen.py) keeps that many
 one-image requests in flight for the timed seconds, after a few warm-up requests. Every row is compared with the
 in-process engine at batch size = concurrency (what perfect batching with no RPC cost would give), timed in a
 worker process for half the row's seconds just before the row and half just after, so both meet the same load on a
@@ -40,7 +40,7 @@ def server_flags(dynamic_batching: bool, max_concurrency: int) -> list[str]:
 
 def run_grpc_load(model_dir: str, images: np.ndarray, concurrency: tuple[int, ...], threads: int,
                   seconds: float) -> dict:
-    from capsnet.serving.artifacts import load_artifacts
+    from capsnet.serving.engine.artifacts import load_artifacts
 
     artifacts = load_artifacts(model_dir)
     reference = EngineWorker(SERVER_ENGINE, model_dir, threads, max(concurrency))
@@ -61,7 +61,7 @@ def run_grpc_load(model_dir: str, images: np.ndarray, concurrency: tuple[int, ..
 
 def _run_servers(artifacts, model_dir: str, images: np.ndarray, concurrency: tuple[int, ...], threads: int,
                  seconds: float, reference: EngineWorker) -> tuple[list[dict], dict]:
-    from capsnet.serving.loadgen import run_load
+    from capsnet.bench.loadgen import run_load
 
     rows, servers = [], {}
     for batching in (True, False):

@@ -205,7 +205,7 @@ def engines(args, device, save: Callable[[dict], None]) -> dict:
     """The step on `device`; `save(part)` keeps the timings before anything is profiled."""
     import torch
 
-    from capsnet.serving.loadgen import random_images
+    from capsnet.bench.loadgen import random_images
 
     torch.set_num_threads(args.threads)
     batches = tuple(args.batches)

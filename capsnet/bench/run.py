@@ -94,8 +94,8 @@ def run_bench(options: BenchOptions, analysis: Analysis) -> dict:
             if reason := analysis.unavailable(name):
                 skipped[name] = reason
                 del model_dirs[name]
-        from capsnet.serving.artifacts import load_artifacts
         from capsnet.models.checkpoint import load_checkpoint
+        from capsnet.serving.engine.artifacts import load_artifacts
         from capsnet.training.data import load_dataset
 
         artifacts = load_artifacts(model_dir)
@@ -148,7 +148,7 @@ def _prepare_models(options: BenchOptions, tmp: Path) -> tuple[Path, dict[str, P
 
     A checkpoint is exported first (ONNX FP32 + INT8, and one TensorRT engine per precision where a GPU
     allows); an export directory is used as it is."""
-    from capsnet.serving.artifacts import load_artifacts
+    from capsnet.serving.engine.artifacts import load_artifacts
 
     wanted_trt = [name for name in options.backends if split(name)[0] == "tensorrt"]
     model_dirs, skipped = {}, {}

@@ -1,5 +1,5 @@
 """Timing loops and latency summaries shared by every benchmark. The loop that times engines taking turns is the
-server's auto race's own, capsnet.serving.self_check.times_in_turns: serving may not import the benchmarks."""
+server's auto race's own, capsnet.serving.engine.self_check.times_in_turns: serving may not import the benchmarks."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Every engine that runs an exported model, in one table at the bottom of the layers: what `--backend` names, what it
 reads from the export, the precisions it serves on a GPU and on the CPU, which of them `--backend auto` races where,
 the precision-gate entries its reduced precisions answer to, and what it takes from CUDA shared memory. Serving makes
-backends from it (serving/backend_registry.py), export measures the gate's families from it, bench enumerates it.
+backends from it (serving/engine/backend_registry.py), export measures the gate's families from it, bench enumerates it.
 
 Nothing here imports a runtime: a row names its serving class by module and class name, imported only when a server
 makes that backend, so a CPU server never imports torch, TensorRT or OpenVINO.
@@ -49,7 +49,7 @@ class BackendRow:
     cpu_precisions: tuple[str, ...]  # on the CPU; none: a GPU only
     gate_family: str  # a GATE_FAMILIES name: its reduced precisions answer to "<gate_family>_<precision>"
     # the precisions `--backend auto` loads, self-checks and times on each device (where the row can run: see
-    # serving/backends/__init__.py); none: served only when asked for by name
+    # serving/engine/backends/__init__.py); none: served only when asked for by name
     auto_gpu: tuple[str, ...] = ()
     auto_cpu: tuple[str, ...] = ()
     requires: str | None = None  # a module outside the base install it needs, and the extra that installs it
@@ -57,7 +57,7 @@ class BackendRow:
     routing_engine: str | None = None  # raced only where model.json's `routing.gpu_engine` names this engine
     # Serving on a GPU, it takes images from CUDA regions: the server then offers Triton's cuda_shared_memory
     # extension. Not ONNX Runtime's GPU providers: a server of them need not hold torch's CUDA, which opens the
-    # regions (serving/cuda_ipc.py).
+    # regions (serving/engine/cuda_ipc.py).
     cuda_shared_memory: bool = True
     # Serving on a GPU, it runs a batch already there (cuda_ipc.DeviceInput's run_device) instead of one copied to
     # host memory and back
@@ -74,30 +74,30 @@ class BackendRow:
 
 BACKEND_TABLE: dict[str, BackendRow] = {row.name: row for row in (
     # the default: the export's graphs, CPU everywhere, GPU providers where onnxruntime-gpu is installed
-    BackendRow("onnxruntime", "capsnet.serving.backends.onnxruntime_backend", "OnnxRuntimeBackend",
+    BackendRow("onnxruntime", "capsnet.serving.engine.backends.onnxruntime_backend", "OnnxRuntimeBackend",
                "onnxruntime_onnx", "onnx", ("fp32", "fp16", "int8"), ("fp32", "fp16", "int8"), "onnx",
                auto_gpu=("fp32", "fp16", "int8"), auto_cpu=("fp32", "int8"), cuda_shared_memory=False),
     # the same graphs compiled by Intel's runtime for the CPU: faster than ONNX Runtime on some CPU kinds and
     # precisions, slower on others, hence raced (docs/serving.md)
-    BackendRow("openvino", "capsnet.serving.backends.openvino_backend", "OpenVinoBackend", "openvino", "onnx",
+    BackendRow("openvino", "capsnet.serving.engine.backends.openvino_backend", "OpenVinoBackend", "openvino", "onnx",
                ("fp32", "int8"), ("fp32", "int8"), "onnx", auto_cpu=("fp32", "int8"), requires="openvino",
                extra="openvino", cuda_shared_memory=False, on_gpu=False),
-    # chosen before any race wherever its plan and GPU are present (serving/backends/__init__.py)
-    BackendRow("tensorrt", "capsnet.serving.backends.tensorrt_backend", "TensorRTBackend", "tensorrt_plan", "plan",
-               ("fp32", "fp16", "int8"), (), "onnx", requires="tensorrt", extra="gpu"),
+    # chosen before any race wherever its plan and GPU are present (serving/engine/backends/__init__.py)
+    BackendRow("tensorrt", "capsnet.serving.engine.backends.tensorrt_backend", "TensorRTBackend", "tensorrt_plan",
+               "plan", ("fp32", "fp16", "int8"), (), "onnx", requires="tensorrt", extra="gpu"),
     # eager PyTorch with a CUDA graph per batch bucket: "pytorch", not TorchScript ("pytorch_libtorch"); bf16 on a
-    # CPU with native bf16 only (serving/backends/runner_backend.py)
-    BackendRow("torch", "capsnet.serving.backends.torch_backend", "TorchBackend", "pytorch", "checkpoint",
+    # CPU with native bf16 only (serving/engine/backends/runner_backend.py)
+    BackendRow("torch", "capsnet.serving.engine.backends.torch_backend", "TorchBackend", "pytorch", "checkpoint",
                ("fp32", "fp16", "bf16"), ("fp32", "bf16"), "torch", auto_gpu=("fp32", "fp16", "bf16"),
                device_input=True),
     # the packages export compiles for each device. Not raced: one loaded in the process that had captured the
     # torch backend's CUDA graphs died of a segmentation fault on an H100 (torch 2.11)
-    BackendRow("aoti", "capsnet.serving.backends.aoti_backend", "AotiBackend", "pytorch_aoti", "aoti",
+    BackendRow("aoti", "capsnet.serving.engine.backends.aoti_backend", "AotiBackend", "pytorch_aoti", "aoti",
                AOTI_PRECISIONS["cuda"], AOTI_PRECISIONS["cpu"], "torch", device_input=True),
     # cuDNN convolutions and the fused routing kernels (capsnet/runtime/fused_routing.py), CUDA graphs per bucket;
     # on the CPU its kernels run only in Triton's interpreter (TRITON_INTERPRET=1), for tests. Raced where
     # model.json says the model's routing runs in them.
-    BackendRow("fused", "capsnet.serving.backends.fused_backend", "FusedBackend", "pytorch", "checkpoint",
+    BackendRow("fused", "capsnet.serving.engine.backends.fused_backend", "FusedBackend", "pytorch", "checkpoint",
                ("fp32", "fp16", "bf16"), ("fp32", "bf16"), "fused", auto_gpu=("fp32", "fp16", "bf16"),
                requires="triton", extra="gpu", routing_engine="fused", device_input=True),
 )}

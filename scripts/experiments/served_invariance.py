@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from capsnet.serving.client import CapsNetClient
+from capsnet.client.api import CapsNetClient
 from capsnet.training.data import load_dataset, to_float
 
 

@@ -29,7 +29,7 @@ from PIL import Image
 
 from capsnet.bench.results import portable
 from capsnet.cli import main as capsnet
-from capsnet.serving.client import CapsNetClient
+from capsnet.client.api import CapsNetClient
 from capsnet.models.checkpoint import load_checkpoint
 from capsnet.training.data import load_dataset
 from capsnet.training.pairs import PairSpec, build_pairs

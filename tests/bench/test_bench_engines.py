@@ -12,7 +12,7 @@ import pytest
 from capsnet.bench import engines
 from capsnet.bench.report_files import side_by_side
 from capsnet.bench.results import cells, measurement
-from capsnet.serving import backend_registry
+from capsnet.serving.engine import backend_registry
 
 
 @pytest.fixture

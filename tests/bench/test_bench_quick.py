@@ -11,8 +11,8 @@ import pytest
 
 from capsnet.bench.engines import engine_names, served_here
 from capsnet.bench.results import cells
-from capsnet.serving.backend_registry import BACKEND_KINDS
-from capsnet.serving.backends.torch_backend import bf16_unavailable_reason
+from capsnet.serving.engine.backend_registry import BACKEND_KINDS
+from capsnet.serving.engine.backends.torch_backend import bf16_unavailable_reason
 
 CPU_ENGINES = ("torch:fp32", "public", "onnxruntime:fp32", "onnxruntime:int8")
 

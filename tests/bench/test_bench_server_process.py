@@ -7,8 +7,8 @@ import asyncio
 
 import numpy as np
 
+from capsnet.bench.loadgen import run_load
 from capsnet.bench.server_process import ServerProcess, scrape
-from capsnet.serving.loadgen import run_load
 
 
 def test_a_served_batch_shows_in_the_scraped_metrics_summed_over_their_labels(tiny_export):

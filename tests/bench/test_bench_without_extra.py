@@ -42,7 +42,7 @@ def test_bench_without_the_extra_measures_and_names_the_extra(tiny_export, tmp_p
 def test_the_measuring_core_and_the_server_leave_the_analysis_out():
     imports = ("capsnet.cli", "capsnet.bench.cli", "capsnet.bench.run", "capsnet.bench.report_files",
                "capsnet.bench.grpc_load", "capsnet.bench.inprocess", "capsnet.bench.worker", "capsnet.bench.engines",
-               "capsnet.serving.server", "capsnet.serving.loadgen")
+               "capsnet.serving.transports.server", "capsnet.bench.loadgen")
     check = (WITHOUT_EXTRA + "import importlib; [importlib.import_module(m) for m in sys.argv[1:]]; "
              "from capsnet.cli import build_parser; build_parser(); "
              "print(sorted(m for m in sys.modules if m.startswith('capsnet.bench.analysis')))")

@@ -162,10 +162,10 @@ def label_names(expr: str) -> set[str]:
 
 
 class _OneGpu:
-    """A GPU reader (serving/gpu_metrics.py's GpuReader) of one GPU reporting every figure."""
+    """A GPU reader (serving/observability/gpu_metrics.py's GpuReader) of one GPU reporting every figure."""
 
     def read(self):
-        from capsnet.serving.gpu_metrics import GpuReading
+        from capsnet.serving.observability.gpu_metrics import GpuReading
 
         return [GpuReading("GPU-00000000-0000-0000-0000-000000000000", utilization=0.5, memory_used_bytes=2**30,
                            memory_total_bytes=2**34, power_usage_watts=100.0, power_limit_watts=700.0,
@@ -176,8 +176,8 @@ def gpu_only_series() -> dict[str, set[str]]:
     """Series name -> label names of what a server exports only while a model serves on a GPU (so no replica of the
     CPU stack has it), as the server's own code registers it: the model's GPU time per batch, and the NVML
     collector's families read from a GPU that reports every figure."""
-    from capsnet.serving.gpu_metrics import GpuCollector
-    from capsnet.serving.metrics import Metrics
+    from capsnet.serving.observability.gpu_metrics import GpuCollector
+    from capsnet.serving.observability.metrics import Metrics
 
     metrics = Metrics(max_batch_size=8)
     without = {sample.name for family in metrics.registry.collect() for sample in family.samples}

@@ -12,10 +12,19 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from deploy_support import (
-    DASHBOARD, DEPLOY, PROMETHEUS_CONF, REPO, as_promql, dashboard_queries, gpu_only_series, label_names, local_stack,
-    metric_names, run_tool, tool,
+    DASHBOARD,
+    DEPLOY,
+    PROMETHEUS_CONF,
+    REPO,
+    as_promql,
+    dashboard_queries,
+    gpu_only_series,
+    label_names,
+    local_stack,
+    metric_names,
+    run_tool,
+    tool,
 )
 
 # PyYAML comes with the dev extra (pip install -e ".[dev]").
@@ -103,8 +112,8 @@ def test_deploy_project_installs_as_the_image_installs_it(tmp_path):
     (wheel,) = tmp_path.glob("capsnet_serve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in ("capsnet/cli.py", "capsnet/training/data/mnist_5k.npz", "capsnet/export/__init__.py",
-                   "capsnet/serving/metrics.py", "capsnet/v1/capsnet_pb2_grpc.py", "capsnet/kserve/grpc_service_pb2.py",
-                   "capsnet/bench/analysis/hooks.py"):
+                   "capsnet/serving/observability/metrics.py", "capsnet/v1/capsnet_pb2_grpc.py",
+                   "capsnet/kserve/grpc_service_pb2.py", "capsnet/bench/analysis/hooks.py"):
         assert needed in names, f"{needed} missing from the wheel"
     # The benchmark analysis' and the pictures' plotting library comes with their extras only, which no image asks for.
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
@@ -202,7 +211,7 @@ def test_deploy_dashboard_gpu_panels_read_what_a_server_on_a_gpu_exports():
     """No replica here has a GPU, so the GPU panels are checked against the series the server's code registers on
     one: each names only those series and their labels, and together they show every GPU figure the collector
     reads (energy aside: a counter for billing, not a panel) and the quantiles of the model's GPU time."""
-    from capsnet.serving.gpu_metrics import FAMILIES
+    from capsnet.serving.observability.gpu_metrics import FAMILIES
 
     on_gpu = gpu_only_series()
     read: set[str] = set()
@@ -282,9 +291,9 @@ def test_deploy_dashboard_latency_is_over_unary_inference_calls_only():
 def longest_orderly_stop_s(argv: list[str]) -> float:
     """How long `capsnet serve` with these flags may take from SIGTERM to exit when it stops in order: its drain
     window, its grace period for the requests already in, then the settle pause and up to two STOP_GRACE_S closing
-    gRPC (serving/server.py's stop())."""
-    from capsnet.serving import server
+    gRPC (serving/transports/server.py's stop())."""
     from capsnet.serving.config import ServerConfig
+    from capsnet.serving.transports import server
 
     def flag(name: str, default: float) -> float:
         return float(argv[argv.index(name) + 1]) if name in argv else default

@@ -11,7 +11,6 @@ import json
 import re
 
 import pytest
-
 from deploy_support import DEPLOY
 
 yaml = pytest.importorskip("yaml")
@@ -94,7 +93,7 @@ def test_a_broken_manifest_fails_the_schema(validators, documents, kind, path, v
 def test_the_runtime_serves_the_v2_protocol_this_server_speaks(documents):
     from capsnet.cli import build_parser
     from capsnet.serving.config import ServerConfig
-    from capsnet.serving.kserve_http import KServeHTTP
+    from capsnet.serving.transports.kserve_http import KServeHTTP
 
     runtime, service = documents["ServingRuntime"], documents["InferenceService"]
     [container] = runtime["spec"]["containers"]

@@ -11,12 +11,12 @@ from onnx import numpy_helper
 from capsnet.cli import main
 from capsnet.errors import CapsNetError
 from capsnet.export.cli import EXIT_REFUSED
-from capsnet.model_description.schema import ModelDescription
-from capsnet.serving.artifacts import load_artifacts
-from capsnet.serving.backends import create_backend
-from capsnet.serving.config import ServerConfig
 from capsnet.export.parity import onnxruntime_probabilities, onnxruntime_session
 from capsnet.export.precision import accuracy_change_points
+from capsnet.model_description.schema import ModelDescription
+from capsnet.serving.config import ServerConfig
+from capsnet.serving.engine.artifacts import load_artifacts
+from capsnet.serving.engine.backends import create_backend
 
 
 def test_export_int8_quantises_only_the_convolutions_symmetrically(tiny_export):

@@ -10,16 +10,16 @@ import threading
 
 import numpy as np
 import pytest
+from fake_tensorrt import INPUT, OUTPUTS, FakeCudaRuntime, fake_tensorrt, kernel
 
-from capsnet.runtime import tensorrt_runner
 from capsnet.cli import main
 from capsnet.errors import CapsNetError
 from capsnet.export.config import EngineConfig
 from capsnet.export.tensorrt_build import PARITY_TOLERANCE, engine_outputs, source_variant
 from capsnet.model_description.files import PLAN_INFO_KEYS
-from capsnet.serving.backends.tensorrt_backend import check_plan_matches
+from capsnet.runtime import tensorrt_runner
 from capsnet.runtime.tensorrt_runner import EngineRunner, unavailable_reason
-from fake_tensorrt import INPUT, OUTPUTS, FakeCudaRuntime, fake_tensorrt, kernel
+from capsnet.serving.engine.backends.tensorrt_backend import check_plan_matches
 
 
 @pytest.fixture

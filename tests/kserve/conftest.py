@@ -11,11 +11,11 @@ import grpc
 import numpy as np
 import onnxruntime
 import pytest
+from kserve_messages import MAX_BATCH_SIZE
 
 from capsnet.kserve import grpc_service_pb2_grpc as pb_grpc
 from capsnet.serving.config import ServerConfig
-from capsnet.serving.server import CapsNetServer
-from kserve_messages import MAX_BATCH_SIZE
+from capsnet.serving.transports.server import CapsNetServer
 
 # The REST tests (test_kserve_http*.py) reuse the serving tests' helpers (ServerThread exposes every bound port;
 # ServeProcess, scrape, metric, wait_until): their folder is on the path only when its own tests are collected.

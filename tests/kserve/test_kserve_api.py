@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from google.protobuf import descriptor_pool
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from kserve_messages import CPU_EXTENSIONS, images, infer_request, response_arrays
 
 from capsnet import __version__
 from capsnet.kserve import grpc_service_pb2 as pb
-from capsnet.serving import kserve_grpc
-from kserve_messages import CPU_EXTENSIONS, images, infer_request, response_arrays
+from capsnet.serving.transports import kserve_grpc
 
 # matches the onnxruntime backend run on different batch compositions, not bit-for-bit
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}

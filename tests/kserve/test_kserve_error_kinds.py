@@ -9,14 +9,14 @@ import re
 import grpc
 import numpy as np
 import pytest
+from kserve_messages import images, infer_request
+from serving_helpers import metric, scrape
 
+from capsnet.client.api import image_message
 from capsnet.kserve import grpc_service_pb2_grpc as kserve_pb_grpc
-from capsnet.serving.client import image_message
 from capsnet.serving.errors import QueueFull, ServingError
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
-from kserve_messages import images, infer_request
-from serving_helpers import metric, scrape
 
 
 class Overloaded(QueueFull):

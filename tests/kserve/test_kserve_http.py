@@ -1,5 +1,5 @@
-"""KServe v2 over HTTP/REST (serving/kserve_http.py), against real servers on loopback: tritonclient.http and plain
-http.client requests, the answers equal to gRPC's and to ONNX Runtime's; routes, readiness, metrics, cancellation,
+"""KServe v2 over HTTP/REST (serving/transports/kserve_http.py), against real servers on loopback: tritonclient.http and
+plain http.client requests, the answers equal to gRPC's and to ONNX Runtime's; routes, readiness, metrics, cancellation,
 and `capsnet serve` as a process (SIGTERM drain, --no-http, the REST port in use). Bad requests:
 test_kserve_http_errors.py."""
 
@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from kserve_messages import CPU_EXTENSIONS, MAX_BATCH_SIZE, images
+from serving_helpers import ServeProcess, ServerThread, metric, scrape, server_config, wait_until
 
 from capsnet import __version__
 from capsnet.serving.lifecycle import SHUTTING_DOWN
-from kserve_messages import CPU_EXTENSIONS, MAX_BATCH_SIZE, images
-from serving_helpers import ServeProcess, ServerThread, metric, scrape, server_config, wait_until
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # test_kserve_api's: onnxruntime on other batch compositions
 BINARY_HEADER = "Inference-Header-Content-Length"

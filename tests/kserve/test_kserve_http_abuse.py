@@ -1,6 +1,6 @@
-"""The REST endpoint's bounds against hostile or broken clients (serving/kserve_http.py, serving/http_body.py), each
-against a real server on loopback: compressed bodies inflated and bounded, the budget of bodies read at once,
-clients that leave mid-upload or never read their answers."""
+"""The REST endpoint's bounds against hostile or broken clients (serving/transports/kserve_http.py,
+serving/transports/http_body.py), each against a real server on loopback: compressed bodies inflated and bounded, the
+budget of bodies read at once, clients that leave mid-upload or never read their answers."""
 
 import contextlib
 import gzip
@@ -15,10 +15,10 @@ import zlib
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-
-from capsnet.serving import http_body, kserve_http
 from kserve_messages import MAX_BATCH_SIZE, images
 from serving_helpers import ServerThread, metric, scrape, server_config, wait_until
+
+from capsnet.serving.transports import http_body, kserve_http
 
 INFER = "/v2/models/capsnet/infer"
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}

@@ -1,5 +1,5 @@
-"""Bad KServe v2 REST requests (serving/kserve_http.py), against a real server on loopback: each is answered with
-its HTTP status and a JSON {"error": ...} naming the field, counted, and the server answers a good request
+"""Bad KServe v2 REST requests (serving/transports/kserve_http.py), against a real server on loopback: each is answered
+with its HTTP status and a JSON {"error": ...} naming the field, counted, and the server answers a good request
 correctly right after."""
 
 import copy
@@ -9,7 +9,6 @@ import json
 
 import numpy as np
 import pytest
-
 from kserve_messages import MAX_BATCH_SIZE, images
 from serving_helpers import metric, scrape
 

@@ -15,12 +15,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
+from kserve_messages import CPU_EXTENSIONS, MAX_BATCH_SIZE, images, infer_request
 from tritonclient.utils import InferenceServerException
 
 from capsnet.kserve import grpc_service_pb2 as pb
 from capsnet.kserve import grpc_service_pb2_grpc as pb_grpc
-from capsnet.serving.backend_registry import BACKEND_KINDS, takes_cuda_shared_memory
-from kserve_messages import CPU_EXTENSIONS, MAX_BATCH_SIZE, images, infer_request
+from capsnet.serving.engine.backend_registry import BACKEND_KINDS, takes_cuda_shared_memory
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 _keys = itertools.count()
@@ -332,7 +332,7 @@ def test_a_region_unregistered_or_shrunk_while_requests_use_it(kserve_model_dir,
 
 
 def test_classification_strings_as_triton_writes_them():
-    from capsnet.serving.kserve import classify, serialize_bytes
+    from capsnet.serving.protocol.kserve import classify, serialize_bytes
 
     scores = np.array([[0.1, 0.7, 0.2], [0.5, 0.25, 0.25]], dtype=np.float32)  # (2, 3)
     assert classify(scores, 2, ("zero", "one", "two")).tolist() == [[b"0.700000:1:one", b"0.200000:2:two"],

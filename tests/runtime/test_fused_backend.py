@@ -9,13 +9,13 @@ import os
 import numpy as np
 import pytest
 import torch
+from cpu_kinds import CPU_KINDS
+from serving_helpers import assert_served_as_onnxruntime, server_config
 
 from capsnet.errors import CapsNetError
 from capsnet.runtime.cpu import CPU_FLAGS_ENV
-from capsnet.serving.artifacts import load_artifacts
-from capsnet.serving.backends import create_backend
-from cpu_kinds import CPU_KINDS
-from serving_helpers import assert_served_as_onnxruntime, server_config
+from capsnet.serving.engine.artifacts import load_artifacts
+from capsnet.serving.engine.backends import create_backend
 
 ON_GPU = torch.cuda.is_available()
 pytest.importorskip("triton", reason="triton is not installed (pip install triton, in the dev extra)")

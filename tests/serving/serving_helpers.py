@@ -26,8 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from capsnet.model_description.files import file_sha256
 from capsnet.serving.config import ServerConfig
-from capsnet.serving.server import CapsNetServer
+from capsnet.serving.transports.server import CapsNetServer
 from capsnet.training.data import load_dataset
+
 
 def copy_export(model_dir: Path, tmp_path: Path) -> Path:
     """A copy of an export folder that a test may damage."""
@@ -65,7 +66,7 @@ class ServerThread:
     """A CapsNetServer on its own event loop in a background thread, so tests use blocking clients."""
 
     def __init__(self, config: ServerConfig, tracing=None):
-        """`tracing`: a serving.tracing.Tracing the server records its requests' spans with."""
+        """`tracing`: a observability.tracing.Tracing the server records its requests' spans with."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="test-server")
         self.thread.start()
@@ -107,8 +108,8 @@ def repository_server(repository: Path, **settings):
 
 def onnxruntime_reference(model_dir: Path, images):
     """What the FP32 ONNX Runtime backend answers for `images` (N, C, H, W): the reference other backends match."""
-    from capsnet.serving.artifacts import load_artifacts
-    from capsnet.serving.backends import create_backend
+    from capsnet.serving.engine.artifacts import load_artifacts
+    from capsnet.serving.engine.backends import create_backend
 
     return create_backend("onnxruntime", "fp32", load_artifacts(model_dir), server_config(model_dir)).run(images)
 
@@ -129,7 +130,7 @@ def assert_served_as_onnxruntime(model_dir: Path, backend: str, precision: str, 
     """`backend` in `precision` serves `model_dir`: it passes its self-check, its description names `described`,
     and its answers (run directly, and through our API for the first 8 images) match ONNX Runtime's FP32: every
     output within 1e-4 in fp32, the probabilities within the self-check's bound in a reduced precision."""
-    from capsnet.serving.client import CapsNetClient
+    from capsnet.client.api import CapsNetClient
 
     served = ServerThread(server_config(model_dir, backend=backend, precision=precision, **settings))
     try:

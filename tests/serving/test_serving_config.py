@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from serving_helpers import ServerThread, server_config
 
 from capsnet.errors import CapsNetError
 from capsnet.serving.config import ServerConfig
-from capsnet.serving.artifacts import load_artifacts
-from capsnet.serving.server import IMAGE_OVERHEAD_BYTES, CapsNetServer
-from serving_helpers import ServerThread, server_config
+from capsnet.serving.engine.artifacts import load_artifacts
+from capsnet.serving.transports.server import IMAGE_OVERHEAD_BYTES, CapsNetServer
 
 
 def test_defaults_are_loopback_and_triton_ports():
@@ -61,11 +61,11 @@ def test_every_setting_is_a_serve_flag_unset_by_default():
 def test_no_warmup_serves_without_running_the_batch_sizes_first(model_dir, caplog, flags, warmup):
     """--no-warmup: the version serves once loaded and self-checked; its first batches of each size warm it."""
     from capsnet.cli import build_parser
-    from capsnet.serving.client import CapsNetClient
+    from capsnet.client.api import CapsNetClient
 
     args = build_parser().parse_args(["serve", "--model", str(model_dir), *flags])
     assert args.warmup is (None if warmup else False)  # None: not given, the default (on)
-    caplog.set_level(logging.INFO, logger="capsnet.serving.service")
+    caplog.set_level(logging.INFO, logger="capsnet.serving.engine.service")
     running = ServerThread(server_config(model_dir, warmup=warmup))
     try:
         with CapsNetClient(running.target) as client:

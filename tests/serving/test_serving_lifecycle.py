@@ -11,15 +11,15 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from serving_helpers import ServerThread, metric, scrape, server_config
 
+from capsnet.client.api import image_message
 from capsnet.kserve import grpc_service_pb2 as kserve_pb
 from capsnet.kserve import grpc_service_pb2_grpc as kserve_pb_grpc
-from capsnet.serving.client import image_message
 from capsnet.serving.errors import BackendUnusable
 from capsnet.serving.lifecycle import Lifecycle, Phase
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
-from serving_helpers import ServerThread, metric, scrape, server_config
 
 IMAGE = np.random.default_rng(23).random((1, 28, 28), dtype=np.float32)  # (1, 28, 28)
 

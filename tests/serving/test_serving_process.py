@@ -24,14 +24,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from PIL import Image
+from serving_helpers import ServeProcess, free_port, metric, scrape, server_config, wait_until
 
 from capsnet.cli import main
-from capsnet.serving.client import image_message
-from capsnet.serving.server import CapsNetServer
+from capsnet.client.api import image_message
 from capsnet.serving.lifecycle import SHUTTING_DOWN
+from capsnet.serving.transports.server import CapsNetServer
 from capsnet.v1 import capsnet_pb2 as pb
 from capsnet.v1 import capsnet_pb2_grpc
-from serving_helpers import ServeProcess, free_port, metric, scrape, server_config, wait_until
 
 IMAGE = np.random.default_rng(5).random((1, 28, 28), dtype=np.float32)  # (1, 28, 28)
 

@@ -15,10 +15,10 @@ from concurrent import futures
 import grpc
 import numpy as np
 import pytest
+from serving_helpers import ServeProcess, add_version, wait_until
 
 from capsnet.kserve import grpc_service_pb2 as kserve_pb
 from capsnet.kserve import grpc_service_pb2_grpc as kserve_grpc
-from serving_helpers import ServeProcess, add_version, wait_until
 
 IMAGES = np.random.default_rng(8).random((2, 1, 28, 28), dtype=np.float32)  # (2, 1, 28, 28)
 REST_PORT = re.compile(r" rest http://[^ ]+:(\d+)")
@@ -125,7 +125,7 @@ def test_json_logs_and_one_access_line_per_request(process):
     grpc_infer(process, f"00-{grpc_id}-00f067aa0ba902b7-01")
     wait_until(lambda: {rest_id, grpc_id} <= {line.get("trace_id") for line in log_lines(process)})
     lines = log_lines(process)  # every line parses as JSON
-    assert {line["logger"] for line in lines} >= {"capsnet.access", "capsnet.serving.model_manager"}
+    assert {line["logger"] for line in lines} >= {"capsnet.access", "capsnet.serving.engine.model_manager"}
     by_trace = {line.get("trace_id"): line for line in lines if line["logger"] == "capsnet.access"}
     rest_line, grpc_line = by_trace[rest_id], by_trace[grpc_id]
     assert set(rest_line) == ACCESS_FIELDS | {"http_status"} and set(grpc_line) == ACCESS_FIELDS
