@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from capsnet.errors import CapsNetError, first_line
+from capsnet.model_description.backend_table import BACKEND_TABLE
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.engine.artifacts import ModelArtifacts
 from capsnet.serving.engine.backends.base import Backend
@@ -50,9 +51,11 @@ class OpenVinoBackend(Backend):
     def __init__(self, artifacts: ModelArtifacts, precision: str, threads: int,
                  compile_config: dict[str, Any] | None = None):
         """`compile_config` replaces COMPILE_CONFIG's entries it names (for measurements of other settings)."""
-        if precision not in ("fp32", "int8"):
-            raise CapsNetError(f"the openvino backend runs the export's fp32 and int8 graphs; --precision {precision} "
-                               "needs onnxruntime, tensorrt or torch")
+        if not BACKEND_TABLE[self.name].serves(precision, "cpu"):
+            others = [row.name for row in BACKEND_TABLE.values() if precision in row.precisions]
+            raise CapsNetError(f"the openvino backend runs the export's "
+                               f"{' and '.join(BACKEND_TABLE[self.name].cpu_precisions)} graphs; --precision "
+                               f"{precision} needs {' or '.join(others) or 'another export'}")
         openvino = import_openvino()
         path = onnx_file(artifacts, precision)
         settings = {**COMPILE_CONFIG, "INFERENCE_NUM_THREADS": threads, **(compile_config or {})}

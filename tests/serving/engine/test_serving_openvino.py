@@ -17,6 +17,7 @@ from onnx import numpy_helper
 from serving_helpers import copy_export, rehash, scale_int8_weights, server_config
 
 from capsnet.cli import main
+from capsnet.errors import CapsNetError
 from capsnet.model_description.backend_table import BACKEND_TABLE
 from capsnet.model_description.precision_gate import FP32_TOLERANCE, compare_outputs
 from capsnet.serving.engine.artifacts import load_artifacts
@@ -86,6 +87,22 @@ def test_the_self_check_refuses_a_broken_fp32_graph(int8_model_dir, tmp_path, ca
     code, errors = _serve_errors(copy, capsys, "--backend", "openvino", "--precision", "fp32")
     assert code == 2 and len(errors) == 1, errors
     assert "self-check failed: fp32 against the FP32 reference" in errors[0] and "allowed 0.0001" in errors[0]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_openvino_refuses_what_its_table_row_does_not_serve_and_names_who_does(int8_model_dir, capsys, precision):
+    """The server's flags refuse the pair before anything loads; a backend made directly (as bench makes engines)
+    says which of the table's rows serve that precision. Neither needs OpenVINO installed."""
+    code, errors = _serve_errors(int8_model_dir, capsys, "--backend", "openvino", "--precision", precision)
+    assert code == 2 and len(errors) == 1, errors
+    from capsnet.serving.engine.backends.openvino_backend import OpenVinoBackend
+
+    with pytest.raises(CapsNetError) as refused:
+        OpenVinoBackend(load_artifacts(int8_model_dir), precision, 1)
+    served_by = [row.name for row in BACKEND_TABLE.values() if precision in row.precisions]
+    assert str(refused.value) == (f"the openvino backend runs the export's fp32 and int8 graphs; --precision "
+                                  f"{precision} needs {' or '.join(served_by)}")
+    assert "torch" in served_by and "openvino" not in served_by
 
 
 @needs_openvino
