@@ -59,7 +59,8 @@ def test_the_floor_answers_every_output_and_counts_its_runs(random_tiny_export, 
 
 def test_the_engine_in_process_is_timed_at_every_batch_size_a_server_forms(random_tiny_export):
     engine = bench_front_end.engine_in_process(random_tiny_export, 0.01, "onnxruntime:fp32", None)
-    assert list(engine["cpu_ms_per_image"]) == list(bench_front_end.BATCH_SIZES)
+    assert list(engine["cpu_ms_per_image"]) == list(engine["images_per_s"]) == list(bench_front_end.BATCH_SIZES)
+    assert all(value > 0 for value in engine["images_per_s"].values())
     assert engine["p50_ms"] > 0 and all(value > 0 for value in engine["cpu_ms_per_image"].values())
     assert bench_front_end.backend_cpu_ms(engine, 13.0) == engine["cpu_ms_per_image"][16]
     with pytest.raises(SystemExit, match=r"--engine torch:fp16: .*runs on a GPU"):
@@ -102,3 +103,17 @@ def test_targets_and_the_engine_rows_read_each_server_s_cells():
     assert ("| engine process CPU per request at c64 ≤ 0.05 ms | capsnet-2 | 0.100 ms (0.025 not the backend's run) "
             "| **no** |") in lines
     assert "| capsnet-2 | 64 | 0.100 | 0.025 | 10,000 |" in bench_front_end.engine_process(report)
+    assert not any("engine in process" in line for line in lines)  # the tiny model's request path dominates
+
+
+def test_the_paper_model_is_held_to_the_engine_s_own_images_per_second_at_the_batch_it_formed():
+    """On a model whose compute dominates, one-image requests at c64 against the engine in process at the measured
+    batch size nearest the server's mean batch."""
+    engine = {"cpu_ms_per_image": {1: 2.0, 4: 1.5, 16: 1.2, 64: 1.1}, "images_per_s": {1: 400.0, 4: 520.0, 16: 600.0,
+                                                                                       64: 640.0}}
+    served = {"capsnet-1": {"cells": {"64": {"requests_per_s": 560.0, "mean_batch": 14.2}}}}
+    report = {"concurrency": [64], "device": "", "cores": 2, "preset": "paper", "engine": engine, "servers": served}
+    assert ("| requests/s at c64 ≥ 0.95× the engine in process at the mean batch (14.2; measured at 16) | capsnet-1 | "
+            f"560 against 600 ({560 / 600:.2f}×) | **no** |") in bench_front_end.targets(report)
+    served["capsnet-1"]["cells"]["64"]["requests_per_s"] = 575.0
+    assert any(line.endswith(f"({575 / 600:.2f}×) | yes |") for line in bench_front_end.targets(report))
