@@ -39,6 +39,15 @@ def server_address(value: str) -> str:
     return value
 
 
+def add_connection_args(parser: argparse.ArgumentParser, timeout_s: float) -> None:
+    """TLS and the deadline, the same for every client command."""
+    parser.add_argument("--tls-ca", metavar="PEM", help="CA certificate of the server (enables TLS)")
+    parser.add_argument("--tls-cert", metavar="PEM", help="client certificate, for mutual TLS")
+    parser.add_argument("--tls-key", metavar="PEM", help="client private key, for mutual TLS")
+    parser.add_argument("--timeout", type=float, default=timeout_s,
+                        help=f"seconds to wait for the answer (default {timeout_s:g}, at most {MAX_TIMEOUT_S:g})")
+
+
 def register(subparsers) -> None:
     predict = subparsers.add_parser("predict", help="classify image files with a running server",
                                     description="Send PNG/JPEG files to a capsnet server and print each one's class.")
@@ -57,11 +66,7 @@ def register(subparsers) -> None:
                          help="write the reconstruction from each image's predicted capsule as PNG: to PNG for one "
                               "image, to <stem>-0.png, <stem>-1.png, ... (in argument order) for several; "
                               "the model must be exported with --reconstruction")
-    predict.add_argument("--tls-ca", metavar="PEM", help="CA certificate of the server (enables TLS)")
-    predict.add_argument("--tls-cert", metavar="PEM", help="client certificate, for mutual TLS")
-    predict.add_argument("--tls-key", metavar="PEM", help="client private key, for mutual TLS")
-    predict.add_argument("--timeout", type=float, default=30.0,
-                         help=f"seconds to wait for the answer (default 30, at most {MAX_TIMEOUT_S:g})")
+    add_connection_args(predict, timeout_s=30.0)
     predict.set_defaults(handler=run_predict)
 
     health = subparsers.add_parser("health", help="ask a running server whether it is serving (gRPC health check)",
@@ -72,11 +77,7 @@ def register(subparsers) -> None:
                              f"{DEFAULT_SERVER})")
     health.add_argument("--service", default="", metavar="NAME",
                         help="one API, e.g. inference.GRPCInferenceService (default '': the whole server)")
-    health.add_argument("--tls-ca", metavar="PEM", help="CA certificate of the server (enables TLS)")
-    health.add_argument("--tls-cert", metavar="PEM", help="client certificate, for mutual TLS")
-    health.add_argument("--tls-key", metavar="PEM", help="client private key, for mutual TLS")
-    health.add_argument("--timeout", type=float, default=3.0,
-                        help=f"seconds to wait for the answer (default 3, at most {MAX_TIMEOUT_S:g})")
+    add_connection_args(health, timeout_s=3.0)
     health.set_defaults(handler=run_health)
 
 

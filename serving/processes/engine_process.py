@@ -39,19 +39,8 @@ from capsnet.serving.errors import ServingError
 from capsnet.serving.lifecycle import Lifecycle, Phase
 from capsnet.serving.observability.metrics import Metrics
 from capsnet.serving.processes import engine_link
-from capsnet.serving.processes.engine_link import (
-    Answered,
-    Cancel,
-    Failed,
-    Infer,
-    Report,
-    ReportWanted,
-    Slots,
-    Specs,
-    Statistics,
-    StatisticsQuery,
-    TensorSlots,
-)
+from capsnet.serving.processes.engine_link import (Answered, Cancel, Failed, Infer, Report, ReportWanted, Slots, Specs,
+                                                   Statistics, StatisticsQuery, TensorSlots)
 from capsnet.serving.version_policy import VersionPolicy
 
 log = logging.getLogger(__name__)

@@ -38,19 +38,8 @@ from capsnet.serving.lifecycle import Lifecycle
 from capsnet.serving.observability.metrics import Metrics
 from capsnet.serving.observability.statistics import ModelStatistics
 from capsnet.serving.processes import engine_link
-from capsnet.serving.processes.engine_link import (
-    Answered,
-    Cancel,
-    Failed,
-    Infer,
-    Report,
-    ReportWanted,
-    Slots,
-    Specs,
-    Statistics,
-    StatisticsQuery,
-    TensorSlots,
-)
+from capsnet.serving.processes.engine_link import (Answered, Cancel, Failed, Infer, Report, ReportWanted, Slots, Specs,
+                                                   Statistics, StatisticsQuery, TensorSlots)
 from capsnet.serving.transports.server import CapsNetServer
 
 log = logging.getLogger(__name__)
