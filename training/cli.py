@@ -10,6 +10,7 @@ from capsnet.training.arguments import DATA_HELP, add_checkpoint, add_data, add_
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from capsnet.model_description.pose import DEFAULT_POSE_IMAGES, POSE_STEP
     from capsnet.models.config import ARCHITECTURES
     from capsnet.training.resume import LR_SCHEDULES, default, default_help
     from capsnet.training.pairs import PAIR_LAYOUTS
@@ -121,8 +122,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pose = evaluate.add_argument_group("how far the poses show in the decoder's drawings")
     pose.add_argument("--pose", action="store_true",
                       help="also measure, on the split: fidelity (reconstruction MSE / class-template MSE) and how "
-                           "many grey levels moving each pose dimension by ±0.25 changes the drawing")
-    pose.add_argument("--pose-images", type=int, default=1000, metavar="N", help="images measured (default 1000)")
+                           f"many grey levels moving each pose dimension by ±{POSE_STEP:g} changes the drawing")
+    pose.add_argument("--pose-images", type=int, default=DEFAULT_POSE_IMAGES, metavar="N",
+                      help=f"images measured (default {DEFAULT_POSE_IMAGES})")
     pose.add_argument("--pose-out", type=Path, metavar="FILE", help="also write the pose figures to FILE as JSON")
     evaluate.set_defaults(handler=run_eval)
 

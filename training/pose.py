@@ -16,15 +16,12 @@ import torch
 
 from capsnet.errors import CapsNetError
 from capsnet.model_description.decoder import LENGTH_SLACK, UNIT_LENGTH
-from capsnet.model_description.pose import GREY_LEVELS, POSE_STEP, PoseFigures
+from capsnet.model_description.pose import DEFAULT_POSE_IMAGES, GREY_LEVELS, POSE_STEP, PoseFigures
 from capsnet.models.capsnet import CapsNet
 from capsnet.models.checkpoint import Model
 from capsnet.models.em import EMCapsNet
 from capsnet.models.config import CAPSULE_ARCHITECTURES, CapsNetConfig
 from capsnet.training.data import Dataset, Split, to_float
-
-DEFAULT_POSE_IMAGES = 1000  # the embedded test split; a full test split's first 1,000
-
 
 def pose_length_limit(config: CapsNetConfig) -> float | None:
     """A capsule network's poses are squashed to a length under 1; EM's matrix capsules are not bounded."""

@@ -16,6 +16,7 @@ from typing import Any
 
 POSE_STEP = 0.25  # the paper's figure 4 moves each dimension over -0.25..+0.25
 GREY_LEVELS = 255
+DEFAULT_POSE_IMAGES = 1000  # held-out images measured: the embedded test split; a full test split's first 1,000
 # A mean change of 8 grey levels over the whole image is a stroke visibly moving or thickening; a capsule whose
 # dimensions stay below it draws the same shape whatever its pose.
 VISIBLE_GREY_LEVELS = 8.0
@@ -39,9 +40,6 @@ class PoseFigures:
     @property
     def visible_dimensions(self) -> int:
         return sum(level >= self.visible_grey_levels for level in self.sensitivity)
-
-    def dimensions_at(self, grey_levels: float) -> int:
-        return sum(level >= grey_levels for level in self.sensitivity)
 
     def describe(self) -> str:
         levels = sorted(self.sensitivity)
