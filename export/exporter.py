@@ -35,17 +35,8 @@ from capsnet.export.staging import (check_apart, check_target, outside_repositor
 from capsnet.export.tensorrt_stage import log_compatibility, write_plan
 from capsnet.export.triton import CONFIG_NAME, write_decoder_directory, write_model_directory
 from capsnet.model_description.decoder import DecoderDescription, decoder_model_name
-from capsnet.model_description.files import (
-    CHECKPOINT_NAME,
-    ONNX_FP16_NAME,
-    ONNX_INT8_NAME,
-    ONNX_NAME,
-    PLAN_INFO_NAME,
-    PLAN_NAME,
-    REFERENCE_NAME,
-    SIDECAR_NAME,
-    file_sha256,
-)
+from capsnet.model_description.files import (CHECKPOINT_NAME, ONNX_FP16_NAME, ONNX_INT8_NAME, ONNX_NAME, PLAN_INFO_NAME,
+                                             PLAN_NAME, REFERENCE_NAME, SIDECAR_NAME, file_sha256)
 from capsnet.model_description.schema import MODEL_NAME, AotiPackage, ModelDescription
 from capsnet.models.checkpoint import Checkpoint, load_checkpoint
 from capsnet.models.config import CAPSULE_ARCHITECTURES

@@ -16,19 +16,9 @@ from capsnet.errors import CapsNetError
 from capsnet.export.config import ExportConfig
 from capsnet.export.metadata import output_shapes
 from capsnet.export.onnx_export import export_onnx, export_program, graph_opset, op_counts
-from capsnet.export.parity import (
-    PARITY_BATCH_SIZES,
-    Batch,
-    Outputs,
-    compare,
-    onnxruntime_outputs,
-    onnxruntime_probabilities,
-    onnxruntime_session,
-    parity_batches,
-    spread,
-    tiled,
-    torch_outputs,
-)
+from capsnet.export.parity import (PARITY_BATCH_SIZES, Batch, Outputs, compare, onnxruntime_outputs,
+                                   onnxruntime_probabilities, onnxruntime_session, parity_batches, spread, tiled,
+                                   torch_outputs)
 from capsnet.model_description.files import ONNX_NAME, REFERENCE_NAME
 from capsnet.model_description.precision_gate import FP32_TOLERANCE
 from capsnet.models.checkpoint import Checkpoint

@@ -13,14 +13,8 @@ import onnx
 from capsnet.errors import CapsNetError
 from capsnet.export.fp32_stage import ExportJob, Fp32Stage
 from capsnet.export.parity import compare, onnxruntime_outputs, onnxruntime_session, parity_batches
-from capsnet.export.tensorrt_build import (
-    MIN_ARGMAX_AGREEMENT,
-    PARITY_TOLERANCE,
-    build_engine,
-    engine_outputs,
-    source_variant,
-    tensorrt_major_version,
-)
+from capsnet.export.tensorrt_build import (MIN_ARGMAX_AGREEMENT, PARITY_TOLERANCE, build_engine, engine_outputs,
+                                           source_variant, tensorrt_major_version)
 from capsnet.export.tensorrt_ops import tensorrt_problems
 from capsnet.model_description.files import ONNX_FP16_NAME, ONNX_INT8_NAME, PLAN_INFO_NAME, PLAN_NAME
 

@@ -8,15 +8,8 @@ import dataclasses
 
 
 def register(subparsers) -> None:
-    from capsnet.serving.config import (
-        BACKENDS,
-        DEFAULT_POLL_S,
-        ENV_VARS,
-        LOG_FORMATS,
-        MODEL_CONTROLS,
-        PRECISIONS,
-        ServerConfig,
-    )
+    from capsnet.serving.config import (BACKENDS, DEFAULT_POLL_S, ENV_VARS, LOG_FORMATS, MODEL_CONTROLS, PRECISIONS,
+                                        ServerConfig)
 
     defaults = ServerConfig.defaults()
     serve = subparsers.add_parser("serve", help="serve exported models over gRPC (CapsNet API + KServe v2) and REST "

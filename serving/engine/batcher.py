@@ -33,14 +33,8 @@ import numpy as np
 
 from capsnet.serving.engine.backends.base import Backend
 from capsnet.serving.engine.batch_rows import copy_rows, gather_and_run
-from capsnet.serving.errors import (
-    BackendUnusable,
-    DeadlineExceeded,
-    InferenceError,
-    QueueFull,
-    RequestTimeout,
-    past_deadline,
-)
+from capsnet.serving.errors import (BackendUnusable, DeadlineExceeded, InferenceError, QueueFull, RequestTimeout,
+                                    past_deadline)
 from capsnet.serving.observability.metrics import VersionMetrics
 from capsnet.serving.observability.statistics import ModelStatistics
 

@@ -16,14 +16,8 @@ import numpy as np
 
 from capsnet.errors import CapsNetError, first_line
 from capsnet.model_description.backend_table import DECODER_BACKEND, DECODER_PRECISION
-from capsnet.model_description.decoder import (
-    CLASS_INPUT,
-    DECODER_PART,
-    LENGTH_SLACK,
-    POSES_INPUT,
-    RECONSTRUCTION_OUTPUT,
-    DecoderDescription,
-)
+from capsnet.model_description.decoder import (CLASS_INPUT, DECODER_PART, LENGTH_SLACK, POSES_INPUT,
+                                               RECONSTRUCTION_OUTPUT, DecoderDescription)
 from capsnet.model_description.precision_gate import FP32_TOLERANCE, abs_diffs
 from capsnet.runtime.cpu import CpuKind
 from capsnet.serving.config import ServerConfig

@@ -38,16 +38,8 @@ from capsnet.model_description.decoder import DECODER_PART
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.engine.repository import ModelOnDisk, check_name
 from capsnet.serving.engine.service import InferenceService, ModelSpec
-from capsnet.serving.errors import (
-    ControlDenied,
-    InvalidInput,
-    ModelLoadFailed,
-    ModelNotFound,
-    ModelNotReady,
-    ServerNotReady,
-    ServingError,
-    bounded_message,
-)
+from capsnet.serving.errors import (ControlDenied, InvalidInput, ModelLoadFailed, ModelNotFound, ModelNotReady,
+                                    ServerNotReady, ServingError, bounded_message)
 from capsnet.serving.lifecycle import Lifecycle
 from capsnet.serving.observability.metrics import Metrics
 from capsnet.serving.observability.observe import CURRENT

@@ -20,13 +20,8 @@ import numpy as np
 
 from capsnet.errors import CapsNetError, first_line
 from capsnet.model_description.backend_table import gate_variant
-from capsnet.model_description.precision_gate import (
-    FP32_TOLERANCE,
-    Comparison,
-    PrecisionGate,
-    compare_outputs,
-    outputs_in_batches,
-)
+from capsnet.model_description.precision_gate import (FP32_TOLERANCE, Comparison, PrecisionGate, compare_outputs,
+                                                      outputs_in_batches)
 from capsnet.model_description.schema import ModelDescription
 from capsnet.runtime.cpu import CpuKind
 

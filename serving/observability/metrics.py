@@ -22,17 +22,8 @@ import time
 import wsgiref.simple_server
 from concurrent.futures import ThreadPoolExecutor
 
-from prometheus_client import (
-    GC_COLLECTOR,
-    PLATFORM_COLLECTOR,
-    PROCESS_COLLECTOR,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    make_wsgi_app,
-)
+from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge,
+                               Histogram, disable_created_metrics, make_wsgi_app)
 from prometheus_client.multiprocess import MultiProcessCollector
 
 log = logging.getLogger(__name__)

@@ -23,14 +23,8 @@ from typing import cast
 import numpy as np
 
 from capsnet.serving.config import ServerConfig
-from capsnet.serving.engine.batcher import (
-    WAITED_PAST_DEADLINE,
-    BatcherConfig,
-    BatchOutput,
-    BatchRun,
-    Images,
-    OutputSink,
-)
+from capsnet.serving.engine.batcher import (WAITED_PAST_DEADLINE, BatcherConfig, BatchOutput, BatchRun, Images,
+                                            OutputSink)
 from capsnet.serving.engine.model_manager import ModelManager, ModelRef, ServedModel, VersionState, VersionStatus
 from capsnet.serving.engine.service import InferenceService, ModelSpec, batcher_config
 from capsnet.serving.errors import DeadlineExceeded, ServerNotReady, past_deadline

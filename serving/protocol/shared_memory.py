@@ -26,14 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from capsnet.serving.errors import (
-    InvalidInput,
-    RegionExists,
-    RegionNotFound,
-    RegionUnopenable,
-    ServingError,
-    SharedMemoryDisabled,
-)
+from capsnet.serving.errors import (InvalidInput, RegionExists, RegionNotFound, RegionUnopenable, ServingError,
+                                    SharedMemoryDisabled)
 
 SHM_DIR = Path("/dev/shm")  # where glibc's shm_open keeps "/name"
 # shm_open's names: one leading slash, then up to NAME_MAX (255) bytes without a slash, and not "." or "..", which

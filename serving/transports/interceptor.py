@@ -27,14 +27,8 @@ import time
 import grpc
 from google.protobuf.message import DecodeError
 
-from capsnet.serving.errors import (
-    InvalidInput,
-    ServerNotReady,
-    ServingError,
-    TooLarge,
-    bounded_message,
-    past_deadline,
-)
+from capsnet.serving.errors import (InvalidInput, ServerNotReady, ServingError, TooLarge, bounded_message,
+                                    past_deadline)
 from capsnet.serving.lifecycle import InFlight, Tracked
 from capsnet.serving.observability.observe import CURRENT, TRACEPARENT, Observer, RequestRecord, grpc_peer
 

@@ -12,20 +12,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from deploy_support import (
-    DASHBOARD,
-    DEPLOY,
-    PROMETHEUS_CONF,
-    REPO,
-    as_promql,
-    dashboard_queries,
-    gpu_only_series,
-    label_names,
-    local_stack,
-    metric_names,
-    run_tool,
-    tool,
-)
+from deploy_support import (DASHBOARD, DEPLOY, PROMETHEUS_CONF, REPO, as_promql, dashboard_queries, gpu_only_series,
+                            label_names, local_stack, metric_names, run_tool, tool)
 
 # PyYAML comes with the dev extra (pip install -e ".[dev]").
 yaml = pytest.importorskip("yaml")

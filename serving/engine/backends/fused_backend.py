@@ -28,13 +28,8 @@ class FusedBackend(RunnerBackend):
     def load(artifacts: ModelArtifacts, precision: str, device: torch.device, max_batch_size: int) -> Loaded:
         model = checkpoint_model(artifacts, device)
         try:
-            from capsnet.runtime.fused_routing import (
-                DTYPES,
-                FusedCapsNet,
-                default_programs,
-                fused_unsupported_reason,
-                interpreted,
-            )
+            from capsnet.runtime.fused_routing import (DTYPES, FusedCapsNet, default_programs, fused_unsupported_reason,
+                                                       interpreted)
         except ImportError as err:  # triton is not installed
             raise CapsNetError(f"the fused backend needs triton ({err})") from None
         if device.type != "cuda" and not interpreted():

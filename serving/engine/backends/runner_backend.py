@@ -16,14 +16,8 @@ import torch
 from capsnet.errors import CapsNetError
 from capsnet.models.checkpoint import load_checkpoint
 from capsnet.runtime.cpu import bf16_on_this_cpu
-from capsnet.runtime.torch_runner import (
-    Forward,
-    TorchRunner,
-    cuda_unavailable_reason,
-    gpu_facts,
-    is_device_error,
-    use_threads,
-)
+from capsnet.runtime.torch_runner import (Forward, TorchRunner, cuda_unavailable_reason, gpu_facts, is_device_error,
+                                          use_threads)
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.engine.artifacts import ModelArtifacts
 from capsnet.serving.engine.backend_registry import BACKEND_KINDS

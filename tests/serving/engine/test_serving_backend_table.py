@@ -9,16 +9,8 @@ import sys
 
 import pytest
 
-from capsnet.model_description.backend_table import (
-    BACKEND_TABLE,
-    DECODER_BACKEND,
-    DECODER_PRECISION,
-    DEVICES,
-    GATE_FAMILIES,
-    GATE_VARIANTS,
-    auto_candidates,
-    gate_variant,
-)
+from capsnet.model_description.backend_table import (BACKEND_TABLE, DECODER_BACKEND, DECODER_PRECISION, DEVICES,
+                                                     GATE_FAMILIES, GATE_VARIANTS, auto_candidates, gate_variant)
 from capsnet.serving.config import BACKENDS
 from capsnet.serving.engine.backend_registry import backend_class
 

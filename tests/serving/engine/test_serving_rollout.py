@@ -12,16 +12,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import pytest
-from serving_helpers import (
-    add_version,
-    corrupt_onnx,
-    fail_self_check,
-    metric,
-    repository_server,
-    rss_bytes,
-    scrape,
-    wait_until,
-)
+from serving_helpers import (add_version, corrupt_onnx, fail_self_check, metric, repository_server, rss_bytes, scrape,
+                             wait_until)
 from tritonclient.utils import InferenceServerException
 
 from capsnet.kserve import grpc_service_pb2 as kserve_pb

@@ -9,22 +9,8 @@ import pytest
 
 from capsnet.serving import errors
 from capsnet.serving.processes import engine_link
-from capsnet.serving.processes.engine_link import (
-    Answered,
-    Cancel,
-    Failed,
-    Failure,
-    Inbox,
-    Infer,
-    Kind,
-    Outbox,
-    Report,
-    ReportWanted,
-    Slots,
-    Specs,
-    Statistics,
-    StatisticsQuery,
-)
+from capsnet.serving.processes.engine_link import (Answered, Cancel, Failed, Failure, Inbox, Infer, Kind, Outbox,
+                                                   Report, ReportWanted, Slots, Specs, Statistics, StatisticsQuery)
 
 MESSAGES = [Specs(b"\x80\x05specs"), Slots("capsnet-1-0-1", 80, 4096), Infer(7, 0, 3, (2, 1, 28, 28), 12.5),
             Infer(8, 1, 4, (1, 1, 28, 28), None), Cancel(7, True),
