@@ -5,7 +5,8 @@ KServe's Python model server (the reference servers: scripts/front_end_servers.p
 - floor and floor+engine: what Python gRPC itself costs a request, and the least a Python gRPC server that runs the
   model costs, with no checks, batching, statistics or metrics;
 - capsnet-1 and capsnet-N: `capsnet serve --workers 1|N` on the ONNX Runtime backend (FP32), N front ends beside one
-  engine process (serving/processes/supervisor.py); on a GPU host also N = cores - 2;
+  engine process (serving/processes/supervisor.py); on a GPU host also N = cores - 2; with --capsnet-threads T also
+  capsnet-1-threads-T, one process on T intra-op threads instead of the server's default;
 - pytriton (--pytriton-python: a Python with nvidia-pytriton and onnxruntime) and kserve (--kserve-python: a Python
   with kserve 0.21 and onnxruntime); each skipped without its Python.
 
@@ -40,6 +41,7 @@ import asyncio
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -169,7 +171,15 @@ def engine_in_process(model_dir: Path, seconds: float, engine: str, gpu: int | N
     figures = {row["batch"]: row["figures"] for row in rows}
     return {"cpu_ms_per_image": {size: figures[size]["cpu_ms_per_image"] for size in BATCH_SIZES},
             "images_per_s": {size: figures[size]["images_per_s"] for size in BATCH_SIZES},
-            "p50_ms": figures[1]["p50_ms"]}
+            "p50_ms": figures[1]["p50_ms"], "threads": figures[1]["threads"]}
+
+
+def _threads(engine: dict) -> str:
+    """", on N intra-op threads (KServe's too)", where the report says (capsnet's default for this model)."""
+    count = engine.get("threads")
+    if count is None:
+        return ""
+    return f", on {count} intra-op thread{'s' if count > 1 else ''} (KServe's ONNX Runtime too)"
 
 
 def nearest_batch(engine: dict, mean_batch: float):
@@ -184,8 +194,9 @@ def backend_cpu_ms(engine: dict, mean_batch: float) -> float:
 
 # -- the run -------------------------------------------------------------------------------------------------------
 
-def servers(args, model_dir: Path, workers: list[int], scratch: Path) -> list[tuple]:
-    """(name, command, plain port or None, counts file or None) of each server to measure."""
+def servers(args, model_dir: Path, workers: list[int], scratch: Path, threads: int | None) -> list[tuple]:
+    """(name, command, plain port or None, counts file or None) of each server to measure; KServe's ONNX Runtime
+    on `threads` intra-op threads, capsnet's own choice for this model (None: one)."""
     here = str(Path(__file__).resolve())
     port = free_port()
     name, precision = args.engine.split(":")
@@ -200,6 +211,8 @@ def servers(args, model_dir: Path, workers: list[int], scratch: Path) -> list[tu
                                 "--floor-engine", args.engine, "--max-batch-size", str(args.max_batch_size), *device],
                engine_port, None),
               ("capsnet-1", [*capsnet, "--workers", "1"], None, None)]
+    chosen += [(f"capsnet-1-threads-{count}", [*capsnet, "--workers", "1", "--threads", str(count)], None, None)
+               for count in args.capsnet_threads]
     chosen += [(f"capsnet-{count}", [*capsnet, "--workers", str(count)], None, None) for count in workers]
     if args.pytriton_python and args.gpu is None:
         triton_port = free_port()
@@ -209,7 +222,8 @@ def servers(args, model_dir: Path, workers: list[int], scratch: Path) -> list[tu
         kserve_port, counts = free_port(), scratch / "kserve-counts"
         counts.with_suffix(".config").write_bytes(model_config_response(model_dir))
         chosen.append(("kserve", [args.kserve_python, here, "--kserve", str(kserve_port), "--model-dir",
-                                  str(model_dir), "--counts", str(counts)], kserve_port, counts))
+                                  str(model_dir), "--counts", str(counts), "--kserve-threads", str(threads or 1)],
+                       kserve_port, counts))
     return [server for server in chosen if not args.servers or server[0] in args.servers]
 
 
@@ -229,7 +243,7 @@ def measure(args, model_dir: Path, scratch: Path) -> dict:
     image, _ = model_io(model_dir)
     engine = engine_in_process(model_dir, args.seconds, args.engine, args.gpu)
     report: dict = {"engine_p50_ms": engine["p50_ms"], "engine": engine, "servers": {}}
-    for name, command, port, counts in servers(args, model_dir, front_end_counts(args), scratch):
+    for name, command, port, counts in servers(args, model_dir, front_end_counts(args), scratch, engine["threads"]):
         try:
             served = Served(name, command, port, counts)
         except SystemExit as err:
@@ -271,12 +285,12 @@ def markdown(report: dict) -> list[str]:
              f"`{report['command']}`", "",
              f"Measured {report['when']} on {report['cpu']} ({report['cores']} cores; load average before "
              f"{', '.join(f'{x:.2f}' for x in report['load_before'])}, after "
-             f"{', '.join(f'{x:.2f}' for x in report['load_after'])}). The machine was shared with other work while "
-             "it ran, and the load generator shares its cores with the servers: compare figures within this run "
-             "only.", "",
+             f"{', '.join(f'{x:.2f}' for x in report['load_after'])}). The load generator shares its cores with the "
+             "servers, and timings on these machines move by up to a quarter between runs: compare figures within "
+             "this run only.", "",
              f"Load: {report['load_by']}, 1-image requests; model: the `{report['preset']}` preset; capsnet's engine: "
-             f"{report['engine_spec']}{report['device']}. The engine in process (called directly): p50 "
-             f"**{engine['p50_ms']:.3f} ms** at batch 1; CPU "
+             f"{report['engine_spec']}{report['device']}{_threads(engine)}. The engine in process (called "
+             f"directly): p50 **{engine['p50_ms']:.3f} ms** at batch 1; CPU "
              "time per image " + ", ".join(f"{value:.3f} ms at batch {size}"
                                            for size, value in engine["cpu_ms_per_image"].items()) + ".", "",
              "Server CPU: user + system time of the server's whole process tree over the cell, over the requests its "
@@ -406,7 +420,7 @@ def targets(report: dict) -> list[str]:
                               f"{part['cpu_ms_per_request']:.3f} ms ({part['less_the_backend_ms']:.3f} not the "
                               "backend's run)", part["cpu_ms_per_request"] <= 0.05))
         rate = _cell(server, "64").get("requests_per_s")
-        if report["device"] and name.startswith("capsnet-") and name != "capsnet-1" and rate:  # a GPU host
+        if report["device"] and re.fullmatch(r"capsnet-\d+", name) and name != "capsnet-1" and rate:  # a GPU host
             lines.append(_met(f"| ≥ 20,000 requests/s at c64 ({report['cores']} cores) | {name} | {rate:,.0f}",
                               rate >= 20000))
     return lines
@@ -427,10 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kserve-python", metavar="PATH", help="a Python with kserve 0.21 and onnxruntime")
     parser.add_argument("--model-dir", type=Path, help="an export folder (default: the preset, exported now)")
     parser.add_argument("--servers", nargs="+", metavar="NAME", help="only these servers (default: every one)")
+    parser.add_argument("--capsnet-threads", type=int, nargs="+", default=[], metavar="T",
+                        help="also capsnet-1-threads-T: one process with --threads T")
     parser.add_argument("--floor", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--floor-engine", metavar="BACKEND:PRECISION", help=argparse.SUPPRESS)
     parser.add_argument("--pytriton", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--kserve", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--kserve-threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--counts", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", help="OUT.json and OUT.md")
     args = parser.parse_args(argv)
@@ -441,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         pytriton(args.model_dir, args.pytriton, args.max_batch_size)
         return 0
     if args.kserve is not None:
-        kserve_server(args.model_dir, args.kserve, args.counts)
+        kserve_server(args.model_dir, args.kserve, args.counts, args.kserve_threads)
         return 0
     if not args.out:
         parser.error("--out is required")

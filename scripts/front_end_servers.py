@@ -169,11 +169,12 @@ def model_config_response(model_dir: Path) -> bytes:
 
 # -- KServe: its Python model server, ONNX Runtime in a kserve.Model ----------------------------------------------
 
-def kserve_server(model_dir: Path, port: int, counts: Path) -> None:
+def kserve_server(model_dir: Path, port: int, counts: Path, threads: int = 1) -> None:
     """KServe 0.21's ModelServer on gRPC `port` (REST on a free one); `counts` receives COUNTS after every request,
     as KServe serves no statistics. KServe serves no model config either, which perf_analyzer asks first: its gRPC
     server answers the one in `counts`.config (model_config_response(), written by the benchmark, whose Python has
-    the protocol's messages), as raw bytes."""
+    the protocol's messages), as raw bytes. ONNX Runtime runs on `threads` intra-op threads, which sleep between
+    operators as capsnet's do."""
     import logging
 
     import grpc
@@ -197,7 +198,8 @@ def kserve_server(model_dir: Path, port: int, counts: Path) -> None:
 
     image, outputs = model_io(model_dir)
     options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as capsnet's sessions
     fd = os.open(counts, os.O_RDWR | os.O_CREAT, 0o600)
     answered = images_run = 0
 

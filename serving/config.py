@@ -184,11 +184,17 @@ class ServerConfig:
         return self.gpu or 0
 
     @property
+    def cores(self) -> int:
+        """The CPU cores this process may use (its affinity mask)."""
+        return len(os.sched_getaffinity(0))
+
+    @property
     def intra_op_threads(self) -> int:
         # The event loop receives, checks and answers requests while a batch runs, and makes lone batch-1 runs
         # itself: a core of its own keeps intra-op threads from taking turns with it (on 2 cores, one thread costs
-        # less CPU per image at every batch size and no throughput; docs/serving.md, "Intra-op threads").
-        return self.threads or max(1, len(os.sched_getaffinity(0)) - 1)
+        # less CPU per image at every batch size and no throughput; docs/serving.md, "Intra-op threads"). A model
+        # whose runs are long gets that core back once loaded (serving/engine/backends/__init__.py, every_core).
+        return self.threads or max(1, self.cores - 1)
 
     @classmethod
     def defaults(cls) -> dict:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +86,7 @@ class Engine:
     # device tensor (N, C, H, W) -> outputs left on the device; None where the engine takes numpy only
     on_device: Callable | None = None
     self_check: dict | None = None  # {"passed", "describe"} where asked for
+    threads: int | None = None  # the compute threads a served engine was made with (None: a reference's, torch's own)
 
 
 def build_engine(name: str, model_dir: Path, *, threads: int, max_batch: int, gpu: int | None = None,
@@ -106,13 +107,17 @@ def build_engine(name: str, model_dir: Path, *, threads: int, max_batch: int, gp
 def _served(name: str, model_dir: Path, threads: int, max_batch: int, gpu: int | None, check: bool) -> Engine:
     from capsnet.serving.config import ServerConfig
     from capsnet.serving.engine.artifacts import load_artifacts
-    from capsnet.serving.engine.backends import create_backend  # before self_check, which the backends package imports
+    from capsnet.serving.engine.backends import create_backend, every_core  # before self_check, imported by them
 
     kind, precision = split(name)
     artifacts = load_artifacts(model_dir)
     config = ServerConfig(model_dir=model_dir, backend=kind, precision=precision, gpu=gpu, threads=threads,
                           max_batch_size=max_batch)
     backend = create_backend(kind, precision, artifacts, config)
+    if (widened := every_core(backend, artifacts, config)) is not None:  # as the server serves it
+        backend.close()
+        config = replace(config, threads=widened[0])
+        backend = create_backend(kind, precision, artifacts, config)
     result = None
     if check:
         from capsnet.serving.engine.self_check import self_check
@@ -120,7 +125,8 @@ def _served(name: str, model_dir: Path, threads: int, max_batch: int, gpu: int |
         passed = self_check(backend, artifacts.reference, max_batch, artifacts)
         result = {"passed": passed.passed, "describe": passed.describe()}
     runner = getattr(backend, "runner", None)  # the torch family's: eager, fused and package forwards
-    return Engine(name, backend.description, backend.run, runner.run_on_device if runner else None, result)
+    return Engine(name, backend.description, backend.run, runner.run_on_device if runner else None, result,
+                  config.intra_op_threads)
 
 
 def _reference(name: str, model_dir: Path, threads: int, gpu: int | None) -> Engine:
@@ -188,8 +194,9 @@ MIN_CALLS = 20
 def engine_figures(model_dir: Path, name: str, batches: Iterable[int], seconds: float, *, threads: int = 0,
                    gpu: int | None = None) -> list[dict]:
     """Engine `name` timed in this process, numpy in and out, at each of `batches` for `seconds` (at least MIN_CALLS
-    calls) after WARMUP_CALLS: one measurement each (capsnet.bench.results), its figures the latency summary and the
-    CPU time this process spent per image (the engine's threads included). `threads` 0: the server's default."""
+    calls) after WARMUP_CALLS: one measurement each (capsnet.bench.results), its figures the latency summary, the
+    CPU time this process spent per image (the engine's threads included) and the engine's compute threads. `threads`
+    0: the server's default (every_core's choice included)."""
     batches = tuple(batches)
     engine = build_engine(name, model_dir, threads=threads, max_batch=max(batches), gpu=gpu)
     from capsnet.model_description.schema import ModelDescription
@@ -203,5 +210,6 @@ def engine_figures(model_dir: Path, name: str, batches: Iterable[int], seconds: 
         cpu = time.process_time()
         durations = time_calls(functools.partial(engine.run, images), min_calls=MIN_CALLS, min_seconds=seconds)
         cpu_ms = (time.process_time() - cpu) * 1e3 / (batch * len(durations))
-        rows.append(measurement(name, batch, {**summarize(durations, batch), "cpu_ms_per_image": cpu_ms}))
+        rows.append(measurement(name, batch, {**summarize(durations, batch), "cpu_ms_per_image": cpu_ms,
+                                              "threads": engine.threads}))
     return rows

@@ -4,6 +4,7 @@ engine's in-process figures come from the project's harness (capsnet/bench/engin
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -63,6 +64,8 @@ def test_the_engine_in_process_is_timed_at_every_batch_size_a_server_forms(rando
     assert all(value > 0 for value in engine["images_per_s"].values())
     assert engine["p50_ms"] > 0 and all(value > 0 for value in engine["cpu_ms_per_image"].values())
     assert bench_front_end.backend_cpu_ms(engine, 13.0) == engine["cpu_ms_per_image"][16]
+    cores = len(os.sched_getaffinity(0))  # the tiny model's runs are short: the loop keeps its core
+    assert engine["threads"] == max(1, cores - 1)
     with pytest.raises(SystemExit, match=r"--engine torch:fp16: .*runs on a GPU"):
         bench_front_end.engine_in_process(random_tiny_export, 0.01, "torch:fp16", None)
 

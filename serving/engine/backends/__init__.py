@@ -37,6 +37,12 @@ AUTO_MIN_SPEEDUP = 1.1
 AUTO_TIMING_ROUNDS = 5
 # a burst of concurrent clients, between a lone request and the largest batch the batcher cuts
 RACE_MIDDLE_BATCH = 16
+# A CPU backend whose runs take at least this long an image (wall time at a burst's batch, on all cores but the one
+# kept for the event loop) gets that core too: a request's path on the loop costs 0.3-0.6 ms of CPU on the 2-core
+# hosts measured, so beside such runs the loop's core mostly idles. On 2 cores the `paper` preset (about 5 ms an
+# image) then serves 1.4-1.7x the requests/s; the `tiny` preset (0.1 ms) keeps the loop its core (docs/serving.md,
+# "Intra-op threads").
+EVERY_CORE_RUN_S = 0.001
 
 
 @dataclass
@@ -115,7 +121,40 @@ def candidates(device: str, artifacts: ModelArtifacts, config: ServerConfig,
 
 
 def load_backend(artifacts: ModelArtifacts, config: ServerConfig) -> LoadedBackend:
-    """The backend to serve with, self-checked; CapsNetError if it cannot load or fails its self-check."""
+    """The backend to serve with, self-checked, on every core where its runs are long (every_core); CapsNetError if
+    it cannot load or fails its self-check."""
+    loaded = _load_backend(artifacts, config)
+    widened = every_core(loaded.backend, artifacts, config)
+    if widened is None:
+        return loaded
+    threads, per_image = widened
+    wider = replace(config, threads=threads)
+    backend = create_backend(loaded.backend.name, loaded.backend.precision, artifacts, wider)
+    check = checked(backend, artifacts, wider)
+    if not check.passed:  # the same graph on more threads: kept on the threads it passed with
+        backend.close()
+        return loaded
+    loaded.backend.close()
+    log.info("runs of %.2g ms an image: %d intra-op threads, every core (the event loop's share is small beside "
+             "them; --threads sets the count)", per_image * 1e3, threads)
+    return LoadedBackend(backend, check, f"{loaded.why}; every core ({threads} threads): {per_image * 1e3:.2g} ms "
+                         "an image", loaded.race)
+
+
+def every_core(backend: Backend, artifacts: ModelArtifacts, config: ServerConfig) -> tuple[int, float] | None:
+    """(every core, its run's seconds an image) where `backend`, loaded on --threads 0's all-but-one core, runs on the
+    CPU and takes EVERY_CORE_RUN_S or longer an image at a burst's batch (RACE_MIDDLE_BATCH); None to keep it as
+    it is."""
+    if config.threads or config.cores < 2 or backend.on_gpu:
+        return None
+    batch = min(RACE_MIDDLE_BATCH, config.max_batch_size)
+    images = np.zeros((batch, *artifacts.input_shape), np.float32)  # (B, C, H, W)
+    (seconds,) = best_times([backend], images, AUTO_TIMING_ROUNDS)
+    per_image = seconds / batch
+    return (config.cores, per_image) if per_image >= EVERY_CORE_RUN_S else None
+
+
+def _load_backend(artifacts: ModelArtifacts, config: ServerConfig) -> LoadedBackend:
     name, why = config.backend, "asked for"
     if name == "auto":
         chosen, why = choose_backend(artifacts, config)

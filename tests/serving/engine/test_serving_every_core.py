@@ -1,0 +1,87 @@
+"""--threads 0 on the CPU: a backend keeps one core for the event loop, unless its runs are long enough that the loop's
+share beside them is small; then it is rebuilt on every core, self-checked again, and says so."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from serving_helpers import server_config
+
+from capsnet.serving.config import ServerConfig
+from capsnet.serving.engine import backends
+from capsnet.serving.engine.artifacts import load_artifacts
+from capsnet.serving.engine.backends import EVERY_CORE_RUN_S, every_core, load_backend
+from capsnet.serving.engine.backends.base import Backend
+
+SHAPE = SimpleNamespace(input_shape=(1, 28, 28))
+
+
+class Timed(Backend):
+    """A backend whose runs take `seconds_per_image` an image."""
+
+    name, precision, description, output_names = "onnxruntime", "fp32", "timed", ("probabilities",)
+
+    def __init__(self, seconds_per_image: float, on_gpu: bool = False):
+        self.seconds_per_image, self.on_gpu = seconds_per_image, on_gpu
+
+    @classmethod
+    def create(cls, artifacts, precision, config):
+        raise NotImplementedError
+
+    def run(self, images: np.ndarray) -> dict[str, np.ndarray]:
+        if self.seconds_per_image:
+            time.sleep(self.seconds_per_image * len(images))
+        return {"probabilities": np.zeros((len(images), 10), np.float32)}
+
+
+def cores(monkeypatch, count: int) -> None:
+    monkeypatch.setattr(ServerConfig, "cores", property(lambda self: count))
+
+
+def config(**overrides) -> ServerConfig:
+    return server_config(Path("unread"), max_batch_size=16, **{"threads": 0, **overrides})
+
+
+def test_long_runs_on_the_cpu_take_every_core(monkeypatch):
+    cores(monkeypatch, 2)
+    chosen = every_core(Timed(1.5 * EVERY_CORE_RUN_S), SHAPE, config())
+    assert chosen is not None
+    threads, per_image = chosen
+    assert threads == 2 and per_image >= 1.5 * EVERY_CORE_RUN_S
+
+
+@pytest.mark.parametrize("case", ["short runs", "--threads given", "one core", "on a GPU"])
+def test_the_loop_keeps_its_core_otherwise(monkeypatch, case):
+    cores(monkeypatch, 1 if case == "one core" else 4)
+    backend = Timed(0.0 if case == "short runs" else 1.5 * EVERY_CORE_RUN_S, on_gpu=case == "on a GPU")
+    assert every_core(backend, SHAPE, config(threads=1 if case == "--threads given" else 0)) is None
+
+
+def test_a_served_model_with_long_runs_is_rebuilt_on_every_core_and_checked_again(random_tiny_export, monkeypatch,
+                                                                                    caplog):
+    """The tiny model's runs are short: it keeps cores - 1 threads. Held to a threshold it passes, the same export is
+    loaded again on every core, self-checked, and one line says why."""
+    cores(monkeypatch, 3)
+    artifacts = load_artifacts(random_tiny_export)
+    settings = server_config(random_tiny_export, backend="onnxruntime", precision="fp32", max_batch_size=16,
+                             threads=0)
+    kept = load_backend(artifacts, settings)
+    try:
+        assert kept.backend.description.endswith(", 2 threads") and "every core" not in kept.why
+    finally:
+        kept.backend.close()
+    monkeypatch.setattr(backends, "EVERY_CORE_RUN_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="capsnet.serving"):
+        widened = load_backend(artifacts, settings)
+    try:
+        assert widened.backend.description.endswith(", 3 threads") and widened.check.passed
+        assert "every core (3 threads)" in widened.why
+        lines = [record.message for record in caplog.records if "every core" in record.message]
+        assert len(lines) == 1 and lines[0].startswith("runs of ") and ": 3 intra-op threads, every core" in lines[0]
+    finally:
+        widened.backend.close()
