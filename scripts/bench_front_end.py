@@ -57,6 +57,7 @@ from front_end_servers import COUNTS, MODEL, floor, free_port, kserve_server, mo
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 BATCH_SIZES = (1, 4, 16, 64)  # the engine's CPU time per image is measured at these
 CPU_PARTS = ("total", "main thread", "gRPC threads", "engine process")
+THREADS_ROW = "capsnet-1-threads-"  # --capsnet-threads T's rows: one process on T intra-op threads
 ENGINE_ARGV = b"capsnet.serving.processes.supervisor\0engine\0"  # in the command line of `--workers N`'s engine process
 
 
@@ -211,7 +212,7 @@ def servers(args, model_dir: Path, workers: list[int], scratch: Path, threads: i
                                 "--floor-engine", args.engine, "--max-batch-size", str(args.max_batch_size), *device],
                engine_port, None),
               ("capsnet-1", [*capsnet, "--workers", "1"], None, None)]
-    chosen += [(f"capsnet-1-threads-{count}", [*capsnet, "--workers", "1", "--threads", str(count)], None, None)
+    chosen += [(f"{THREADS_ROW}{count}", [*capsnet, "--workers", "1", "--threads", str(count)], None, None)
                for count in args.capsnet_threads]
     chosen += [(f"capsnet-{count}", [*capsnet, "--workers", str(count)], None, None) for count in workers]
     if args.pytriton_python and args.gpu is None:
@@ -262,8 +263,10 @@ def measure(args, model_dir: Path, scratch: Path) -> dict:
                 cell["server_cpu_ms_per_request"] = spent["total"] * 1e3 / done if done else None
                 if done:
                     cell["cpu_ms_per_request_by_thread"] = {part: value * 1e3 / done for part, value in spent.items()}
-                if runs and done and name != "floor":  # the rest, once the backend's own CPU time is taken away
+                if runs and done and name != "floor":
                     cell["mean_batch"] = images / runs
+                if runs and done and name != "floor" and not name.startswith(THREADS_ROW):
+                    # the rest, once the backend's own CPU time (timed in process on the default threads) is taken away
                     backend_ms = backend_cpu_ms(engine, images / runs) * images / done  # per request
                     cell["request_path_cpu_ms"] = spent["total"] * 1e3 / done - backend_ms
                     if spent["engine process"]:  # every request crosses it: 1 / its CPU per request bounds them
