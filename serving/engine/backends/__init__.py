@@ -128,17 +128,16 @@ def load_backend(artifacts: ModelArtifacts, config: ServerConfig) -> LoadedBacke
     if widened is None:
         return loaded
     threads, per_image = widened
-    wider = replace(config, threads=threads)
-    backend = create_backend(loaded.backend.name, loaded.backend.precision, artifacts, wider)
-    check = checked(backend, artifacts, wider)
-    if not check.passed:  # the same graph on more threads: kept on the threads it passed with
-        backend.close()
+    log.info("runs of %.2g ms an image: %d intra-op threads, every core (the event loop's share is small beside "
+             "them; --threads sets the count)%s", per_image * 1e3, threads,
+             ": raced again there" if loaded.race else "")
+    try:  # the whole choice again: a race's order on all cores but one need not hold on every core
+        again = _load_backend(artifacts, replace(config, threads=threads))
+    except CapsNetError as err:  # nothing passed on every core: served on the threads it passed with
+        log.warning("on every core: %s; kept on all cores but one (%d)", err, config.intra_op_threads)
         return loaded
     loaded.backend.close()
-    log.info("runs of %.2g ms an image: %d intra-op threads, every core (the event loop's share is small beside "
-             "them; --threads sets the count)", per_image * 1e3, threads)
-    return LoadedBackend(backend, check, f"{loaded.why}; every core ({threads} threads): {per_image * 1e3:.2g} ms "
-                         "an image", loaded.race)
+    return replace(again, why=f"{again.why}; every core ({threads} threads): {per_image * 1e3:.2g} ms an image")
 
 
 def every_core(backend: Backend, artifacts: ModelArtifacts, config: ServerConfig) -> tuple[int, float] | None:

@@ -1,5 +1,6 @@
 """--threads 0 on the CPU: a backend keeps one core for the event loop, unless its runs are long enough that the loop's
-share beside them is small; then it is rebuilt on every core, self-checked again, and says so."""
+share beside them is small; then the choice is made again on every core (a race runs again), self-checked again, and
+the log says so."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from serving_helpers import server_config
 
+from capsnet.errors import CapsNetError
 from capsnet.serving.config import ServerConfig
 from capsnet.serving.engine import backends
 from capsnet.serving.engine.artifacts import load_artifacts
@@ -85,3 +87,45 @@ def test_a_served_model_with_long_runs_is_rebuilt_on_every_core_and_checked_agai
         assert len(lines) == 1 and lines[0].startswith("runs of ") and ": 3 intra-op threads, every core" in lines[0]
     finally:
         widened.backend.close()
+
+
+def test_a_raced_choice_is_raced_again_on_every_core(int8_tiny_export, monkeypatch, caplog):
+    """--precision auto times its entrants on the threads it has: on every core their order can differ (OpenVINO
+    and ONNX Runtime scale unlike each other), so the race runs again there and its winner serves."""
+    cores(monkeypatch, 3)
+    monkeypatch.setattr(backends, "EVERY_CORE_RUN_S", 0.0)
+    settings = server_config(int8_tiny_export, max_batch_size=16, threads=0)  # backend and precision auto
+    with caplog.at_level(logging.INFO, logger="capsnet.serving"):
+        loaded = load_backend(load_artifacts(int8_tiny_export), settings)
+    try:
+        messages = [record.message for record in caplog.records]
+        races = [index for index, message in enumerate(messages) if message.startswith("precision auto: ")]
+        widening = [index for index, message in enumerate(messages) if "every core" in message]
+        assert len(races) == 2 and len(widening) == 1 and races[0] < widening[0] < races[1]
+        assert messages[widening[0]].endswith(": raced again there")
+        assert "3 threads" in loaded.backend.description and loaded.check.passed
+        winner = loaded.race[backends.pick(loaded.race)]
+        assert (loaded.backend.name, loaded.backend.precision) == (winner.name, winner.precision)
+        assert messages[races[1]].startswith(f"precision auto: {winner.precision} on {winner.name}, ")
+        assert loaded.why.endswith(" an image") and "every core (3 threads)" in loaded.why
+    finally:
+        loaded.backend.close()
+
+
+def test_a_choice_that_fails_on_every_core_keeps_the_threads_it_passed_with(monkeypatch, caplog):
+    cores(monkeypatch, 2)
+    first = backends.LoadedBackend(Timed(1.5 * EVERY_CORE_RUN_S), check=None, why="asked for")  # type: ignore[arg-type]
+    calls: list[int] = []
+
+    def load(artifacts, settings):
+        calls.append(settings.threads)
+        if len(calls) > 1:
+            raise CapsNetError("self-check failed: onnxruntime fp32 ...")
+        return first
+
+    monkeypatch.setattr(backends, "_load_backend", load)
+    with caplog.at_level(logging.WARNING, logger="capsnet.serving"):
+        assert load_backend(SHAPE, config()) is first
+    assert calls == [0, 2]
+    assert [record.message for record in caplog.records] == [
+        "on every core: self-check failed: onnxruntime fp32 ...; kept on all cores but one (1)"]
