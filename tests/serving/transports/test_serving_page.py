@@ -281,6 +281,14 @@ def drawn_count(page, above: int) -> int:
     return int(page.locator("#reconstruction").get_attribute("data-drawn"))
 
 
+def reset(page) -> int:
+    """Click "reset pose" and wait until its redraw, and any still in flight before it, is drawn: the number drawn
+    then (a count read before that would let the next wait pass on an earlier drawing)."""
+    page.click("#reset")
+    page.wait_for_function("() => !redraws.busy && redraws.wanted === null", timeout=30_000)
+    return int(page.locator("#reconstruction").get_attribute("data-drawn"))
+
+
 def drawn_pixels(page, canvas: str = "reconstruction") -> np.ndarray:
     """The canvas's red channel (the image's grey), (H, W) uint8."""
     values = page.evaluate(f"""() => {{ const c = document.getElementById({canvas!r});
@@ -313,8 +321,7 @@ def timings(page, kind: str) -> list[float]:
 @needs_browser
 def test_a_slider_moved_by_the_keyboard_redraws_what_the_decoder_draws(explorer):
     _, folder, page = explorer
-    page.click("#reset")
-    count = drawn_count(page, above=0)
+    count = reset(page)
     before = drawn_pixels(page)
     dims = page.evaluate("state.decoder.dims")
     assert page.locator("#dims input[type=range]").count() == dims
@@ -338,33 +345,28 @@ def test_a_slider_moved_by_the_keyboard_redraws_what_the_decoder_draws(explorer)
 @needs_browser
 def test_moves_faster_than_the_server_answers_keep_one_call_in_flight_and_draw_the_last(explorer):
     _, folder, page = explorer
-    page.click("#reset")
-    count = drawn_count(page, above=0)
-    in_flight, most = [0], [0]
-
-    def started(request):
-        if request.url.endswith("/v2/models/capsnet-decoder/infer"):
-            in_flight[0] += 1
-            most[0] = max(most[0], in_flight[0])
-
-    def ended(request):
-        if request.url.endswith("/v2/models/capsnet-decoder/infer"):
-            in_flight[0] -= 1
-
-    page.on("request", started)
-    page.on("requestfinished", ended)
-    page.on("requestfailed", ended)
+    count = reset(page)
+    # the page's own decoder calls, counted where they are made: the browser's request events reach this process
+    # asynchronously, and a wait on the page can return before they do
+    page.evaluate("""() => {
+        const fetched = window.fetch, calls = window.decoderCalls = {inFlight: 0, most: 0, made: 0};
+        window.fetch = async (path, options) => {
+            const decoder = String(path).endsWith("/v2/models/capsnet-decoder/infer");
+            if (decoder) { calls.inFlight += 1; calls.made += 1; calls.most = Math.max(calls.most, calls.inFlight); }
+            try { return await fetched(path, options); } finally { if (decoder) calls.inFlight -= 1; }
+        };
+        window.restoreFetch = () => { window.fetch = fetched; };
+    }""")
     page.focus("#dim-1")
     for _ in range(15):
         page.keyboard.press("ArrowRight")
     page.wait_for_function("() => !redraws.busy && redraws.wanted === null", timeout=30_000)
-    page.remove_listener("request", started)
-    page.remove_listener("requestfinished", ended)
-    page.remove_listener("requestfailed", ended)
+    calls = page.evaluate("() => { window.restoreFetch(); return window.decoderCalls; }")
     dims = page.evaluate("state.decoder.dims")
     delta = np.zeros(dims, dtype=np.float32)
     delta[1] = float(page.locator("#dim-1").input_value())
-    assert most[0] == 1 and drawn_count(page, above=count) <= count + 15
+    assert calls["most"] == 1 and 1 <= calls["made"] <= 15
+    assert drawn_count(page, above=count) <= count + 15
     assert np.abs(drawn_pixels(page).astype(int) - decoder_draws(folder, page, delta, page.evaluate("state.source"))
                   ).max() <= 1  # the latest value won
 
@@ -372,8 +374,7 @@ def test_moves_faster_than_the_server_answers_keep_one_call_in_flight_and_draw_t
 @needs_browser
 def test_the_class_picker_redraws_the_same_pose_as_another_class(explorer):
     _, folder, page = explorer
-    page.click("#reset")
-    count = drawn_count(page, above=0)
+    count = reset(page)
     page.focus("#dim-0")
     page.keyboard.press("End")  # the pose moved as far as it goes: a long capsule even where the model is untrained
     count = drawn_count(page, above=count)
@@ -394,8 +395,7 @@ def test_the_class_picker_redraws_the_same_pose_as_another_class(explorer):
 @needs_browser
 def test_the_grid_comes_from_one_call_and_downloads_as_a_png_of_its_size(explorer, tmp_path):
     _, _, page = explorer
-    page.click("#reset")
-    drawn_count(page, above=0)
+    reset(page)
     calls = []
     page.on("request", lambda request: calls.append(request.url) if request.url.endswith("decoder/infer") else None)
     for grids in range(1, TIMED_GRIDS + 1):
@@ -468,8 +468,7 @@ def test_the_thumbs_of_untouched_sliders_stay_put_as_the_capsule_nears_its_longe
         const d = state.decoder.dims, s = state.source;
         const pose = state.poses.subarray(s * d, (s + 1) * d), length = norm(pose);
         for (let k = 0; k < d; k++) pose[k] *= 0.99 / length; }""")
-    page.click("#reset")
-    count = drawn_count(page, above=0)
+    count = reset(page)
     dims = page.evaluate("state.decoder.dims")
 
     def thumbs():  # what places each slider's thumb: its range and value
@@ -486,14 +485,13 @@ def test_the_thumbs_of_untouched_sliders_stay_put_as_the_capsule_nears_its_longe
         assert "+0.00" in page.locator("#dim-1-value").inner_text()
     assert min(held) < 0.25  # one way at least, the move stopped where the capsule reached its longest
     page.evaluate("() => { state.poses = window.classifiedPoses; }")
-    page.click("#reset")
+    reset(page)
 
 
 @needs_browser
 def test_the_difference_view_is_the_drawing_minus_the_drawing_at_the_own_pose_amplified(explorer):
     _, folder, page = explorer
-    page.click("#reset")
-    count = drawn_count(page, above=0)
+    count = reset(page)
     assert page.locator("#difference").get_attribute("data-change") == "0.000"
     assert page.locator("#change").inner_text() == "no change"
     moved, count = moved_drawing(page, 2, "End", count)
