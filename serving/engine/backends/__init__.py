@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -124,7 +125,10 @@ def load_backend(artifacts: ModelArtifacts, config: ServerConfig) -> LoadedBacke
     """The backend to serve with, self-checked, on every core where its runs are long (every_core); CapsNetError if
     it cannot load or fails its self-check."""
     loaded = _load_backend(artifacts, config)
-    widened = every_core(loaded.backend, artifacts, config)
+    backend = loaded.backend
+    raced = next((entrant.seconds for entrant in loaded.race
+                  if (entrant.name, entrant.precision) == (backend.name, backend.precision)), None)
+    widened = every_core(backend, artifacts, config, raced)
     if widened is None:
         return loaded
     threads, per_image = widened
@@ -136,20 +140,22 @@ def load_backend(artifacts: ModelArtifacts, config: ServerConfig) -> LoadedBacke
     except CapsNetError as err:  # nothing passed on every core: served on the threads it passed with
         log.warning("on every core: %s; kept on all cores but one (%d)", err, config.intra_op_threads)
         return loaded
-    loaded.backend.close()
+    backend.close()
     return replace(again, why=f"{again.why}; every core ({threads} threads): {per_image * 1e3:.2g} ms an image")
 
 
-def every_core(backend: Backend, artifacts: ModelArtifacts, config: ServerConfig) -> tuple[int, float] | None:
+def every_core(backend: Backend, artifacts: ModelArtifacts, config: ServerConfig,
+               raced: Mapping[int, float] | None = None) -> tuple[int, float] | None:
     """(every core, its run's seconds an image) where `backend`, loaded on --threads 0's all-but-one core, runs on the
     CPU and takes EVERY_CORE_RUN_S or longer an image at a burst's batch (RACE_MIDDLE_BATCH); None to keep it as
-    it is."""
+    it is. `raced`: its seconds by batch size where the auto race timed it (race_batch_sizes holds that batch), else
+    it is timed here as the race times its entrants."""
     if config.threads or config.cores < 2 or backend.on_gpu:
         return None
     batch = min(RACE_MIDDLE_BATCH, config.max_batch_size)
-    images = np.zeros((batch, *artifacts.input_shape), np.float32)  # (B, C, H, W)
-    (seconds,) = best_times([backend], images, AUTO_TIMING_ROUNDS)
-    per_image = seconds / batch
+    if raced is None:
+        raced = time_entrants([backend], artifacts.input_shape, (batch,))[0].seconds
+    per_image = raced[batch] / batch
     return (config.cores, per_image) if per_image >= EVERY_CORE_RUN_S else None
 
 

@@ -95,6 +95,10 @@ def test_a_raced_choice_is_raced_again_on_every_core(int8_tiny_export, monkeypat
     cores(monkeypatch, 3)
     monkeypatch.setattr(backends, "EVERY_CORE_RUN_S", 0.0)
     settings = server_config(int8_tiny_export, max_batch_size=16, threads=0)  # backend and precision auto
+    timings = []  # the batch size of each timing
+    timed = backends.best_times
+    monkeypatch.setattr(backends, "best_times", lambda runs, images, rounds: timings.append(len(images))
+                        or timed(runs, images, rounds))
     with caplog.at_level(logging.INFO, logger="capsnet.serving"):
         loaded = load_backend(load_artifacts(int8_tiny_export), settings)
     try:
@@ -108,6 +112,8 @@ def test_a_raced_choice_is_raced_again_on_every_core(int8_tiny_export, monkeypat
         assert (loaded.backend.name, loaded.backend.precision) == (winner.name, winner.precision)
         assert messages[races[1]].startswith(f"precision auto: {winner.precision} on {winner.name}, ")
         assert loaded.why.endswith(" an image") and "every core (3 threads)" in loaded.why
+        # each race times its entrants at each of its sizes; the first winner's own time decides, not a timing more
+        assert timings == [*backends.race_batch_sizes(16)] * 2
     finally:
         loaded.backend.close()
 
