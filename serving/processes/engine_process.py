@@ -179,7 +179,9 @@ class FrontEndConnection:
         self._reports: dict[int, asyncio.Future] = {}  # statistics reports asked of this front end
         self._report_ids = itertools.count()
         self._queries: set[asyncio.Task] = set()  # statistics queries being answered (held: a task needs a reference)
-        self._offsets: dict[tuple, list[tuple[str, tuple[int, ...], int]]] = {}  # (version, shape) -> outputs
+        # slot -> ((version, shape), its images, its outputs' sinks): the views of a slot's last request, which
+        # its next request of the same shape takes again (one-image traffic always does) instead of making them
+        self._views: dict[int, tuple[tuple, np.ndarray, dict[str, OutputSink]]] = {}
         self.closed = False
 
     def handle(self, message: engine_link.Message) -> None:
@@ -200,28 +202,30 @@ class FrontEndConnection:
             self.slots = TensorSlots(message.name, message.count, message.size)
 
     def _infer(self, message: Infer) -> None:
-        assert self.slots is not None  # sent before any request
         batcher = self.engine.batchers[message.version]
-        slot, shape = message.slot, message.shape
-        sinks: dict[str, OutputSink] = {name: SlotRows(self.slots.array(slot, offset, (shape[0], *row)))
-                 for name, row, offset in self._outputs(message.version, shape)}
+        images, sinks = self._slot_views(message.slot, message.version, message.shape)
         try:
-            handle = batcher.post(self.slots.images(slot, shape), message.deadline, sinks, Posted(self, message.id))
+            handle = batcher.post(images, message.deadline, sinks, Posted(self, message.id))
         except ServingError as err:  # queue full
             self.failed(message.id, err)
             return
         self.posted[message.id] = (batcher, handle)
 
-    def _outputs(self, version: int, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], int]]:
-        """Every output of the version, its row shape and its offset in a slot holding images of `shape`."""
-        found = self._offsets.get((version, shape))
-        if found is None:
-            assert self.slots is not None
-            rows = list(self.engine.versions[version].spec.output_shapes.items())
-            offsets = self.slots.output_offsets(shape, [(shape[0], *row) for _, row in rows])
-            found = self._offsets[(version, shape)] = [(name, tuple(row), offset)
-                                                       for (name, row), offset in zip(rows, offsets)]
-        return found
+    def _slot_views(self, slot: int, version: int, shape: tuple[int, ...]) -> tuple[np.ndarray, dict[str, OutputSink]]:
+        """The images of a request in `slot` and the sinks of its outputs there, for the version's outputs."""
+        key = (version, shape)
+        views = self._views.get(slot)
+        if views is not None and views[0] == key:
+            return views[1], views[2]
+        slots = self.slots
+        assert slots is not None  # sent before any request
+        rows = list(self.engine.versions[version].spec.output_shapes.items())
+        offsets = slots.output_offsets(shape, [(shape[0], *row) for _, row in rows])
+        sinks: dict[str, OutputSink] = {name: SlotRows(slots.array(slot, offset, (shape[0], *row)))
+                                        for (name, row), offset in zip(rows, offsets)}
+        images = slots.images(slot, shape)
+        self._views[slot] = (key, images, sinks)
+        return images, sinks
 
     def answered(self, request_id: int, runs: list[BatchRun]) -> None:
         """Its outputs are in its slot: answered with the others of this batch, in one message."""
@@ -232,7 +236,7 @@ class FrontEndConnection:
 
     def _send_answers(self) -> None:
         runs = [(run.size, run.cut, run.run_start, run.run_end, run.delivered) for run in self._runs]
-        self.outbox.send(Answered(runs, self._answers))
+        self.outbox.send_now(Answered(runs, self._answers))
         self._runs, self._answers = {}, []
         self._close_slots_if_done()
 
@@ -271,6 +275,7 @@ class FrontEndConnection:
 
     def _close_slots_if_done(self) -> None:
         if self.closed and not self.posted and self.slots is not None:
+            self._views.clear()  # views of the map would keep it from closing
             self.slots.close()
             self.slots = None
 

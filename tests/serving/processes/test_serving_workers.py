@@ -4,6 +4,7 @@ drained with no request lost, and an engine that dies stopping the server."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from capsnet.client.api import CapsNetClient
 from capsnet.serving.config import ServerConfig
+from capsnet.serving.processes.front_end import EngineLink
 from capsnet.serving.processes.supervisor import front_ends
 
 IMAGES = np.random.default_rng(11).random((8, 1, 28, 28), dtype=np.float32)  # (8, 1, 28, 28)
@@ -157,6 +159,33 @@ def test_front_ends_answer_count_and_restart(served, model_dir):
     assert np.abs(infer(retry[1], IMAGES[:1]) - expected[:1]).max() < 1e-4
     for client in connections + retry:
         client.close()
+
+
+def test_a_slot_that_carries_requests_of_other_sizes_in_turn_answers_each_at_its_own(served, model_dir):
+    """A front end's freed slot is the next one taken, whatever the next request's size: the engine reads its images
+    and writes its outputs at that size, not at the slot's last one. Driven over the engine's own link (the front
+    ends' client), so that one slot carries every request in turn."""
+    engine, _ = roles(served)
+    argv = command_line(engine)
+    socket_path = argv[argv.index("engine") + 2]  # the supervisor's child: engine INDEX SOCKET SLOTS READY_FD
+    expected = graph_probabilities(model_dir)(IMAGES)
+
+    async def drive() -> list[np.ndarray]:
+        link = await EngineLink.connect(socket_path, f"capsnet-test-{os.getpid()}", ServerConfig(model_dir=model_dir))
+        try:
+            version = next(index for index, spec in enumerate(link.specs) if spec.name == "capsnet")
+            answers = []
+            for start, stop in ((0, 1), (1, 4), (5, 6), (0, 8), (6, 8)):
+                (output,) = await link.infer(version, [IMAGES[start:stop]], None)
+                answers.append(output.outputs["probabilities"])
+            return answers
+        finally:
+            await link.close()
+
+    answers = asyncio.run(drive())
+    for (start, stop), answer in zip(((0, 1), (1, 4), (5, 6), (0, 8), (6, 8)), answers):
+        assert answer.shape == (stop - start, expected.shape[1])
+        assert np.abs(answer - expected[start:stop]).max() < 1e-4
 
 
 def test_a_request_of_several_sizes_is_counted_once_by_the_engine(shared_tiny_export, tmp_path):
