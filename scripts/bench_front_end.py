@@ -16,9 +16,11 @@ without --perf-analyzer, the project's load generator (capsnet/bench/loadgen.py,
 process) applies the load instead. Around each cell the server's process tree's CPU time (user + system, every
 process of it) and its request count (its ModelStatistics, or what KServe's model wrote) give the server CPU time per
 request, and its images over its backend runs the mean batch. Behind N front ends, the engine process's CPU time per
-request, and 1 ÷ it: the requests/s one engine can take. The engine's in-process time is its p50 at batch 1, called
-directly, built and timed by the project's in-process harness (capsnet/bench/engines.py), which also builds
-floor+engine's.
+request, and 1 ÷ it: the requests/s one engine can take. Then the first capsnet-N's engine alone: driven by this
+process over its link as a front end drives it (no gRPC, no request path on the cores) at each concurrency, its CPU
+time per request is the engine's own cost at the batches it forms when front ends do not limit them. The engine's
+in-process time is its p50 at batch 1, called directly, built and timed by the project's in-process harness
+(capsnet/bench/engines.py), which also builds floor+engine's.
 
     python3 -m venv /opt/perf-analyzer && /opt/perf-analyzer/bin/pip install tritonclient==2.41.0 \\
         nvidia-cuda-runtime-cu12   # and apt-get install libb64-0d
@@ -59,6 +61,7 @@ BATCH_SIZES = (1, 4, 16, 64)  # the engine's CPU time per image is measured at t
 CPU_PARTS = ("total", "main thread", "gRPC threads", "engine process")
 THREADS_ROW = "capsnet-1-threads-"  # --capsnet-threads T's rows: one process on T intra-op threads
 ENGINE_ARGV = b"capsnet.serving.processes.supervisor\0engine\0"  # in the command line of `--workers N`'s engine process
+ENGINE_ALONE = "engine_alone"  # the report's key of the engine process driven without its front ends
 
 
 # -- the servers -------------------------------------------------------------------------------------------------
@@ -193,6 +196,83 @@ def backend_cpu_ms(engine: dict, mean_batch: float) -> float:
     return engine["cpu_ms_per_image"][nearest_batch(engine, mean_batch)]
 
 
+def engine_socket(served: Served) -> str | None:
+    """The Unix socket of the engine process behind a server's front ends (its command line names it), or None."""
+    pids = [served.process.pid]
+    while pids:
+        pid = pids.pop()
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if ENGINE_ARGV in argv:
+                return argv.split(b"\0")[argv.split(b"\0").index(b"engine") + 2].decode()
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                pids.extend(int(child) for child in (task / "children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return None
+
+
+async def drive_engine(socket_path: str, model_dir: Path, max_batch_size: int, concurrency: int, seconds: float,
+                       image: list[int]) -> tuple[int, float, int]:
+    """`concurrency` one-image requests kept in flight straight to an engine process over its link, as a front end
+    posts them (serving/processes/front_end.py's EngineLink, without gRPC or the request path): (answered, seconds)
+    over a window of `seconds` after one of warm-up, and the requests answered in all."""
+    import numpy as np
+
+    from capsnet.serving.config import ServerConfig
+    from capsnet.serving.processes.front_end import EngineLink
+
+    link = await EngineLink.connect(socket_path, f"capsnet-bench-{os.getpid()}-{concurrency}",
+                                    ServerConfig(model_dir=model_dir, max_batch_size=max_batch_size))
+    version = next(index for index, spec in enumerate(link.specs) if spec.name == MODEL)
+    images = np.random.default_rng(0).random((1, *image), dtype=np.float32)
+    answered, stop = 0, time.monotonic() + 1.0 + seconds
+
+    async def client() -> None:
+        nonlocal answered
+        while time.monotonic() < stop:
+            await link.infer(version, [images], None)
+            answered += 1
+
+    clients = [asyncio.ensure_future(client()) for _ in range(concurrency)]
+    try:
+        await asyncio.sleep(1.0)
+        first, started = answered, time.monotonic()
+        await asyncio.gather(*clients)
+        return answered - first, time.monotonic() - started, answered
+    finally:
+        for task in clients:
+            task.cancel()
+        await link.close()
+
+
+def engine_alone(served: Served, engine: dict, args, model_dir: Path, image: list[int]) -> dict:
+    """The engine process behind `served`'s front ends, driven at each concurrency over its link by this process:
+    requests/s, its CPU time per request (all of it, and less the backend's in-process CPU time per image at the
+    measured batch nearest its mean batch) and the requests/s one engine takes at that CPU time. Without gRPC's and
+    the request path's CPU on the same cores, this is the engine's own ceiling: what any number of front ends could
+    reach through it."""
+    socket_path = engine_socket(served)
+    if socket_path is None:
+        return {"error": "no engine process found"}
+    cells = {}
+    for concurrency in args.concurrency:
+        cpu, runs_before = served.cpu_seconds()["engine process"], served.counts()[2]
+        answered, elapsed, images = asyncio.run(drive_engine(socket_path, model_dir, args.max_batch_size, concurrency,
+                                                     args.seconds, image))
+        spent = served.cpu_seconds()["engine process"] - cpu
+        runs = served.counts()[2] - runs_before  # its batches (the link's requests are not in its statistics)
+        cell: dict = {"requests_per_s": answered / elapsed}
+        if images and runs:  # one image a request; the CPU time, the images and the runs all count the warm-up's
+            engine_ms = spent * 1e3 / images
+            cell.update(mean_batch=images / runs, cpu_ms_per_request=engine_ms,
+                        less_the_backend_ms=engine_ms - backend_cpu_ms(engine, images / runs),
+                        requests_per_s_one_engine_takes=1e3 / engine_ms)
+        cells[concurrency] = cell
+        print("engine alone", concurrency, cell, flush=True)
+    return {"front_ends_of": served.name, "cells": cells}
+
+
 # -- the run -------------------------------------------------------------------------------------------------------
 
 def servers(args, model_dir: Path, workers: list[int], scratch: Path, threads: int | None) -> list[tuple]:
@@ -276,6 +356,8 @@ def measure(args, model_dir: Path, scratch: Path) -> dict:
                                                   "requests_per_s_one_engine_takes": 1e3 / engine_ms}
                 cells[concurrency] = cell
                 print(name, concurrency, cell, flush=True)
+            if ENGINE_ALONE not in report and re.fullmatch(r"capsnet-\d+", name) and name != "capsnet-1":
+                report[ENGINE_ALONE] = engine_alone(served, engine, args, model_dir, image)
         finally:
             served.stop()
         report["servers"][name] = {"command": portable_command(command, REPO), "cells": cells}
@@ -345,6 +427,28 @@ def engine_process(report: dict) -> list[str]:
              "|---|---|---|---|---|"]
     lines += [f"| {name} | {level} | {part['cpu_ms_per_request']:.3f} | {part['less_the_backend_ms']:.3f} | "
               f"{part['requests_per_s_one_engine_takes']:,.0f} |" for name, level, part in rows]
+    return lines + engine_alone_rows(report)
+
+
+def engine_alone_rows(report: dict) -> list[str]:
+    """The engine process driven straight over its link: its own ceiling, with no front end on its cores."""
+    alone = report.get(ENGINE_ALONE)
+    if not alone:
+        return []
+    if "error" in alone:
+        return ["", f"The engine process alone: not measured ({alone['error']})."]
+    lines = ["", f"The engine process alone: {alone['front_ends_of']}'s engine, driven by the benchmark's own process "
+             "over the engine's link (one-image requests posted as a front end posts them, kept in flight at each "
+             "concurrency; no gRPC and no request path on the cores), so that its CPU time per request is the "
+             "engine's own, at the batches it forms when nothing else limits them.", "",
+             "| concurrency | requests/s | mean batch | engine CPU ms/request | of it not the backend's run | "
+             "requests/s one engine takes |", "|---|---|---|---|---|---|"]
+    for level in report["concurrency"]:
+        cell = _cell(alone, level)
+        if "cpu_ms_per_request" in cell:
+            lines.append(f"| {level} | {cell['requests_per_s']:,.0f} | {cell['mean_batch']:.1f} | "
+                         f"{cell['cpu_ms_per_request']:.3f} | {cell['less_the_backend_ms']:.3f} | "
+                         f"{cell['requests_per_s_one_engine_takes']:,.0f} |")
     return lines
 
 
@@ -416,12 +520,14 @@ def targets(report: dict) -> list[str]:
         lines.append(_met(f"| requests/s at c64 ≥ 0.95× the engine in process at the mean batch "
                           f"({cell['mean_batch']:.1f}; measured at {batch}) | capsnet-1 | {served:,.0f} against "
                           f"{alone:,.0f} ({served / alone:.2f}×)", served >= 0.95 * alone))
-    for name, server in servers.items():
-        part = _cell(server, "64").get("engine_process")
-        if part:
+    engines = [(name, _cell(server, "64").get("engine_process")) for name, server in servers.items()]
+    engines.append(("the engine alone", _cell(report.get(ENGINE_ALONE) or {}, "64")))
+    for name, part in engines:
+        if part and "cpu_ms_per_request" in part:
             lines.append(_met(f"| engine process CPU per request at c64 ≤ 0.05 ms | {name} | "
                               f"{part['cpu_ms_per_request']:.3f} ms ({part['less_the_backend_ms']:.3f} not the "
                               "backend's run)", part["cpu_ms_per_request"] <= 0.05))
+    for name, server in servers.items():
         rate = _cell(server, "64").get("requests_per_s")
         if report["device"] and re.fullmatch(r"capsnet-\d+", name) and name != "capsnet-1" and rate:  # a GPU host
             lines.append(_met(f"| ≥ 20,000 requests/s at c64 ({report['cores']} cores) | {name} | {rate:,.0f}",

@@ -4,6 +4,7 @@ engine's in-process figures come from the project's harness (capsnet/bench/engin
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -82,6 +83,35 @@ def test_ratios_divide_each_cell_by_both_floors():
     assert not any(line.startswith("| floor |") for line in lines)
 
 
+def test_the_engine_alone_is_driven_over_its_link_and_its_cpu_time_counted_per_request(random_tiny_export):
+    command = [sys.executable, "-m", "capsnet", "serve", "--model", str(random_tiny_export), "--backend", "onnxruntime",
+               "--precision", "fp32", "--workers", "2", "--no-allow-client-shm", "--grpc-port", "0", "--http-port", "0",
+               "--metrics-port", "0"]
+    served = bench_front_end.Served("capsnet-2", command)
+    engine = {"cpu_ms_per_image": {1: 0.02, 4: 0.01, 16: 0.005, 64: 0.004}}
+    try:
+        image, _ = bench_front_end.model_io(random_tiny_export)
+        alone = bench_front_end.engine_alone(served, engine, argparse.Namespace(concurrency=[1, 8], seconds=0.5,
+                                                                                max_batch_size=64),
+                                             random_tiny_export, image)
+        answered, _, _ = served.counts()
+    finally:
+        served.stop()
+    assert answered == 0  # the engine's requests came over its link, not through a front end
+    lone, eight = alone["cells"][1], alone["cells"][8]
+    assert lone["mean_batch"] == 1.0  # one request in flight: each run is one image
+    assert 1.0 <= eight["mean_batch"] <= 8.0
+    for cell in (lone, eight):
+        assert cell["requests_per_s"] > 0 and cell["cpu_ms_per_request"] > 0
+        backend = bench_front_end.backend_cpu_ms(engine, cell["mean_batch"])
+        assert cell["less_the_backend_ms"] == pytest.approx(cell["cpu_ms_per_request"] - backend)
+        assert cell["requests_per_s_one_engine_takes"] == pytest.approx(1e3 / cell["cpu_ms_per_request"])
+    report = {"concurrency": [1, 8], "device": "", "cores": 2, "servers": {}, "engine_alone": alone}
+    rows = bench_front_end.engine_alone_rows(report)
+    assert rows[-2].startswith(f"| 1 | {lone['requests_per_s']:,.0f} | 1.0 | {lone['cpu_ms_per_request']:.3f} |")
+    assert rows[-1].startswith(f"| 8 | {eight['requests_per_s']:,.0f} | {eight['mean_batch']:.1f} |")
+
+
 def test_targets_and_the_engine_rows_read_each_server_s_cells():
     def cell(rate, cpu, batch=1.0, engine_ms=None):
         found = {"requests_per_s": rate, "server_cpu_ms_per_request": cpu, "mean_batch": batch}
@@ -106,6 +136,12 @@ def test_targets_and_the_engine_rows_read_each_server_s_cells():
     assert ("| engine process CPU per request at c64 ≤ 0.05 ms | capsnet-2 | 0.100 ms (0.025 not the backend's run) "
             "| **no** |") in lines
     assert "| capsnet-2 | 64 | 0.100 | 0.025 | 10,000 |" in bench_front_end.engine_process(report)
+    report["engine_alone"] = {"front_ends_of": "capsnet-2", "cells": {"64": {
+        "requests_per_s": 9000.0, "mean_batch": 40.0, "cpu_ms_per_request": 0.045, "less_the_backend_ms": 0.02,
+        "requests_per_s_one_engine_takes": 1e3 / 0.045}}}
+    assert ("| engine process CPU per request at c64 ≤ 0.05 ms | the engine alone | 0.045 ms (0.020 not the backend's "
+            "run) | yes |") in bench_front_end.targets(report)
+    assert bench_front_end.engine_process(report)[-1] == "| 64 | 9,000 | 40.0 | 0.045 | 0.020 | 22,222 |"
     assert not any("engine in process" in line for line in lines)  # the tiny model's request path dominates
 
 
