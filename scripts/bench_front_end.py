@@ -11,7 +11,9 @@ KServe's Python model server (the reference servers: scripts/front_end_servers.p
   with kserve 0.21 and onnxruntime); each skipped without its Python.
 
 perf_analyzer drives each at each concurrency (1-image requests, `--input-data zero`), read from its CSV: requests/s,
-p50 and p99. perf_analyzer runs from tritonclient 2.41's wheel in a venv of its own (docs/benchmarks/README.md);
+p50 and p99. The servers are measured in --rounds rounds (default 2), in turn, each started anew and every other round
+in the reverse order, and the rounds pooled: these machines' speed drifts by a quarter within minutes, and a server
+measured once, after another, would carry the drift as its own. perf_analyzer runs from tritonclient 2.41's wheel in a venv of its own (docs/benchmarks/README.md);
 without --perf-analyzer, the project's load generator (capsnet/bench/loadgen.py, tritonclient's asyncio client in this
 process) applies the load instead. Around each cell the server's process tree's CPU time (user + system, every
 process of it) and its request count (its ModelStatistics, or what KServe's model wrote) give the server CPU time per
@@ -45,6 +47,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -246,31 +249,81 @@ async def drive_engine(socket_path: str, model_dir: Path, max_batch_size: int, c
         await link.close()
 
 
-def engine_alone(served: Served, engine: dict, args, model_dir: Path, image: list[int]) -> dict:
-    """The engine process behind `served`'s front ends, driven at each concurrency over its link by this process:
-    requests/s, its CPU time per request (all of it, and less the backend's in-process CPU time per image at the
-    measured batch nearest its mean batch) and the requests/s one engine takes at that CPU time. Without gRPC's and
-    the request path's CPU on the same cores, this is the engine's own ceiling: what any number of front ends could
-    reach through it."""
+def engine_alone(served: Served, args, model_dir: Path, image: list[int]) -> dict:
+    """One round of the engine process behind `served`'s front ends, driven at each concurrency over its link by this
+    process: concurrency -> what engine_alone_cell() reads (answered, seconds, images, runs, CPU seconds), or
+    {"error": why}. Without gRPC's and the request path's CPU on the same cores, this is the engine's own ceiling:
+    what any number of front ends could reach through it."""
     socket_path = engine_socket(served)
     if socket_path is None:
         return {"error": "no engine process found"}
-    cells = {}
+    samples = {}
     for concurrency in args.concurrency:
         cpu, runs_before = served.cpu_seconds()["engine process"], served.counts()[2]
         answered, elapsed, images = asyncio.run(drive_engine(socket_path, model_dir, args.max_batch_size, concurrency,
-                                                     args.seconds, image))
-        spent = served.cpu_seconds()["engine process"] - cpu
-        runs = served.counts()[2] - runs_before  # its batches (the link's requests are not in its statistics)
-        cell: dict = {"requests_per_s": answered / elapsed}
-        if images and runs:  # one image a request; the CPU time, the images and the runs all count the warm-up's
-            engine_ms = spent * 1e3 / images
-            cell.update(mean_batch=images / runs, cpu_ms_per_request=engine_ms,
-                        less_the_backend_ms=engine_ms - backend_cpu_ms(engine, images / runs),
-                        requests_per_s_one_engine_takes=1e3 / engine_ms)
-        cells[concurrency] = cell
-        print("engine alone", concurrency, cell, flush=True)
-    return {"front_ends_of": served.name, "cells": cells}
+                                                             args.seconds, image))
+        samples[concurrency] = {"answered": answered, "seconds": elapsed, "images": images,
+                                # its batches (the link's requests are not in its statistics)
+                                "runs": served.counts()[2] - runs_before,
+                                "cpu_s": served.cpu_seconds()["engine process"] - cpu}
+        print("engine alone", concurrency, samples[concurrency], flush=True)
+    return samples
+
+
+def engine_alone_cell(samples: list[dict], engine: dict) -> dict:
+    """Rounds of one concurrency, pooled: requests/s, and the engine's CPU time per request (all of it, and less the
+    backend's in-process CPU time per image at the measured batch nearest its mean batch) with the requests/s one
+    engine takes at that CPU time. One image a request; the CPU time, the images and the runs count the warm-ups'."""
+    answered, seconds, images, runs, cpu = (sum(sample[key] for sample in samples)
+                                            for key in ("answered", "seconds", "images", "runs", "cpu_s"))
+    cell: dict = {"requests_per_s": answered / seconds}
+    if images and runs:
+        engine_ms = cpu * 1e3 / images
+        cell.update(mean_batch=images / runs, cpu_ms_per_request=engine_ms,
+                    less_the_backend_ms=engine_ms - backend_cpu_ms(engine, images / runs),
+                    requests_per_s_one_engine_takes=1e3 / engine_ms)
+    return cell
+
+
+def server_sample(served: Served, args, concurrency: int, image: list[int], scratch: Path) -> dict:
+    """One cell of one round: the load's figures (or its error), and the server's requests, images, runs and CPU
+    seconds over it."""
+    cpu, before = served.cpu_seconds(), served.counts()
+    if args.perf_analyzer:
+        load = perf_analyzer(args.perf_analyzer, served.target, concurrency, args.seconds, scratch)
+    else:
+        load = loadgen(served.target, concurrency, args.seconds, image)
+    spent = {part: value - cpu[part] for part, value in served.cpu_seconds().items()}
+    done, images, runs = (after - first for after, first in zip(served.counts(), before))
+    print(served.name, concurrency, load, flush=True)
+    return {"load": load, "done": done, "images": images, "runs": runs, "cpu_s": spent}
+
+
+def server_cell(name: str, samples: list[dict], engine: dict) -> dict:
+    """The rounds of one server at one concurrency, pooled: requests/s their mean, p50 and p99 their medians (each
+    round's also kept), CPU per request their CPU time over their requests; the error of the last round if none ran."""
+    ran = [sample for sample in samples if "error" not in sample["load"]]
+    if not ran:
+        return {"error": samples[-1]["load"]["error"]}
+    rates = [sample["load"]["requests_per_s"] for sample in ran]
+    cell: dict = {"requests_per_s": statistics.fmean(rates), "requests_per_s_by_round": rates,
+                  **{key: statistics.median(sample["load"][key] for sample in ran) for key in ("p50_ms", "p99_ms")}}
+    done, images, runs = (sum(sample[key] for sample in ran) for key in ("done", "images", "runs"))
+    spent = {part: sum(sample["cpu_s"][part] for sample in ran) for part in CPU_PARTS}
+    cell["server_cpu_ms_per_request"] = spent["total"] * 1e3 / done if done else None
+    if done:
+        cell["cpu_ms_per_request_by_thread"] = {part: value * 1e3 / done for part, value in spent.items()}
+    if runs and done and name != "floor":
+        cell["mean_batch"] = images / runs
+    if runs and done and name != "floor" and not name.startswith(THREADS_ROW):
+        # the rest, once the backend's own CPU time (timed in process on the default threads) is taken away
+        backend_ms = backend_cpu_ms(engine, images / runs) * images / done  # per request
+        cell["request_path_cpu_ms"] = spent["total"] * 1e3 / done - backend_ms
+        if spent["engine process"]:  # every request crosses it: 1 / its CPU per request bounds them
+            engine_ms = spent["engine process"] * 1e3 / done
+            cell["engine_process"] = {"cpu_ms_per_request": engine_ms, "less_the_backend_ms": engine_ms - backend_ms,
+                                      "requests_per_s_one_engine_takes": 1e3 / engine_ms}
+    return cell
 
 
 # -- the run -------------------------------------------------------------------------------------------------------
@@ -319,48 +372,48 @@ def front_end_counts(args) -> list[int]:
 
 
 def measure(args, model_dir: Path, scratch: Path) -> dict:
+    """Every server at every concurrency, in `args.rounds` rounds that take the servers in turn (each started anew,
+    every other round in the reverse order), so that a machine whose speed drifts during the run weighs on every
+    server alike; then the first capsnet-N's engine alone, in each of its rounds."""
     from capsnet.bench.results import portable_command
 
     image, _ = model_io(model_dir)
     engine = engine_in_process(model_dir, args.seconds, args.engine, args.gpu)
-    report: dict = {"engine_p50_ms": engine["p50_ms"], "engine": engine, "servers": {}}
-    for name, command, port, counts in servers(args, model_dir, front_end_counts(args), scratch, engine["threads"]):
-        try:
-            served = Served(name, command, port, counts)
-        except SystemExit as err:
-            report["servers"][name] = {"error": str(err)}
-            continue
-        cells = {}
-        try:
-            for concurrency in args.concurrency:
-                cpu, before = served.cpu_seconds(), served.counts()
-                if args.perf_analyzer:
-                    cell = perf_analyzer(args.perf_analyzer, served.target, concurrency, args.seconds, scratch)
-                else:
-                    cell = loadgen(served.target, concurrency, args.seconds, image)
-                spent = {part: value - cpu[part] for part, value in served.cpu_seconds().items()}
-                done, images, runs = (after - first for after, first in zip(served.counts(), before))
-                cell["server_cpu_ms_per_request"] = spent["total"] * 1e3 / done if done else None
-                if done:
-                    cell["cpu_ms_per_request_by_thread"] = {part: value * 1e3 / done for part, value in spent.items()}
-                if runs and done and name != "floor":
-                    cell["mean_batch"] = images / runs
-                if runs and done and name != "floor" and not name.startswith(THREADS_ROW):
-                    # the rest, once the backend's own CPU time (timed in process on the default threads) is taken away
-                    backend_ms = backend_cpu_ms(engine, images / runs) * images / done  # per request
-                    cell["request_path_cpu_ms"] = spent["total"] * 1e3 / done - backend_ms
-                    if spent["engine process"]:  # every request crosses it: 1 / its CPU per request bounds them
-                        engine_ms = spent["engine process"] * 1e3 / done
-                        cell["engine_process"] = {"cpu_ms_per_request": engine_ms,
-                                                  "less_the_backend_ms": engine_ms - backend_ms,
-                                                  "requests_per_s_one_engine_takes": 1e3 / engine_ms}
-                cells[concurrency] = cell
-                print(name, concurrency, cell, flush=True)
-            if ENGINE_ALONE not in report and re.fullmatch(r"capsnet-\d+", name) and name != "capsnet-1":
-                report[ENGINE_ALONE] = engine_alone(served, engine, args, model_dir, image)
-        finally:
-            served.stop()
-        report["servers"][name] = {"command": portable_command(command, REPO), "cells": cells}
+    report: dict = {"engine_p50_ms": engine["p50_ms"], "engine": engine, "servers": {}, "rounds": args.rounds}
+    chosen = servers(args, model_dir, front_end_counts(args), scratch, engine["threads"])
+    alone_of = next((name for name, *_ in chosen if re.fullmatch(r"capsnet-\d+", name) and name != "capsnet-1"), None)
+    samples: dict[str, dict[int, list[dict]]] = {name: {} for name, *_ in chosen}
+    alone: dict[int, list[dict]] = {}
+    for round_index in range(args.rounds):
+        for name, command, port, counts in (chosen if round_index % 2 == 0 else chosen[::-1]):
+            if "error" in report["servers"].get(name, {}):
+                continue
+            try:
+                served = Served(name, command, port, counts)
+            except SystemExit as err:  # its earlier rounds, if any, still count
+                report["servers"].setdefault(name, {"error": str(err)})
+                continue
+            try:
+                for concurrency in args.concurrency:
+                    samples[name].setdefault(concurrency, []).append(
+                        server_sample(served, args, concurrency, image, scratch))
+                if name == alone_of:
+                    driven = engine_alone(served, args, model_dir, image)
+                    if "error" in driven:
+                        report[ENGINE_ALONE] = driven
+                    else:
+                        for concurrency, sample in driven.items():
+                            alone.setdefault(concurrency, []).append(sample)
+            finally:
+                served.stop()
+            report["servers"][name] = {"command": portable_command(command, REPO), "cells": {}}
+    for name, levels in samples.items():
+        if "cells" in report["servers"].get(name, {}):
+            report["servers"][name]["cells"] = {level: server_cell(name, rounds, engine)
+                                                for level, rounds in levels.items()}
+    if alone and ENGINE_ALONE not in report:
+        report[ENGINE_ALONE] = {"front_ends_of": alone_of, "cells": {
+            level: engine_alone_cell(rounds, engine) for level, rounds in alone.items()}}
     return report
 
 
@@ -372,7 +425,7 @@ def markdown(report: dict) -> list[str]:
              f"{', '.join(f'{x:.2f}' for x in report['load_before'])}, after "
              f"{', '.join(f'{x:.2f}' for x in report['load_after'])}). The load generator shares its cores with the "
              "servers, and timings on these machines move by up to a quarter between runs: compare figures within "
-             "this run only.", "",
+             f"this run only. {_rounds(report)}", "",
              f"Load: {report['load_by']}, 1-image requests; model: the `{report['preset']}` preset; capsnet's engine: "
              f"{report['engine_spec']}{report['device']}{_threads(engine)}. The engine in process (called "
              f"directly): p50 **{engine['p50_ms']:.3f} ms** at batch 1; CPU "
@@ -398,13 +451,29 @@ def markdown(report: dict) -> list[str]:
                 lines.append(f"| {name} | {level} | perf_analyzer failed: {error} | | | | | | |")
                 continue
             cpu, path = cell.get("server_cpu_ms_per_request"), cell.get("request_path_cpu_ms")
-            row = [name, str(level), f"{cell['requests_per_s']:,.0f}", f"{cell['p50_ms']:.3f}", f"{cell['p99_ms']:.3f}",
+            row = [name, str(level), _rate(cell), f"{cell['p50_ms']:.3f}", f"{cell['p99_ms']:.3f}",
                    "" if cpu is None else f"{cpu:.3f}", _by_thread(cell.get("cpu_ms_per_request_by_thread")),
                    f"{cell['mean_batch']:.1f}" if "mean_batch" in cell else "",
                    "" if path is None else f"{path:.3f}"]
             lines.append("| " + " | ".join(row) + " |")
     lines += ["", *ratios(report), "", *engine_process(report), "", *targets(report)]
     return lines
+
+
+def _rounds(report: dict) -> str:
+    rounds = report.get("rounds", 1)
+    if rounds == 1:
+        return "Each server was measured once."
+    return (f"Each server was measured in {rounds} rounds that took the servers in turn, each started anew and every "
+            "other round in the reverse order, so that the machine's drift weighs on all alike: requests/s is the "
+            "mean of the rounds (each round's in brackets), p50 and p99 their medians, CPU time and batches over all "
+            "their requests.")
+
+
+def _rate(cell: dict) -> str:
+    rounds = cell.get("requests_per_s_by_round", [])
+    spread = f" ({' / '.join(f'{rate:,.0f}' for rate in rounds)})" if len(rounds) > 1 else ""
+    return f"{cell['requests_per_s']:,.0f}{spread}"
 
 
 def _cell(server: dict, level) -> dict:
@@ -540,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--seconds", type=float, default=3.0, help="per measurement window")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="times each server is measured, the servers in turn (default 2: forth, then back)")
     parser.add_argument("--workers", type=int, help="front ends of capsnet-N (default: one per 2 cores, at least 2)")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--gpu", type=int, help="serve capsnet on this CUDA device")

@@ -91,14 +91,14 @@ def test_the_engine_alone_is_driven_over_its_link_and_its_cpu_time_counted_per_r
     engine = {"cpu_ms_per_image": {1: 0.02, 4: 0.01, 16: 0.005, 64: 0.004}}
     try:
         image, _ = bench_front_end.model_io(random_tiny_export)
-        alone = bench_front_end.engine_alone(served, engine, argparse.Namespace(concurrency=[1, 8], seconds=0.5,
-                                                                                max_batch_size=64),
-                                             random_tiny_export, image)
+        samples = bench_front_end.engine_alone(served, argparse.Namespace(concurrency=[1, 8], seconds=0.5,
+                                                                          max_batch_size=64), random_tiny_export, image)
         answered, _, _ = served.counts()
     finally:
         served.stop()
     assert answered == 0  # the engine's requests came over its link, not through a front end
-    lone, eight = alone["cells"][1], alone["cells"][8]
+    assert all(sample["answered"] < sample["images"] for sample in samples.values())  # the warm-up's too
+    lone, eight = (bench_front_end.engine_alone_cell([samples[level]], engine) for level in (1, 8))
     assert lone["mean_batch"] == 1.0  # one request in flight: each run is one image
     assert 1.0 <= eight["mean_batch"] <= 8.0
     for cell in (lone, eight):
@@ -106,10 +106,34 @@ def test_the_engine_alone_is_driven_over_its_link_and_its_cpu_time_counted_per_r
         backend = bench_front_end.backend_cpu_ms(engine, cell["mean_batch"])
         assert cell["less_the_backend_ms"] == pytest.approx(cell["cpu_ms_per_request"] - backend)
         assert cell["requests_per_s_one_engine_takes"] == pytest.approx(1e3 / cell["cpu_ms_per_request"])
+    alone = {"front_ends_of": "capsnet-2", "cells": {1: lone, 8: eight}}
     report = {"concurrency": [1, 8], "device": "", "cores": 2, "servers": {}, "engine_alone": alone}
     rows = bench_front_end.engine_alone_rows(report)
     assert rows[-2].startswith(f"| 1 | {lone['requests_per_s']:,.0f} | 1.0 | {lone['cpu_ms_per_request']:.3f} |")
     assert rows[-1].startswith(f"| 8 | {eight['requests_per_s']:,.0f} | {eight['mean_batch']:.1f} |")
+
+
+def test_rounds_are_pooled_rates_averaged_latencies_their_medians_cpu_over_every_request():
+    def sample(rate, p50, done, cpu_s, images=None, runs=None):
+        parts = dict.fromkeys(bench_front_end.CPU_PARTS, 0.0)
+        parts.update({"total": cpu_s, "main thread": cpu_s / 2})
+        return {"load": {"requests_per_s": rate, "p50_ms": p50, "p99_ms": 2 * p50}, "done": done,
+                "images": images or done, "runs": runs or done, "cpu_s": parts}
+
+    engine = {"cpu_ms_per_image": {1: 0.2, 4: 0.1, 16: 0.05, 64: 0.04}}
+    rounds = [sample(1000.0, 1.0, 3000, 3.0, runs=1000), sample(1400.0, 0.8, 4200, 3.6, runs=1400),
+              sample(1300.0, 0.9, 3900, 4.2, runs=1300)]
+    cell = bench_front_end.server_cell("capsnet-1", rounds, engine)
+    assert cell["requests_per_s"] == pytest.approx(3700 / 3) and cell["requests_per_s_by_round"] == [1000, 1400, 1300]
+    assert cell["p50_ms"] == 0.9 and cell["p99_ms"] == 1.8
+    assert cell["server_cpu_ms_per_request"] == pytest.approx(10.8e3 / 11100)  # over every round's requests
+    assert cell["cpu_ms_per_request_by_thread"]["main thread"] == pytest.approx(5.4e3 / 11100)
+    assert cell["mean_batch"] == pytest.approx(11100 / 3700)
+    assert cell["request_path_cpu_ms"] == pytest.approx(10.8e3 / 11100 - 0.1)  # batch 3: measured at 4
+    failed = {"load": {"error": "perf_analyzer: no response"}, "done": 0, "images": 0, "runs": 0, "cpu_s": {}}
+    assert bench_front_end.server_cell("capsnet-1", [rounds[0], failed], engine)["requests_per_s_by_round"] == [1000]
+    assert bench_front_end.server_cell("capsnet-1", [failed], engine) == {"error": "perf_analyzer: no response"}
+    assert bench_front_end._rate(cell) == "1,233 (1,000 / 1,400 / 1,300)"
 
 
 def test_targets_and_the_engine_rows_read_each_server_s_cells():
