@@ -11,18 +11,18 @@ KServe's Python model server (the reference servers: scripts/front_end_servers.p
   with kserve 0.21 and onnxruntime); each skipped without its Python.
 
 perf_analyzer drives each at each concurrency (1-image requests, `--input-data zero`), read from its CSV: requests/s,
-p50 and p99. The servers are measured in --rounds rounds (default 2), in turn, each started anew and every other round
-in the reverse order, and the rounds pooled: these machines' speed drifts by a quarter within minutes, and a server
-measured once, after another, would carry the drift as its own. perf_analyzer runs from tritonclient 2.41's wheel in a venv of its own (docs/benchmarks/README.md);
-without --perf-analyzer, the project's load generator (capsnet/bench/loadgen.py, tritonclient's asyncio client in this
-process) applies the load instead. Around each cell the server's process tree's CPU time (user + system, every
-process of it) and its request count (its ModelStatistics, or what KServe's model wrote) give the server CPU time per
-request, and its images over its backend runs the mean batch. Behind N front ends, the engine process's CPU time per
-request, and 1 ÷ it: the requests/s one engine can take. Then the first capsnet-N's engine alone: driven by this
-process over its link as a front end drives it (no gRPC, no request path on the cores) at each concurrency, its CPU
-time per request is the engine's own cost at the batches it forms when front ends do not limit them. The engine's
-in-process time is its p50 at batch 1, called directly, built and timed by the project's in-process harness
-(capsnet/bench/engines.py), which also builds floor+engine's.
+p50 and p99. The servers are measured in --rounds rounds (default 3), in turn, each started anew and every other round
+in the reverse order, and each cell is its median round: these machines' speed drifts by a quarter within minutes, and a
+server measured once, after another, would carry the drift as its own. perf_analyzer runs from tritonclient 2.41's wheel
+in a venv of its own (docs/benchmarks/README.md); without --perf-analyzer, the project's load generator
+(capsnet/bench/loadgen.py, tritonclient's asyncio client in this process) applies the load instead. Around each cell the
+server's process tree's CPU time (user + system, every process of it) and its request count (its ModelStatistics, or
+what KServe's model wrote) give the server CPU time per request, and its images over its backend runs the mean batch.
+Behind N front ends, the engine process's CPU time per request, and 1 ÷ it: the requests/s one engine can take. Then the
+first capsnet-N's engine alone: driven by this process over its link as a front end drives it (no gRPC, no request path
+on the cores) at each concurrency, its CPU time per request is the engine's own cost at the batches it forms when front
+ends do not limit them. The engine's in-process time is its p50 at batch 1, called directly, built and timed by the
+project's in-process harness (capsnet/bench/engines.py), which also builds floor+engine's.
 
     python3 -m venv /opt/perf-analyzer && /opt/perf-analyzer/bin/pip install tritonclient==2.41.0 \\
         nvidia-cuda-runtime-cu12   # and apt-get install libb64-0d
@@ -47,7 +47,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,10 +68,11 @@ ENGINE_ALONE = "engine_alone"  # the report's key of the engine process driven w
 
 # -- the servers -------------------------------------------------------------------------------------------------
 
-def _ticks(stat: Path) -> int:
-    """utime + stime of a /proc stat file, in clock ticks."""
+def _ticks(stat: Path, reaped: bool = False) -> int:
+    """utime + stime of a /proc stat file, in clock ticks; `reaped`: with cutime + cstime, its children's that have
+    exited (a child that ends during a cell moves its time there, instead of out of the sum)."""
     fields = stat.read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
+    return int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if reaped else 0)
 
 
 class Served:
@@ -97,7 +97,7 @@ class Served:
             pid = pids.pop()
             try:
                 ticks = _ticks(Path(f"/proc/{pid}/stat")) / CLK_TCK  # its threads, ended ones too
-                spent["total"] += ticks
+                spent["total"] += _ticks(Path(f"/proc/{pid}/stat"), reaped=True) / CLK_TCK
                 if ENGINE_ARGV in Path(f"/proc/{pid}/cmdline").read_bytes():
                     spent["engine process"] += ticks
                 for task in Path(f"/proc/{pid}/task").iterdir():
@@ -270,15 +270,23 @@ def engine_alone(served: Served, args, model_dir: Path, image: list[int]) -> dic
     return samples
 
 
+def median_round(samples: list[dict], rate) -> dict:
+    """The round of the median requests/s (`rate(sample)`; of an even count, the slower middle one): whatever slowed
+    or sped one round of a server alone (these machines' speed moves within minutes) is left out, and a cell's
+    figures stay those of one measurement."""
+    return sorted(samples, key=rate)[(len(samples) - 1) // 2]
+
+
 def engine_alone_cell(samples: list[dict], engine: dict) -> dict:
-    """Rounds of one concurrency, pooled: requests/s, and the engine's CPU time per request (all of it, and less the
-    backend's in-process CPU time per image at the measured batch nearest its mean batch) with the requests/s one
-    engine takes at that CPU time. One image a request; the CPU time, the images and the runs count the warm-ups'."""
-    answered, seconds, images, runs, cpu = (sum(sample[key] for sample in samples)
-                                            for key in ("answered", "seconds", "images", "runs", "cpu_s"))
-    cell: dict = {"requests_per_s": answered / seconds}
+    """The median round of one concurrency: requests/s, and the engine's CPU time per request (all of it, and less
+    the backend's in-process CPU time per image at the measured batch nearest its mean batch) with the requests/s one
+    engine takes at that CPU time. One image a request; the CPU time, the images and the runs count the warm-up's."""
+    sample = median_round(samples, lambda sample: sample["answered"] / sample["seconds"])
+    cell: dict = {"requests_per_s": sample["answered"] / sample["seconds"],
+                  "requests_per_s_by_round": [other["answered"] / other["seconds"] for other in samples]}
+    images, runs = sample["images"], sample["runs"]
     if images and runs:
-        engine_ms = cpu * 1e3 / images
+        engine_ms = sample["cpu_s"] * 1e3 / images
         cell.update(mean_batch=images / runs, cpu_ms_per_request=engine_ms,
                     less_the_backend_ms=engine_ms - backend_cpu_ms(engine, images / runs),
                     requests_per_s_one_engine_takes=1e3 / engine_ms)
@@ -300,16 +308,14 @@ def server_sample(served: Served, args, concurrency: int, image: list[int], scra
 
 
 def server_cell(name: str, samples: list[dict], engine: dict) -> dict:
-    """The rounds of one server at one concurrency, pooled: requests/s their mean, p50 and p99 their medians (each
-    round's also kept), CPU per request their CPU time over their requests; the error of the last round if none ran."""
+    """The median round of one server at one concurrency (every round's requests/s kept beside it): its load's
+    figures, and its CPU time per request and batches; the error of the last round if none ran."""
     ran = [sample for sample in samples if "error" not in sample["load"]]
     if not ran:
         return {"error": samples[-1]["load"]["error"]}
-    rates = [sample["load"]["requests_per_s"] for sample in ran]
-    cell: dict = {"requests_per_s": statistics.fmean(rates), "requests_per_s_by_round": rates,
-                  **{key: statistics.median(sample["load"][key] for sample in ran) for key in ("p50_ms", "p99_ms")}}
-    done, images, runs = (sum(sample[key] for sample in ran) for key in ("done", "images", "runs"))
-    spent = {part: sum(sample["cpu_s"][part] for sample in ran) for part in CPU_PARTS}
+    sample = median_round(ran, lambda sample: sample["load"]["requests_per_s"])
+    cell: dict = {**sample["load"], "requests_per_s_by_round": [other["load"]["requests_per_s"] for other in ran]}
+    done, images, runs, spent = sample["done"], sample["images"], sample["runs"], sample["cpu_s"]
     cell["server_cpu_ms_per_request"] = spent["total"] * 1e3 / done if done else None
     if done:
         cell["cpu_ms_per_request_by_thread"] = {part: value * 1e3 / done for part, value in spent.items()}
@@ -374,7 +380,7 @@ def front_end_counts(args) -> list[int]:
 def measure(args, model_dir: Path, scratch: Path) -> dict:
     """Every server at every concurrency, in `args.rounds` rounds that take the servers in turn (each started anew,
     every other round in the reverse order), so that a machine whose speed drifts during the run weighs on every
-    server alike; then the first capsnet-N's engine alone, in each of its rounds."""
+    server alike, with the first capsnet-N's engine alone in each of its rounds; each cell its median round."""
     from capsnet.bench.results import portable_command
 
     image, _ = model_io(model_dir)
@@ -465,9 +471,8 @@ def _rounds(report: dict) -> str:
     if rounds == 1:
         return "Each server was measured once."
     return (f"Each server was measured in {rounds} rounds that took the servers in turn, each started anew and every "
-            "other round in the reverse order, so that the machine's drift weighs on all alike: requests/s is the "
-            "mean of the rounds (each round's in brackets), p50 and p99 their medians, CPU time and batches over all "
-            "their requests.")
+            "other round in the reverse order, so that the machine's drift weighs on all alike; a cell gives the "
+            "round of the median requests/s (each round's in brackets), its CPU time and batches too.")
 
 
 def _rate(cell: dict) -> str:
@@ -609,8 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--seconds", type=float, default=3.0, help="per measurement window")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="times each server is measured, the servers in turn (default 2: forth, then back)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="times each server is measured, the servers in turn; each cell is its median round")
     parser.add_argument("--workers", type=int, help="front ends of capsnet-N (default: one per 2 cores, at least 2)")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--gpu", type=int, help="serve capsnet on this CUDA device")

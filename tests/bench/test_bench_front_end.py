@@ -113,27 +113,36 @@ def test_the_engine_alone_is_driven_over_its_link_and_its_cpu_time_counted_per_r
     assert rows[-1].startswith(f"| 8 | {eight['requests_per_s']:,.0f} | {eight['mean_batch']:.1f} |")
 
 
-def test_rounds_are_pooled_rates_averaged_latencies_their_medians_cpu_over_every_request():
-    def sample(rate, p50, done, cpu_s, images=None, runs=None):
+def test_a_cell_is_its_median_round_every_round_s_rate_beside_it():
+    def sample(rate, p50, done, cpu_s, runs):
         parts = dict.fromkeys(bench_front_end.CPU_PARTS, 0.0)
         parts.update({"total": cpu_s, "main thread": cpu_s / 2})
-        return {"load": {"requests_per_s": rate, "p50_ms": p50, "p99_ms": 2 * p50}, "done": done,
-                "images": images or done, "runs": runs or done, "cpu_s": parts}
+        return {"load": {"requests_per_s": rate, "p50_ms": p50, "p99_ms": 2 * p50}, "done": done, "images": done,
+                "runs": runs, "cpu_s": parts}
 
     engine = {"cpu_ms_per_image": {1: 0.2, 4: 0.1, 16: 0.05, 64: 0.04}}
-    rounds = [sample(1000.0, 1.0, 3000, 3.0, runs=1000), sample(1400.0, 0.8, 4200, 3.6, runs=1400),
-              sample(1300.0, 0.9, 3900, 4.2, runs=1300)]
+    rounds = [sample(1000.0, 1.0, 3000, 3.0, 1000), sample(1400.0, 0.8, 4200, 3.6, 1400),
+              sample(1300.0, 0.9, 3900, 4.2, 325)]
     cell = bench_front_end.server_cell("capsnet-1", rounds, engine)
-    assert cell["requests_per_s"] == pytest.approx(3700 / 3) and cell["requests_per_s_by_round"] == [1000, 1400, 1300]
-    assert cell["p50_ms"] == 0.9 and cell["p99_ms"] == 1.8
-    assert cell["server_cpu_ms_per_request"] == pytest.approx(10.8e3 / 11100)  # over every round's requests
-    assert cell["cpu_ms_per_request_by_thread"]["main thread"] == pytest.approx(5.4e3 / 11100)
-    assert cell["mean_batch"] == pytest.approx(11100 / 3700)
-    assert cell["request_path_cpu_ms"] == pytest.approx(10.8e3 / 11100 - 0.1)  # batch 3: measured at 4
+    assert cell["requests_per_s"] == 1300.0 and cell["requests_per_s_by_round"] == [1000.0, 1400.0, 1300.0]
+    assert cell["p50_ms"] == 0.9 and cell["p99_ms"] == 1.8  # the median round's own
+    assert cell["server_cpu_ms_per_request"] == pytest.approx(4.2e3 / 3900)
+    assert cell["cpu_ms_per_request_by_thread"]["main thread"] == pytest.approx(2.1e3 / 3900)
+    assert cell["mean_batch"] == 12.0
+    assert cell["request_path_cpu_ms"] == pytest.approx(4.2e3 / 3900 - 0.05)  # batch 12: measured at 16
+    assert bench_front_end._rate(cell) == "1,300 (1,000 / 1,400 / 1,300)"
+    # of two rounds, the slower; a round whose load failed is left out, and only a cell with none gives its error
+    assert bench_front_end.server_cell("capsnet-1", rounds[:2], engine)["requests_per_s"] == 1000.0
     failed = {"load": {"error": "perf_analyzer: no response"}, "done": 0, "images": 0, "runs": 0, "cpu_s": {}}
-    assert bench_front_end.server_cell("capsnet-1", [rounds[0], failed], engine)["requests_per_s_by_round"] == [1000]
+    assert bench_front_end.server_cell("capsnet-1", [rounds[1], failed], engine)["requests_per_s_by_round"] == [1400]
     assert bench_front_end.server_cell("capsnet-1", [failed], engine) == {"error": "perf_analyzer: no response"}
-    assert bench_front_end._rate(cell) == "1,233 (1,000 / 1,400 / 1,300)"
+    driven = [{"answered": 900, "seconds": 1.0, "images": 2000, "runs": 100, "cpu_s": 0.3},
+              {"answered": 500, "seconds": 1.0, "images": 1000, "runs": 100, "cpu_s": 0.2},
+              {"answered": 1000, "seconds": 1.0, "images": 2000, "runs": 50, "cpu_s": 0.2}]
+    alone = bench_front_end.engine_alone_cell(driven, engine)
+    assert alone["requests_per_s"] == 900.0 and alone["mean_batch"] == 20.0
+    assert alone["cpu_ms_per_request"] == pytest.approx(0.15)
+    assert alone["less_the_backend_ms"] == pytest.approx(0.15 - 0.05)
 
 
 def test_targets_and_the_engine_rows_read_each_server_s_cells():
