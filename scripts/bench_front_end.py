@@ -68,11 +68,10 @@ ENGINE_ALONE = "engine_alone"  # the report's key of the engine process driven w
 
 # -- the servers -------------------------------------------------------------------------------------------------
 
-def _ticks(stat: Path, reaped: bool = False) -> int:
-    """utime + stime of a /proc stat file, in clock ticks; `reaped`: with cutime + cstime, its children's that have
-    exited (a child that ends during a cell moves its time there, instead of out of the sum)."""
+def _ticks(stat: Path) -> int:
+    """utime + stime of a /proc stat file, in clock ticks."""
     fields = stat.read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if reaped else 0)
+    return int(fields[11]) + int(fields[12])
 
 
 class Served:
@@ -97,17 +96,21 @@ class Served:
             pid = pids.pop()
             try:
                 ticks = _ticks(Path(f"/proc/{pid}/stat")) / CLK_TCK  # its threads, ended ones too
-                spent["total"] += _ticks(Path(f"/proc/{pid}/stat"), reaped=True) / CLK_TCK
+                spent["total"] += ticks
                 if ENGINE_ARGV in Path(f"/proc/{pid}/cmdline").read_bytes():
                     spent["engine process"] += ticks
-                for task in Path(f"/proc/{pid}/task").iterdir():
+                tasks = list(Path(f"/proc/{pid}/task").iterdir())
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            for task in tasks:
+                try:  # a thread that ends meanwhile is left out here alone (its time stays in its process's)
                     pids.extend(int(child) for child in (task / "children").read_text().split())
                     if task.name == str(pid):
                         spent["main thread"] += _ticks(task / "stat") / CLK_TCK
                     elif (task / "comm").read_text().startswith(("event_engine", "grpc")):
                         spent["gRPC threads"] += _ticks(task / "stat") / CLK_TCK
-            except (FileNotFoundError, ProcessLookupError):
-                continue
+                except (FileNotFoundError, ProcessLookupError):
+                    continue
         return spent
 
     def counts(self) -> tuple[int, int, int]:

@@ -200,7 +200,7 @@ def kserve_server(model_dir: Path, port: int, counts: Path, threads: int = 1) ->
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as capsnet's sessions
-    fd = os.open(counts, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(counts, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)  # this server's counts, from none
     answered = images_run = 0
 
     class OnnxModel(kserve.Model):
