@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,20 +92,16 @@ class Served:
         all, in the processes' main threads (a Python server's event loop), in gRPC's core threads, and in capsnet's
         engine process behind N front ends (the one process every request crosses)."""
         spent = dict.fromkeys(CPU_PARTS, 0.0)
-        pids = [self.process.pid]
-        while pids:
-            pid = pids.pop()
+        for pid, tasks in self.processes():
             try:
                 ticks = _ticks(Path(f"/proc/{pid}/stat")) / CLK_TCK  # its threads, ended ones too
                 spent["total"] += ticks
                 if ENGINE_ARGV in Path(f"/proc/{pid}/cmdline").read_bytes():
                     spent["engine process"] += ticks
-                tasks = list(Path(f"/proc/{pid}/task").iterdir())
             except (FileNotFoundError, ProcessLookupError):
                 continue
             for task in tasks:
                 try:  # a thread that ends meanwhile is left out here alone (its time stays in its process's)
-                    pids.extend(int(child) for child in (task / "children").read_text().split())
                     if task.name == str(pid):
                         spent["main thread"] += _ticks(task / "stat") / CLK_TCK
                     elif (task / "comm").read_text().startswith(("event_engine", "grpc")):
@@ -112,6 +109,23 @@ class Served:
                 except (FileNotFoundError, ProcessLookupError):
                     continue
         return spent
+
+    def processes(self) -> Iterator[tuple[int, list[Path]]]:
+        """(pid, its threads' /proc folders) of every process of the server's tree, the server's first; one that
+        ends meanwhile is left out."""
+        pids = [self.process.pid]
+        while pids:
+            pid = pids.pop()
+            try:
+                tasks = list(Path(f"/proc/{pid}/task").iterdir())
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            for task in tasks:
+                try:
+                    pids.extend(int(child) for child in (task / "children").read_text().split())
+                except (FileNotFoundError, ProcessLookupError):
+                    continue
+            yield pid, tasks
 
     def counts(self) -> tuple[int, int, int]:
         """Requests answered, images inferred, backend runs (its ModelStatistics, through the project's own KServe
@@ -204,17 +218,14 @@ def backend_cpu_ms(engine: dict, mean_batch: float) -> float:
 
 def engine_socket(served: Served) -> str | None:
     """The Unix socket of the engine process behind a server's front ends (its command line names it), or None."""
-    pids = [served.process.pid]
-    while pids:
-        pid = pids.pop()
+    for pid, _ in served.processes():
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if ENGINE_ARGV in argv:
-                return argv.split(b"\0")[argv.split(b"\0").index(b"engine") + 2].decode()
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                pids.extend(int(child) for child in (task / "children").read_text().split())
         except (FileNotFoundError, ProcessLookupError):
             continue
+        if ENGINE_ARGV in argv:
+            words = argv.split(b"\0")  # ... engine INDEX SOCKET SLOTS READY_FD
+            return words[words.index(b"engine") + 2].decode()
     return None
 
 
@@ -370,6 +381,11 @@ def servers(args, model_dir: Path, workers: list[int], scratch: Path, threads: i
     return [server for server in chosen if not args.servers or server[0] in args.servers]
 
 
+def behind_front_ends(name: str) -> bool:
+    """Whether the server of that row is `capsnet serve --workers N` with N > 1: front ends and an engine process."""
+    return re.fullmatch(r"capsnet-\d+", name) is not None and name != "capsnet-1"
+
+
 def front_end_counts(args) -> list[int]:
     """The `--workers N` rows: --workers, or one front end per 2 cores (at least 2); on a GPU host also cores - 2
     (two cores left for the engine process and the load generator)."""
@@ -390,7 +406,7 @@ def measure(args, model_dir: Path, scratch: Path) -> dict:
     engine = engine_in_process(model_dir, args.seconds, args.engine, args.gpu)
     report: dict = {"engine_p50_ms": engine["p50_ms"], "engine": engine, "servers": {}, "rounds": args.rounds}
     chosen = servers(args, model_dir, front_end_counts(args), scratch, engine["threads"])
-    alone_of = next((name for name, *_ in chosen if re.fullmatch(r"capsnet-\d+", name) and name != "capsnet-1"), None)
+    alone_of = next((name for name, *_ in chosen if behind_front_ends(name)), None)
     samples: dict[str, dict[int, list[dict]]] = {name: {} for name, *_ in chosen}
     alone: dict[int, list[dict]] = {}
     for round_index in range(args.rounds):
@@ -606,7 +622,7 @@ def targets(report: dict) -> list[str]:
                               "backend's run)", part["cpu_ms_per_request"] <= 0.05))
     for name, server in servers.items():
         rate = _cell(server, "64").get("requests_per_s")
-        if report["device"] and re.fullmatch(r"capsnet-\d+", name) and name != "capsnet-1" and rate:  # a GPU host
+        if report["device"] and behind_front_ends(name) and rate:  # a GPU host
             lines.append(_met(f"| ≥ 20,000 requests/s at c64 ({report['cores']} cores) | {name} | {rate:,.0f}",
                               rate >= 20000))
     return lines
